@@ -1,0 +1,9 @@
+// One bind_<area>() per area of the data plane, all called from module.cc's NB_MODULE.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+namespace linkwise {
+void bind_errors(nanobind::module_& m);
+void bind_p2p(nanobind::module_& m);
+}  // namespace linkwise

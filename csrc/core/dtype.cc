@@ -1,0 +1,44 @@
+// Element type codes for message headers. A code is (kind << 8) | itemsize, where kind is
+// 'i' signed, 'u' unsigned, 'f' floating, 'c' complex, 'b' bool, 'V' anything else.
+// Unsigned bytes ('B', as bytes/bytearray/uint8 give) are "untyped" (code 0): raw bytes
+// may be received into anything and anything into raw bytes.
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "p2p/engine.h"
+
+namespace linkwise {
+
+uint32_t dtype_code(const char* format, size_t itemsize) {
+  if (!format) return 0;
+  while (*format && std::strchr("@=<>!", *format)) ++format;
+  char f = *format;
+  if (f == 'B' || f == 0) return 0;
+  char kind;
+  if (std::strchr("bhilq", f)) kind = 'i';
+  else if (std::strchr("HILQ", f)) kind = 'u';
+  else if (std::strchr("efd", f)) kind = 'f';
+  else if (f == 'Z') kind = 'c';
+  else if (f == '?') kind = 'b';
+  else kind = 'V';
+  return (static_cast<uint32_t>(kind) << 8) | static_cast<uint32_t>(itemsize & 0xff);
+}
+
+bool dtypes_compatible(uint32_t a, uint32_t b) { return a == 0 || b == 0 || a == b; }
+
+std::string dtype_name(uint32_t code) {
+  if (code == 0) return "untyped bytes";
+  char kind = static_cast<char>(code >> 8);
+  unsigned bits = (code & 0xff) * 8;
+  switch (kind) {
+    case 'i': return "int" + std::to_string(bits);
+    case 'u': return "uint" + std::to_string(bits);
+    case 'f': return "float" + std::to_string(bits);
+    case 'c': return "complex" + std::to_string(bits);
+    case 'b': return "bool";
+    default: return std::to_string(bits / 8) + "-byte records";
+  }
+}
+
+}  // namespace linkwise

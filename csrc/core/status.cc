@@ -1,0 +1,17 @@
+#include "core/status.h"
+
+#include <cerrno>
+#include <cstring>
+
+namespace linkwise {
+
+void fail_check(const char* expr, const char* file, int line, const std::string& what) {
+  throw Error(ErrorKind::Internal, std::string("linkwise internal check failed: ") + expr + " (" +
+                                       what + ") at " + file + ":" + std::to_string(line));
+}
+
+void fail_errno(const std::string& what) {
+  throw Error(ErrorKind::Internal, what + ": " + std::strerror(errno));
+}
+
+}  // namespace linkwise

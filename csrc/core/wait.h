@@ -1,0 +1,33 @@
+// Waiting without burning the CPU: a deadline clock, futex on shared memory, and the spin
+// policy. Ranks spin briefly (latency) and then sleep in the kernel (2 cores, 8 ranks).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+
+namespace linkwise {
+
+using Clock = std::chrono::steady_clock;
+
+inline double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Cross-process futex on a 32-bit word in shared memory (not FUTEX_PRIVATE).
+// futex_wait returns when *word != expected, on a wake, or after timeout_us.
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_us);
+void futex_wake_all(std::atomic<uint32_t>* word);
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+// Microseconds to spin before sleeping, given how many ranks share this host's cores.
+double default_spin_us(int local_ranks);
+
+}  // namespace linkwise

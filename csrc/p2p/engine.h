@@ -1,0 +1,116 @@
+// The point-to-point engine: tagged, ordered messages over PeerLinks.
+//
+// Wire format on every link: a MsgHeader, then (eager) `size` payload bytes, or (pull) nothing:
+// the receiver copies the payload straight from the sender's memory and acknowledges.
+// Matching: a message goes to the oldest posted receive from its peer with its tag; one that
+// arrives before its receive is kept whole in an "unexpected" buffer (so senders never wait
+// on a receiver that is busy elsewhere). Messages of one (peer, tag) complete in order.
+//
+// Threading: one mutex guards all matching and link state. Any thread may post, test and
+// wait; a waiting thread progresses every link itself (spin briefly, then sleep on the
+// transports). A progress thread, started on the first non-blocking request, keeps
+// non-blocking requests moving while nobody waits (for asyncio and overlap).
+//
+// Failures: a dead peer fails every operation that involves it with ErrorKind::Peer, once
+// nothing it sent before dying is left to read. Timeouts are per wait.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "p2p/request.h"
+#include "transport/transport.h"
+
+namespace linkwise {
+
+struct MsgHeader {
+  uint32_t magic;
+  uint32_t kind;   // kEager or kPull
+  uint64_t tag;
+  uint64_t size;
+  uint64_t addr;   // kPull: the payload's address in the sender
+  uint32_t dtype;
+  uint32_t reserved;
+};
+
+struct EngineOptions {
+  double spin_us = 50.0;               // spin this long before sleeping
+  size_t pull_threshold = 64 << 10;    // messages >= this go single-copy where a link can
+};
+
+class Engine {
+ public:
+  Engine(int rank, int size, EngineOptions options);
+  ~Engine();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  // Setup, before any traffic: `transport` outlives the engine's use of its links.
+  void add_transport(std::shared_ptr<Transport> transport);
+  void set_link(int peer, std::unique_ptr<PeerLink> link, Transport* transport);
+
+  std::shared_ptr<Request> isend(int peer, const void* buf, size_t bytes, uint64_t tag, uint32_t dtype, bool is_async);
+  std::shared_ptr<Request> irecv(int peer, void* buf, size_t capacity, uint64_t tag, uint32_t dtype, bool is_async);
+
+  // Blocks until req is done or timeout_s passes (then ErrorKind::Timeout); rethrows its error.
+  void wait(Request& req, double timeout_s, const char* op);
+  // Progresses once; true when req is done (its error, if any, is thrown by wait/rethrow).
+  bool test(Request& req);
+  // Removes a request that has not started moving; false if it already has (or is done).
+  bool cancel(Request& req);
+  // Fails every pending request and refuses new ones. Idempotent.
+  void abort(const std::string& why);
+  std::string describe_link(int peer);
+
+ private:
+  struct Unexpected;
+  struct Peer;
+
+  void check_peer_arg(int peer, const char* op);
+  bool progress_locked();                  // one pass over every link; true if anything moved
+  bool progress_send(Peer& p);
+  bool progress_recv(Peer& p);
+  void start_incoming(Peer& p);
+  void finish_incoming(Peer& p);
+  void reap_dead_peers_locked();
+  void fail_peer_locked(Peer& p, const std::string& why);
+  void complete_locked(Request& req, size_t transferred);
+  void fail_locked(Request& req, ErrorKind kind, const std::string& msg, int peer);
+  bool match_unexpected_locked(Peer& p, const std::shared_ptr<Request>& req);
+  void sleep_once(int64_t timeout_us, const std::function<bool()>& ready);
+  void wake_all();
+  void progress_thread_main();
+  void note_async_posted();
+
+  const int rank_;
+  const int size_;
+  const EngineOptions opt_;
+
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Peer>> peers_;
+  std::vector<std::shared_ptr<Transport>> transports_;
+  bool aborted_ = false;
+  std::string abort_reason_;
+
+  std::atomic<int> sleepers_{0};      // threads of this process asleep in sleep_once
+  std::atomic<int> pending_async_{0}; // non-blocking requests not yet done
+  std::mutex thread_mu_;
+  std::condition_variable thread_cv_;
+  std::thread progress_thread_;
+  bool stop_thread_ = false;
+};
+
+// Element type code carried in headers: (format character << 8) | itemsize; 0 = untyped.
+uint32_t dtype_code(const char* format, size_t itemsize);
+bool dtypes_compatible(uint32_t a, uint32_t b);
+std::string dtype_name(uint32_t code);
+
+}  // namespace linkwise

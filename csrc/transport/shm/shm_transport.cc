@@ -1,0 +1,261 @@
+#include "transport/shm/shm_transport.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
+#include "core/status.h"
+#include "core/wait.h"
+
+namespace linkwise {
+
+namespace {
+constexpr uint64_t kMagic = 0x6c696e6b77697365ull;  // "linkwise"
+constexpr size_t kLine = 64;
+}  // namespace
+
+struct InboxHeader {
+  uint64_t magic;
+  int32_t owner_rank;
+  int32_t nranks;
+  int64_t owner_pid;
+  uint64_t ring_bytes;
+  uint64_t owner_base;  // where the owner mapped this inbox, to probe process_vm_readv
+  alignas(kLine) std::atomic<uint32_t> doorbell;
+  alignas(kLine) std::atomic<uint32_t> sleepers;
+  // can_pull_from[s] != 0: the owner may read rank s's memory, so s may send large messages
+  // to the owner by address. Written by the owner during connect, before the setup barrier.
+  alignas(kLine) std::atomic<uint8_t> can_pull_from[1];  // really [nranks]
+};
+
+struct RingControl {
+  alignas(kLine) std::atomic<uint64_t> tail;   // bytes ever written (sender)
+  alignas(kLine) std::atomic<uint64_t> head;   // bytes ever read (receiver)
+  alignas(kLine) std::atomic<uint64_t> acked;  // single-copy messages pulled (receiver)
+};
+
+namespace {
+
+size_t header_bytes(int nranks) {
+  size_t h = sizeof(InboxHeader) + static_cast<size_t>(nranks);
+  return (h + kLine - 1) / kLine * kLine;
+}
+
+size_t round_pow2(size_t v) {
+  size_t p = 4096;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+InboxView view_of(void* base, int nranks, size_t ring_bytes) {
+  InboxView v;
+  v.header = static_cast<InboxHeader*>(base);
+  v.rings = reinterpret_cast<RingControl*>(static_cast<char*>(base) + header_bytes(nranks));
+  v.data = reinterpret_cast<char*>(v.rings + nranks);
+  v.ring_bytes = ring_bytes;
+  return v;
+}
+
+void ring_doorbell(InboxHeader* h) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (h->sleepers.load(std::memory_order_relaxed) > 0) {
+    h->doorbell.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&h->doorbell);
+  }
+}
+
+// Reports whether a process has exited, without being fooled by a zombie: a pidfd polls
+// readable once its process has terminated. Falls back to kill(pid, 0) on old kernels.
+class ProcessWatch {
+ public:
+  explicit ProcessWatch(int64_t pid) : pid_(pid) {
+#ifdef SYS_pidfd_open
+    fd_ = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
+#endif
+  }
+  ~ProcessWatch() {
+    if (fd_ >= 0) close(fd_);
+  }
+  bool exited() {
+    if (fd_ >= 0) {
+      struct pollfd p = {fd_, POLLIN, 0};
+      return poll(&p, 1, 0) > 0;
+    }
+    return kill(static_cast<pid_t>(pid_), 0) != 0 && errno == ESRCH;
+  }
+
+ private:
+  int64_t pid_;
+  int fd_ = -1;
+};
+
+class ShmLink : public PeerLink {
+ public:
+  ShmLink(InboxView self, InboxView peer, int rank, int peer_rank, int64_t peer_pid)
+      : self_(self), peer_(peer), rank_(rank), peer_rank_(peer_rank), peer_pid_(peer_pid),
+        watch_(peer_pid) {
+    out_ = &peer_.rings[rank_];
+    in_ = &self_.rings[peer_rank_];
+    out_data_ = peer_.ring_data(rank_);
+    in_data_ = self_.ring_data(peer_rank_);
+    out_tail_ = out_->tail.load(std::memory_order_relaxed);
+    in_head_ = in_->head.load(std::memory_order_relaxed);
+  }
+
+  size_t write_some(const void* data, size_t n) override {
+    const size_t cap = peer_.ring_bytes;
+    uint64_t head = out_->head.load(std::memory_order_acquire);
+    size_t space = cap - static_cast<size_t>(out_tail_ - head);
+    size_t take = n < space ? n : space;
+    if (take == 0) return 0;
+    size_t pos = static_cast<size_t>(out_tail_ & (cap - 1));
+    size_t first = take < cap - pos ? take : cap - pos;
+    std::memcpy(out_data_ + pos, data, first);
+    if (take > first) std::memcpy(out_data_, static_cast<const char*>(data) + first, take - first);
+    out_tail_ += take;
+    return take;
+  }
+
+  void flush() override {
+    if (out_tail_ == published_tail_) return;
+    out_->tail.store(out_tail_, std::memory_order_release);
+    published_tail_ = out_tail_;
+    ring_doorbell(peer_.header);
+  }
+
+  size_t read_some(void* dst, size_t n) override {
+    const size_t cap = self_.ring_bytes;
+    uint64_t tail = in_->tail.load(std::memory_order_acquire);
+    size_t avail = static_cast<size_t>(tail - in_head_);
+    size_t take = n < avail ? n : avail;
+    if (take == 0) return 0;
+    size_t pos = static_cast<size_t>(in_head_ & (cap - 1));
+    size_t first = take < cap - pos ? take : cap - pos;
+    std::memcpy(dst, in_data_ + pos, first);
+    if (take > first) std::memcpy(static_cast<char*>(dst) + first, in_data_, take - first);
+    in_head_ += take;
+    in_->head.store(in_head_, std::memory_order_release);
+    ring_doorbell(peer_.header);  // the writer may be asleep waiting for space
+    return take;
+  }
+
+  bool alive() override { return !watch_.exited(); }
+
+  std::string describe() const override {
+    return "shared memory to rank " + std::to_string(peer_rank_) + " (pid " + std::to_string(peer_pid_) + ")";
+  }
+
+  bool can_pull() const override {
+    return peer_.header->can_pull_from[rank_].load(std::memory_order_relaxed) != 0;
+  }
+
+  void pull(void* dst, uint64_t remote_addr, size_t n) override {
+    char* out = static_cast<char*>(dst);
+    size_t done = 0;
+    while (done < n) {
+      struct iovec local = {out + done, n - done};
+      struct iovec remote = {reinterpret_cast<void*>(remote_addr + done), n - done};
+      ssize_t got = process_vm_readv(static_cast<pid_t>(peer_pid_), &local, 1, &remote, 1, 0);
+      if (got < 0) {
+        if (errno == EINTR) continue;
+        if (errno == ESRCH) throw Error(ErrorKind::Peer, "rank " + std::to_string(peer_rank_) + " died", peer_rank_);
+        fail_errno("process_vm_readv from rank " + std::to_string(peer_rank_));
+      }
+      if (got == 0) throw Error(ErrorKind::Peer, "rank " + std::to_string(peer_rank_) + " memory vanished", peer_rank_);
+      done += static_cast<size_t>(got);
+    }
+  }
+
+  void post_ack() override {
+    in_->acked.fetch_add(1, std::memory_order_release);
+    ring_doorbell(peer_.header);
+  }
+
+  uint64_t acked() override { return out_->acked.load(std::memory_order_acquire); }
+
+ private:
+  InboxView self_, peer_;
+  int rank_, peer_rank_;
+  int64_t peer_pid_;
+  ProcessWatch watch_;
+  RingControl* out_;
+  RingControl* in_;
+  char* out_data_;
+  char* in_data_;
+  uint64_t out_tail_ = 0;
+  uint64_t published_tail_ = 0;
+  uint64_t in_head_ = 0;
+};
+
+// True when this process can read `pid`'s memory at `addr` and finds `expect` there.
+bool probe_pull(int64_t pid, const void* addr, uint64_t expect) {
+  uint64_t got = 0;
+  struct iovec local = {&got, sizeof(got)};
+  struct iovec remote = {const_cast<void*>(addr), sizeof(got)};
+  return process_vm_readv(static_cast<pid_t>(pid), &local, 1, &remote, 1, 0) == sizeof(got) && got == expect;
+}
+
+}  // namespace
+
+ShmTransport::ShmTransport(const std::string& name, int rank, int nranks, size_t ring_bytes)
+    : rank_(rank), nranks_(nranks) {
+  // Let peers (not only our ancestors) read our memory for single-copy messages, where the
+  // Yama LSM restricts ptrace-class access. Harmless elsewhere.
+  prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+  ring_bytes = round_pow2(ring_bytes);
+  size_t total = header_bytes(nranks) + sizeof(RingControl) * nranks + ring_bytes * nranks;
+  own_ = ShmSegment::create(name, total);  // ftruncate zero-fills
+  own_view_ = view_of(own_.data(), nranks, ring_bytes);
+  InboxHeader* h = own_view_.header;
+  h->owner_rank = rank;
+  h->nranks = nranks;
+  h->owner_pid = getpid();
+  h->ring_bytes = ring_bytes;
+  h->owner_base = reinterpret_cast<uint64_t>(own_.data());
+  std::atomic_thread_fence(std::memory_order_release);
+  h->magic = kMagic;
+}
+
+ShmTransport::~ShmTransport() = default;
+
+std::unique_ptr<PeerLink> ShmTransport::connect(int peer, const std::string& peer_name, int64_t peer_pid) {
+  ShmSegment seg = ShmSegment::open(peer_name);
+  auto* h = static_cast<InboxHeader*>(seg.data());
+  if (h->magic != kMagic || h->nranks != nranks_ || h->owner_rank != peer)
+    throw Error(ErrorKind::Internal, "shared memory segment " + peer_name + " is not rank " +
+                                         std::to_string(peer) + "'s inbox of this job");
+  InboxView pv = view_of(seg.data(), nranks_, h->ring_bytes);
+  // Single-copy needs permission to read the peer's memory (ptrace rules, containers): probe
+  // it by reading the magic number at the address where the peer mapped its own inbox.
+  bool can_pull = probe_pull(peer_pid, reinterpret_cast<const void*>(h->owner_base), kMagic);
+  own_view_.header->can_pull_from[peer].store(can_pull ? 1 : 0, std::memory_order_relaxed);
+  peers_.push_back(std::move(seg));
+  return std::make_unique<ShmLink>(own_view_, pv, rank_, peer, peer_pid);
+}
+
+uint32_t ShmTransport::begin_sleep() {
+  uint32_t token = own_view_.header->doorbell.load(std::memory_order_seq_cst);
+  own_view_.header->sleepers.fetch_add(1, std::memory_order_seq_cst);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  return token;
+}
+
+void ShmTransport::sleep(uint32_t token, int64_t timeout_us) {
+  futex_wait(&own_view_.header->doorbell, token, timeout_us);
+}
+
+void ShmTransport::end_sleep() { own_view_.header->sleepers.fetch_sub(1, std::memory_order_seq_cst); }
+
+void ShmTransport::wake() {
+  own_view_.header->doorbell.fetch_add(1, std::memory_order_seq_cst);
+  futex_wake_all(&own_view_.header->doorbell);
+}
+
+}  // namespace linkwise

@@ -1,0 +1,57 @@
+// The transport interface: what the engine and the algorithms see of a link to one peer.
+//
+// A PeerLink is a reliable, ordered, full-duplex byte stream to one peer, plus an optional
+// single-copy "pull" path for large messages. Every call is non-blocking: it moves what it can
+// now and says how much. Links know nothing about messages, tags or collectives; the Engine
+// frames messages on top. Threading: a link is used by one thread at a time (the Engine's lock).
+//
+// A Transport owns the way to sleep until some link may have changed (a futex doorbell for
+// shared memory, poll() for sockets) and a way to interrupt that sleep from another thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace linkwise {
+
+class PeerLink {
+ public:
+  virtual ~PeerLink() = default;
+
+  // Append up to n bytes to the outgoing stream; returns how many were taken (0 when full).
+  virtual size_t write_some(const void* data, size_t n) = 0;
+  // Make the bytes written so far visible to the peer and wake it if it sleeps.
+  virtual void flush() = 0;
+  // Take up to n bytes of the incoming stream into dst; returns how many (0 when empty).
+  virtual size_t read_some(void* dst, size_t n) = 0;
+
+  // False once the peer is known to be gone (process exited, connection closed). Bytes it
+  // sent before dying may still be readable.
+  virtual bool alive() = 0;
+  virtual std::string describe() const = 0;
+
+  // Single-copy path. When can_pull(), a sender may publish the address of its buffer and the
+  // receiver copies straight out of the sender's memory, then acknowledges. Acks are counted:
+  // the n-th pulled message of this link is complete when acked() >= n.
+  virtual bool can_pull() const { return false; }
+  virtual void pull(void* dst, uint64_t remote_addr, size_t n) {}
+  virtual void post_ack() {}
+  virtual uint64_t acked() { return 0; }
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  // Sleeping without lost wake-ups, in three steps around a last check for progress:
+  //   token = begin_sleep();  <check every link once more>;  sleep(token, us);  end_sleep();
+  // Writers that publish after begin_sleep() make sleep() return at once.
+  // Spurious returns are allowed. Called without the Engine's lock.
+  virtual uint32_t begin_sleep() = 0;
+  virtual void sleep(uint32_t token, int64_t timeout_us) = 0;
+  virtual void end_sleep() = 0;
+  // Interrupt sleep() in any thread of this process (new local work, or shutdown).
+  virtual void wake() = 0;
+};
+
+}  // namespace linkwise

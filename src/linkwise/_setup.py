@@ -1,0 +1,172 @@
+"""Wiring a communicator's links at init: which peers share this host, shared-memory inboxes,
+TCP sockets. Runs once per communicator, through the rendezvous store; nothing here is on the
+data path.
+
+Contract: on return every peer has exactly one link in the native engine, and this rank's
+shared-memory segment is already unlinked from /dev/shm (only mappings remain), so nothing is
+left behind whatever happens to the process afterwards.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from . import config, netif
+from .errors import BootstrapError
+
+SHM_PREFIX = "linkwise-"
+
+
+def shm_name(job_id: str, rank: int, comm_id: str = "") -> str:
+    """POSIX name of a rank's inbox; the launcher removes leftovers by this prefix."""
+    suffix = f"-{comm_id}" if comm_id else ""
+    return f"/{SHM_PREFIX}{job_id}-{rank}{suffix}"
+
+
+def host_identity() -> str:
+    """Same string for processes that can share memory: host name, boot and IPC namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        ipc = os.readlink("/proc/self/ns/ipc")
+    except OSError:
+        ipc = ""
+    return f"{socket.gethostname()}|{boot}|{ipc}"
+
+
+@dataclass
+class PeerCard:
+    rank: int
+    host: str
+    pid: int
+    tcp: Optional[str] = None  # "ip:port" this rank listens on for TCP links
+
+
+def exchange_cards(store, tag: str, rank: int, size: int, card: PeerCard) -> list[PeerCard]:
+    raw = store.all_gather(tag, rank, size, json.dumps(card.__dict__).encode())
+    return [PeerCard(**json.loads(r)) for r in raw]
+
+
+def choose_transports(cards: list[PeerCard], rank: int, forced: str) -> dict[int, str]:
+    """'shm' for peers on this host (unless LINKWISE_TRANSPORT=tcp), else 'tcp'."""
+    mine = cards[rank].host
+    out = {}
+    for c in cards:
+        if c.rank == rank:
+            continue
+        same_host = c.host == mine
+        if forced == "tcp" or not same_host:
+            out[c.rank] = "tcp"
+        else:
+            out[c.rank] = "shm"
+    if forced == "shm" and any(v == "tcp" for v in out.values()):
+        far = sorted(r for r, v in out.items() if v == "tcp")
+        raise BootstrapError(f"rank {rank}: LINKWISE_TRANSPORT=shm but ranks {far} are on other hosts")
+    return out
+
+
+def _handshake_bytes(job_id: str, rank: int) -> bytes:
+    return struct.pack("!16si", job_id.encode()[:16].ljust(16, b"\0"), rank)
+
+
+def connect_tcp(native, store, tag: str, rank: int, size: int, job_id: str,
+                tcp_peers: list[int], cards_host: list[PeerCard], timeout: float) -> None:
+    """Full mesh among tcp_peers: a rank accepts from higher ranks and connects to lower ones."""
+    all_remote_same_host = all(cards_host[p].host == cards_host[rank].host for p in tcp_peers)
+    if all_remote_same_host:
+        address = "127.0.0.1"
+    else:
+        address = netif.select_interface(config.get("LINKWISE_SOCKET_IFNAME") or None).address
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((address, 0))
+    listener.listen(max(8, size))
+    port = listener.getsockname()[1]
+    store.set(f"{tag}/tcp/{rank}", f"{address}:{port}".encode())
+
+    higher = [p for p in tcp_peers if p > rank]
+    lower = [p for p in tcp_peers if p < rank]
+    accepted: dict[int, socket.socket] = {}
+    errors: list[BaseException] = []
+
+    def accept_all() -> None:
+        try:
+            listener.settimeout(timeout)
+            while len(accepted) < len(higher):
+                conn, _ = listener.accept()
+                conn.settimeout(timeout)
+                data = b""
+                while len(data) < 20:
+                    chunk = conn.recv(20 - len(data))
+                    if not chunk:
+                        break
+                    data += chunk
+                job, peer = struct.unpack("!16si", data)
+                if job != job_id.encode()[:16].ljust(16, b"\0") or peer not in higher:
+                    conn.close()  # a stray connection: not of this job
+                    continue
+                accepted[peer] = conn
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=accept_all, daemon=True)
+    thread.start()
+    try:
+        for peer in lower:
+            host, _, p = store.get(f"{tag}/tcp/{peer}").decode().rpartition(":")
+            sock = socket.create_connection((host, int(p)), timeout=timeout)
+            sock.sendall(_handshake_bytes(job_id, rank))
+            sock.setblocking(False)
+            native.adopt_tcp(peer, sock.detach())
+        thread.join(timeout)
+        if errors or thread.is_alive():
+            raise BootstrapError(f"rank {rank}: TCP links from ranks {sorted(set(higher) - set(accepted))} "
+                                 f"did not arrive ({errors[0] if errors else 'timed out'}); check "
+                                 "LINKWISE_SOCKET_IFNAME and firewalls")
+        for peer, conn in accepted.items():
+            conn.setblocking(False)
+            native.adopt_tcp(peer, conn.detach())
+    finally:
+        listener.close()
+
+
+def setup_links(native, store, tag: str, rank: int, size: int, job_id: str, timeout: float,
+                comm_id: str = "") -> dict[int, str]:
+    """Connects every peer; returns {peer: 'shm' | 'tcp'}."""
+    forced = config.get("LINKWISE_TRANSPORT")
+    me = PeerCard(rank=rank, host=host_identity(), pid=os.getpid())
+    cards = exchange_cards(store, f"{tag}/cards", rank, size, me)
+    kinds = choose_transports(cards, rank, forced)
+    shm_peers = [p for p, k in kinds.items() if k == "shm"]
+    tcp_peers = [p for p, k in kinds.items() if k == "tcp"]
+    if shm_peers:
+        name = shm_name(job_id, rank, comm_id)
+        native.create_shm_inbox(name, config.get("LINKWISE_SHM_RING_SIZE"))
+        try:
+            store.barrier(f"{tag}/shm-created", size, timeout)
+            for p in shm_peers:
+                native.connect_shm(p, shm_name(job_id, p, comm_id), cards[p].pid)
+            store.barrier(f"{tag}/shm-connected", size, timeout)
+        finally:
+            native.unlink_shm()
+    else:
+        # Every rank takes part in the barriers, with or without shared-memory peers.
+        store.barrier(f"{tag}/shm-created", size, timeout)
+        store.barrier(f"{tag}/shm-connected", size, timeout)
+    if tcp_peers:
+        connect_tcp(native, store, tag, rank, size, job_id, tcp_peers, cards, timeout)
+    store.barrier(f"{tag}/ready", size, timeout)
+    return kinds
+
+
+def new_job_id() -> str:
+    return secrets.token_hex(6)

@@ -1,0 +1,254 @@
+"""The Communicator: the user-facing object of linkwise.
+
+Threading: a Communicator may be used from several threads; the native engine serialises its
+own state. Blocking calls release the GIL. Async calls (``await comm.arecv(...)``) wait on an
+eventfd registered with the running asyncio loop, never on a busy loop.
+
+Buffers: anything with the buffer protocol (NumPy, bytearray, memoryview, array.array) is used
+in place; objects with ``__dlpack__`` only (PyTorch CPU tensors, JAX arrays) are viewed through
+NumPy without a copy. A receive writes into the array it is given.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import weakref
+from typing import Any, Optional
+
+from . import bootstrap, config
+from ._setup import new_job_id, setup_links
+from .errors import CommAbortedError, TimeoutError
+
+MAX_TAG = (1 << 62) - 1
+
+_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+def _native():
+    from . import _native as native
+    return native
+
+
+def _as_buffer(x: Any, op: str) -> Any:
+    """What the native layer accepts for x: x itself, or a NumPy view of a DLPack array."""
+    if hasattr(x, "__cuda_array_interface__") and not hasattr(x, "__array_interface__"):
+        raise TypeError(f"{op}: got a CUDA array ({type(x).__name__}); this communicator moves host "
+                        "memory only. Copy it to the host first (x.get() / x.cpu()).")
+    if hasattr(x, "__dlpack__"):
+        import numpy as np
+        try:
+            return np.from_dlpack(x)
+        except (TypeError, BufferError, RuntimeError) as exc:
+            raise TypeError(f"{op}: cannot view {type(x).__name__} through DLPack on the host: {exc}") from None
+    raise TypeError(f"{op}: expected an array with the buffer protocol or __dlpack__, got {type(x).__name__}")
+
+
+def _default_spin_us(local_size: int) -> float:
+    spin = config.get("LINKWISE_SPIN_US")
+    if spin >= 0:
+        return float(spin)
+    cores = len(os.sched_getaffinity(0))
+    # A core per local rank: spinning a while saves a futex wake-up. More ranks than cores:
+    # a spinning rank steals the core its peer needs, so go to sleep almost at once.
+    return 50.0 if local_size <= cores else 1.0
+
+
+class Request:
+    """A non-blocking send or receive. Keep the array alive and untouched until done."""
+
+    __slots__ = ("_native", "_timeout", "_array")
+
+    def __init__(self, native_request, timeout: float, array: Any):
+        self._native = native_request
+        self._timeout = timeout
+        self._array = array
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        """Block until done; returns the bytes moved. Raises the operation's error."""
+        self._native.wait(self._timeout if timeout is None else float(timeout))
+        return self._native.nbytes
+
+    def test(self) -> bool:
+        """True when done (raises the operation's error if it failed)."""
+        return self._native.test()
+
+    @property
+    def nbytes(self) -> int:
+        return self._native.nbytes
+
+    def __await__(self):
+        return _await_native(self._native, self._timeout).__await__()
+
+
+async def _await_native(native_request, timeout: float) -> int:
+    if not native_request.done:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        fd = native_request.fileno()
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        loop.add_reader(fd, ready)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"async operation did not complete within {timeout} s; raise "
+                               "LINKWISE_TIMEOUT or pass timeout=") from None
+        finally:
+            loop.remove_reader(fd)
+    native_request.wait(0.0)  # done: returns at once, or raises the operation's error
+    return native_request.nbytes
+
+
+class Communicator:
+    """A group of ranks that can message each other. Made by :func:`linkwise.init`."""
+
+    def __init__(self, rank: int, size: int, *, local_rank: int = 0, local_size: int = 1,
+                 launcher: str = "none", store=None, job_id: str = "", comm_id: str = "world",
+                 timeout: Optional[float] = None):
+        self.rank = rank
+        self.size = size
+        self.local_rank = local_rank
+        self.local_size = local_size
+        self.launcher = launcher
+        self.job_id = job_id
+        self.comm_id = comm_id
+        self.timeout = float(config.get("LINKWISE_TIMEOUT") if timeout is None else timeout)
+        self._store = store
+        self._closed = False
+        self._native = _native().NativeComm(rank, size, _default_spin_us(local_size),
+                                            config.get("LINKWISE_SHM_RNDV_THRESHOLD"))
+        self.transports: dict[int, str] = {}
+        if size > 1:
+            self.transports = setup_links(self._native, store, f"{comm_id}/setup", rank, size, job_id,
+                                          self.timeout, comm_id="" if comm_id == "world" else comm_id)
+        _live.add(self)
+
+    # -- argument checks ------------------------------------------------------------------
+    def _check(self, peer: int, tag: int, op: str) -> None:
+        if self._closed:
+            raise CommAbortedError(f"rank {self.rank}: {op} on a closed communicator")
+        if not isinstance(peer, int) or not 0 <= peer < self.size:
+            raise ValueError(f"{op}: rank {peer!r} is out of range; this communicator has ranks 0..{self.size - 1}")
+        if not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
+            raise ValueError(f"{op}: tag must be an int in 0..2**62-1, got {tag!r}")
+
+    def _timeout(self, timeout: Optional[float]) -> float:
+        return self.timeout if timeout is None else float(timeout)
+
+    # -- point-to-point -------------------------------------------------------------------
+    def send(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None) -> None:
+        """Send array x to rank dst. Returns once x may be reused."""
+        self._check(dst, tag, "send")
+        try:
+            self._native.send(x, dst, tag, self._timeout(timeout))
+        except TypeError as exc:
+            if "buffer protocol" not in str(exc):
+                raise
+            self._native.send(_as_buffer(x, "send"), dst, tag, self._timeout(timeout))
+
+    def recv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None) -> int:
+        """Receive into array x from rank src; returns the number of bytes received.
+
+        A message larger than x raises ValueError (and stays queued for a larger receive)."""
+        self._check(src, tag, "recv")
+        try:
+            return self._native.recv(x, src, tag, self._timeout(timeout))
+        except TypeError as exc:
+            if "buffer protocol" not in str(exc):
+                raise
+            return self._native.recv(_as_buffer(x, "recv"), src, tag, self._timeout(timeout))
+
+    def _post(self, x: Any, peer: int, tag: int, is_send: bool, is_async: bool,
+              timeout: Optional[float]) -> Request:
+        op = "isend" if is_send else "irecv"
+        self._check(peer, tag, op)
+        post = self._native.isend if is_send else self._native.irecv
+        try:
+            native_req = post(x, peer, tag, is_async)
+        except TypeError as exc:
+            if "buffer protocol" not in str(exc):
+                raise
+            x = _as_buffer(x, op)
+            native_req = post(x, peer, tag, is_async)
+        return Request(native_req, self._timeout(timeout), x)
+
+    def isend(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None) -> Request:
+        """Start sending x; the returned request's wait()/test() finish it."""
+        return self._post(x, dst, tag, True, False, timeout)
+
+    def irecv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None) -> Request:
+        """Start receiving into x; the returned request's wait()/test() finish it."""
+        return self._post(x, src, tag, False, False, timeout)
+
+    async def asend(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None) -> None:
+        """Coroutine send: ``await comm.asend(x, dst)``."""
+        req = self._post(x, dst, tag, True, True, timeout)
+        await _await_native(req._native, req._timeout)
+
+    async def arecv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None) -> int:
+        """Coroutine receive: ``n = await comm.arecv(x, src)``; returns bytes received."""
+        req = self._post(x, src, tag, False, True, timeout)
+        return await _await_native(req._native, req._timeout)
+
+    # -- information and lifetime ---------------------------------------------------------
+    def link(self, peer: int) -> str:
+        """How this rank reaches peer, e.g. 'shared memory to rank 1 (pid 123)'."""
+        return self._native.describe_link(peer)
+
+    def close(self) -> None:
+        """Release links and shared memory. Pending operations fail with CommAbortedError."""
+        if self._closed:
+            return
+        self._closed = True
+        self._native.abort("the communicator was closed")
+        self._native = None
+        if self._store is not None and self.comm_id == "world":
+            self._store.close()
+        self._store = None
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<linkwise.Communicator rank {self.rank} of {self.size} ({self.comm_id})>"
+
+
+def init(rank: Optional[int] = None, size: Optional[int] = None, addr: Optional[str] = None, *,
+         timeout: Optional[float] = None) -> Communicator:
+    """Join the job and return its world communicator.
+
+    Reads rank, size and rank 0's address from ``linkwise launch``, torchrun, mpirun (Open MPI,
+    MPICH/Hydra) or srun, or from the arguments (``addr`` is "host:port" of rank 0, which hosts
+    the rendezvous store). With no launcher and no arguments: a single rank.
+    """
+    env = bootstrap.detect(rank=rank, size=size, addr=addr)
+    setup_timeout = float(config.get("LINKWISE_TIMEOUT") if timeout is None else timeout)
+    store = None
+    job_id = env.job_id
+    if env.size > 1:
+        store = bootstrap.Store(env.master_addr, env.master_port, is_server=env.rank == 0,
+                                timeout=setup_timeout)
+        if not job_id:
+            if env.rank == 0:
+                store.set("job_id", new_job_id().encode())
+            job_id = store.get("job_id", setup_timeout).decode()
+    job_id = job_id or new_job_id()
+    job_id = "".join(ch for ch in job_id if ch.isalnum())[:24] or new_job_id()
+    return Communicator(env.rank, env.size, local_rank=env.local_rank, local_size=env.local_size,
+                        launcher=env.launcher, store=store, job_id=job_id, timeout=timeout)
+
+
+@atexit.register
+def _close_all() -> None:
+    for comm in list(_live):
+        try:
+            comm.close()
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass

@@ -1,0 +1,94 @@
+"""The one registry of ``LINKWISE_*`` tunables.
+
+Every environment variable linkwise reads is declared here once, with its type, default and a
+line of help; code reads it through :func:`get`, and ``linkwise info`` prints the table.
+Values are read from the environment at each call (cheap), so tests may set them per process.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Tunable:
+    name: str
+    default: Any
+    parse: Callable[[str], Any]
+    help: str
+
+    def current(self) -> Any:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"{self.name}={raw!r} is not valid: {exc}") from None
+
+
+def _size(text: str) -> int:
+    """Parse a byte size such as ``4096``, ``64K``, ``1M``, ``2GiB``."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    if t[-1:] in "KMG":
+        t = t[:-1]
+    return int(float(t) * mult)
+
+
+def _bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 0/1, true/false, yes/no or on/off")
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        t = text.strip().lower()
+        if t not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return t
+    return parse
+
+
+TUNABLES: dict[str, Tunable] = {}
+
+
+def declare(name: str, default: Any, parse: Callable[[str], Any], help: str) -> Tunable:
+    """Register a tunable; each name is declared exactly once, in this module."""
+    if name in TUNABLES:
+        raise RuntimeError(f"tunable {name} declared twice")
+    TUNABLES[name] = Tunable(name, default, parse, help)
+    return TUNABLES[name]
+
+
+def get(name: str) -> Any:
+    """Current value of a declared tunable (environment, else default)."""
+    return TUNABLES[name].current()
+
+
+declare("LINKWISE_TIMEOUT", 300.0, float, "seconds any blocking call waits before raising TimeoutError")
+declare("LINKWISE_TRANSPORT", "auto", _choice("auto", "shm", "tcp"),
+        "auto: shared memory within a host, TCP across hosts; tcp forces TCP everywhere")
+declare("LINKWISE_SOCKET_IFNAME", "", str,
+        "interfaces for TCP, as NCCL_SOCKET_IFNAME: 'eth' prefix, '^docker,lo' exclude, '=eth0' exact")
+declare("LINKWISE_SHM_RING_SIZE", 1 << 20, _size, "bytes of each shared-memory ring between two ranks")
+declare("LINKWISE_SHM_RNDV_THRESHOLD", 64 << 10, _size,
+        "messages at least this large go single-copy (process_vm_readv) instead of through the ring")
+declare("LINKWISE_SPIN_US", -1.0, float,
+        "microseconds a waiting rank spins before it sleeps; -1 picks by cores per local rank")
+declare("LINKWISE_DEBUG", False, _bool, "log bootstrap and transport setup to stderr")
+# Set by `linkwise launch` (or by hand); read by linkwise.bootstrap.detect.
+declare("LINKWISE_RANK", None, int, "this process's rank (set by `linkwise launch`)")
+declare("LINKWISE_SIZE", None, int, "number of ranks (set by `linkwise launch`)")
+declare("LINKWISE_LOCAL_RANK", None, int, "rank among the processes of this host")
+declare("LINKWISE_LOCAL_SIZE", None, int, "number of ranks on this host")
+declare("LINKWISE_MASTER_ADDR", "", str, "host of rank 0's rendezvous store (overrides MASTER_ADDR)")
+declare("LINKWISE_MASTER_PORT", None, int,
+        "port of rank 0's rendezvous store; default MASTER_PORT+1, else derived from the job id")
+declare("LINKWISE_JOB_ID", "", str, "job identifier; names shared-memory segments /dev/shm/linkwise-<id>-*")
+declare("LINKWISE_DEVICE", None, int, "GPU index this rank uses (set by `linkwise launch --bind auto`)")

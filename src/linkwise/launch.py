@@ -1,0 +1,272 @@
+"""``linkwise launch -n N [--bind none|cpu|auto] [--master-port P] (script.py | -m module) args...``
+
+Starts N ranks on this host, like ``torchrun --standalone``. Each child gets LINKWISE_RANK,
+LINKWISE_SIZE, LINKWISE_LOCAL_RANK, LINKWISE_LOCAL_SIZE, LINKWISE_MASTER_ADDR=127.0.0.1,
+LINKWISE_MASTER_PORT (a free port unless given) and LINKWISE_JOB_ID (random hex), runs in its
+own process group, and has its stdout/stderr forwarded line by line with a ``[rank K] `` prefix.
+
+Contract:
+  * When a rank exits non-zero or is killed by a signal, the launcher prints
+    ``linkwise launch: rank K exited with status S`` (or ``was killed by signal SIG...``),
+    sends SIGTERM to every other rank's process group, SIGKILL after ``TERM_GRACE`` seconds,
+    and returns non-zero (S, or 128 + the signal number).
+  * SIGINT/SIGTERM received by the launcher are forwarded to every rank; a second one escalates
+    to SIGKILL.
+  * Whatever happens, /dev/shm/linkwise-<job_id>-* (the data plane's segments) are removed at
+    the end, so ranks killed by SIGKILL leave nothing behind.
+
+Threading: the main thread spawns, waits and signals; one daemon thread per child pipe forwards
+output (writes are serialised by a lock); one daemon thread per child waits for its exit.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import queue
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Optional
+
+__all__ = ["add_arguments", "run", "main", "cpu_slices", "SHM_DIR"]
+
+TERM_GRACE = 3.0
+SHM_DIR = "/dev/shm"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks to start")
+    p.add_argument("--bind", choices=("none", "cpu", "auto"), default="none",
+                   help="cpu: disjoint slices of the allowed cores; auto: from the topology "
+                        "(cores, GPU, NIC near each rank), else as cpu")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="port of rank 0's rendezvous store (default: a free port)")
+    p.add_argument("-m", dest="module", action="store_true",
+                   help="the first argument is a module to run, as with python -m")
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="script.py|module args...",
+                   help="the program and its arguments")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_slices(allowed: list[int], n: int) -> list[list[int]]:
+    """Split ``allowed`` cores into ``n`` contiguous, disjoint slices (sizes differ by at most
+    one). With more ranks than cores, the ranks share cores round-robin (one core each)."""
+    allowed = sorted(allowed)
+    if n > len(allowed):
+        return [[allowed[k % len(allowed)]] for k in range(n)]
+    base, extra = divmod(len(allowed), n)
+    out, start = [], 0
+    for k in range(n):
+        size = base + (1 if k < extra else 0)
+        out.append(allowed[start:start + size])
+        start += size
+    return out
+
+
+def _bindings(mode: str, n: int, say) -> list[tuple[list[int], dict[str, str]]]:
+    """Per rank: cores to bind to (empty: no binding) and extra environment."""
+    if mode == "none":
+        return [([], {}) for _ in range(n)]
+    if mode == "auto":
+        try:
+            from .topo.affinity import binding_for
+        except ImportError as exc:
+            say(f"linkwise launch: topology-aware binding is not available ({exc}); "
+                f"binding to cores")
+        else:
+            return _auto_bindings(binding_for, n, say) or _bindings("cpu", n, say)
+    allowed = sorted(os.sched_getaffinity(0))
+    if n > len(allowed):
+        say(f"linkwise launch: {n} ranks on {len(allowed)} cores; ranks share cores")
+    return [(s, {}) for s in cpu_slices(allowed, n)]
+
+
+def _auto_bindings(binding_for, n: int, say) -> list:
+    """Bindings from linkwise.topo.affinity; [] (after a message) if it fails."""
+    try:
+        out = []
+        for k in range(n):
+            b = binding_for(k, n)
+            extra = {}
+            if getattr(b, "gpu", None) is not None:
+                extra["LINKWISE_DEVICE"] = str(b.gpu)
+            if getattr(b, "nic", None):
+                extra["LINKWISE_SOCKET_IFNAME"] = "=" + b.nic
+            out.append((list(b.cpus or []), extra))
+        return out
+    except Exception as exc:  # a topology bug must not stop the job from starting
+        say(f"linkwise launch: topology-aware binding failed ({exc}); binding to cores")
+        return []
+
+
+class _Output:
+    """Serialised, prefixed, line-by-line forwarding of child output."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def pump(self, pipe: IO[bytes], dest: IO[bytes], prefix: bytes) -> None:
+        for line in iter(pipe.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            with self.lock:
+                dest.write(prefix + line)
+                dest.flush()
+        pipe.close()
+
+    def say(self, text: str) -> None:
+        with self.lock:
+            sys.stderr.buffer.write(text.encode() + b"\n")
+            sys.stderr.buffer.flush()
+
+
+def _describe(rank: int, status: int) -> str:
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = str(-status)
+        return f"linkwise launch: rank {rank} was killed by signal {name}"
+    return f"linkwise launch: rank {rank} exited with status {status}"
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def cleanup_shm(job_id: str) -> list[str]:
+    """Remove /dev/shm/linkwise-<job_id>-*; return what was removed."""
+    removed = []
+    if not job_id:
+        return removed
+    for path in glob.glob(os.path.join(SHM_DIR, f"linkwise-{glob.escape(job_id)}-*")):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def run(args: argparse.Namespace) -> int:
+    n = args.nproc
+    if n < 1:
+        print("linkwise launch: -n must be at least 1", file=sys.stderr)
+        return 2
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if args.module and argv:
+        cmd = [sys.executable, "-u", "-m", *argv]
+    elif argv:
+        cmd = [sys.executable, "-u", *argv]
+    else:
+        print("linkwise launch: give a script (or -m module) to run", file=sys.stderr)
+        return 2
+    job_id = secrets.token_hex(8)
+    port = args.master_port or _free_port()
+    out = _Output()
+    base = dict(os.environ, PYTHONUNBUFFERED="1", LINKWISE_SIZE=str(n), LINKWISE_LOCAL_SIZE=str(n),
+                LINKWISE_MASTER_ADDR="127.0.0.1", LINKWISE_MASTER_PORT=str(port),
+                LINKWISE_JOB_ID=job_id)
+    procs: list[subprocess.Popen] = []
+    try:
+        return _run_ranks(cmd, n, base, args.bind, out, procs)
+    finally:
+        for p in procs:  # normally all gone already; never leave a rank behind
+            _signal_group(p, signal.SIGKILL)
+        cleanup_shm(job_id)
+
+
+def _run_ranks(cmd, n, base, bind, out: _Output, procs: list) -> int:
+    bindings = _bindings(bind, n, out.say)
+    # Affinity is inherited across fork: set it on this (the spawning) thread, spawn, restore.
+    # The output threads are started afterwards so that they keep the full affinity.
+    own = os.sched_getaffinity(0)
+    try:
+        for k in range(n):
+            cpus, extra = bindings[k]
+            env = dict(base, LINKWISE_RANK=str(k), LINKWISE_LOCAL_RANK=str(k), **extra)
+            os.sched_setaffinity(0, cpus or own)
+            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          process_group=0))
+    except OSError as exc:
+        out.say(f"linkwise launch: cannot start {cmd[1:]}: {exc}")
+        return 2
+    finally:
+        os.sched_setaffinity(0, own)
+
+    pumps = []
+    for k, p in enumerate(procs):
+        prefix = f"[rank {k}] ".encode()
+        for pipe, dest in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
+            t = threading.Thread(target=out.pump, args=(pipe, dest, prefix), daemon=True)
+            t.start()
+            pumps.append(t)
+    exits: "queue.Queue[tuple[int, int]]" = queue.Queue()
+    for k, p in enumerate(procs):
+        threading.Thread(target=lambda k=k, p=p: exits.put((k, p.wait())), daemon=True).start()
+
+    signals_seen = []
+
+    def forward(signum, _frame):
+        signals_seen.append(signum)
+        sig = signum if len(signals_seen) == 1 else signal.SIGKILL
+        for p in procs:
+            _signal_group(p, sig)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    code, left, deadline = 0, n, None
+    try:
+        while left:
+            try:
+                k, status = exits.get(timeout=0.2)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() > deadline:
+                    for p in procs:
+                        _signal_group(p, signal.SIGKILL)
+                    deadline = None
+                continue
+            left -= 1
+            if status != 0 and code == 0:
+                # The first failure decides the exit code; the ranks we stop are not news.
+                out.say(_describe(k, status))
+                code = status if status > 0 else 128 - status
+                if left:
+                    out.say(f"linkwise launch: stopping the other {left} rank(s)")
+                    for p in procs:
+                        _signal_group(p, signal.SIGTERM)
+                    deadline = time.monotonic() + TERM_GRACE
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    for t in pumps:  # a grandchild may hold a pipe open: do not wait for it forever
+        t.join(timeout=1.0)
+    if code == 0 and signals_seen:
+        code = 128 + signals_seen[0]
+    return code
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="linkwise launch", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
