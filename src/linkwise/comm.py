@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from . import bootstrap, config
 from ._setup import new_job_id, setup_links
+from .collectives import CollectivesMixin
 from .errors import CommAbortedError, TimeoutError
 
 MAX_TAG = (1 << 62) - 1
@@ -103,7 +104,7 @@ async def _await_native(native_request, timeout: float) -> int:
     return native_request.nbytes
 
 
-class Communicator:
+class Communicator(CollectivesMixin):
     """A group of ranks that can message each other. Made by :func:`linkwise.init`."""
 
     def __init__(self, rank: int, size: int, *, local_rank: int = 0, local_size: int = 1,

@@ -1,0 +1,102 @@
+// NativeComm: the native side of one Python Communicator (engine + its transports), and
+// PyRequest, a Request that holds its Python array. Shared by the bind_*.cc files.
+//
+// Ownership: a PyRequest keeps its NativeComm alive; the array stays acquired until done.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <memory>
+#include <string>
+
+#include "bindings/buffer.h"
+#include "p2p/engine.h"
+#include "transport/shm/shm_transport.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace linkwise {
+
+namespace nb = nanobind;
+
+class NativeComm;
+
+class PyRequest {
+ public:
+  PyRequest(std::shared_ptr<NativeComm> comm, std::shared_ptr<Request> req, nb::object owner)
+      : comm_(std::move(comm)), req_(std::move(req)), owner_(std::move(owner)) {}
+  ~PyRequest();
+  void wait(double timeout_s);
+  bool test();
+  int fileno() { return req_->event_fd(); }
+  size_t nbytes() const { return req_->transferred(); }
+  bool done() const { return req_->done(); }
+  HeldBuffer& buffer() { return buf_; }
+
+ private:
+  std::shared_ptr<NativeComm> comm_;
+  std::shared_ptr<Request> req_;
+  nb::object owner_;
+  HeldBuffer buf_;
+};
+
+class NativeComm : public std::enable_shared_from_this<NativeComm> {
+ public:
+  NativeComm(int rank, int size, double spin_us, size_t pull_threshold)
+      : engine_(rank, size, EngineOptions{spin_us, pull_threshold}) {}
+
+  void create_shm_inbox(const std::string& name, size_t ring_bytes) {
+    LW_CHECK(!shm_, "one shared-memory inbox per communicator");
+    shm_ = std::make_shared<ShmTransport>(name, engine_.rank(), engine_.size(), ring_bytes);
+    engine_.add_transport(shm_);
+  }
+  void connect_shm(int peer, const std::string& name, int64_t pid) {
+    LW_CHECK(shm_, "create_shm_inbox before connect_shm");
+    engine_.set_link(peer, shm_->connect(peer, name, pid), shm_.get());
+  }
+  void unlink_shm() {
+    if (shm_) shm_->unlink_name();
+  }
+  void adopt_tcp(int peer, int fd) {
+    if (!tcp_) {
+      tcp_ = std::make_shared<TcpTransport>();
+      engine_.add_transport(tcp_);
+    }
+    engine_.set_link(peer, tcp_->adopt(peer, fd), tcp_.get());
+  }
+
+  std::unique_ptr<PyRequest> post(nb::handle obj, int peer, uint64_t tag, bool is_send, bool is_async) {
+    auto held = std::make_unique<HeldBuffer>();
+    acquire_buffer(obj, !is_send, is_send ? "send" : "recv", *held);
+    std::shared_ptr<Request> req =
+        is_send ? engine_.isend(peer, held->ptr(), held->bytes(), tag, held->dtype(), is_async)
+                : engine_.irecv(peer, held->ptr(), held->bytes(), tag, held->dtype(), is_async);
+    auto py = std::make_unique<PyRequest>(shared_from_this(), std::move(req), nb::borrow(obj));
+    std::swap(py->buffer().view, held->view);
+    py->buffer().held = held->held;
+    held->held = false;
+    return py;
+  }
+
+  // Blocking send/recv: no Request object crosses into Python (the latency path).
+  size_t blocking(nb::handle obj, int peer, uint64_t tag, bool is_send, double timeout_s) {
+    HeldBuffer held;
+    acquire_buffer(obj, !is_send, is_send ? "send" : "recv", held);
+    std::shared_ptr<Request> req;
+    {
+      nb::gil_scoped_release nogil;
+      req = is_send ? engine_.isend(peer, held.ptr(), held.bytes(), tag, held.dtype(), false)
+                    : engine_.irecv(peer, held.ptr(), held.bytes(), tag, held.dtype(), false);
+      engine_.wait(*req, timeout_s, is_send ? "send" : "recv");
+    }
+    return req->transferred();
+  }
+
+  Engine& engine() { return engine_; }
+
+ private:
+  Engine engine_;
+  std::shared_ptr<ShmTransport> shm_;
+  std::shared_ptr<TcpTransport> tcp_;
+};
+
+}  // namespace linkwise
