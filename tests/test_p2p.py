@@ -1,0 +1,259 @@
+"""Point-to-point over shared memory and forced TCP, 1-5 ranks, checked byte for byte."""
+import asyncio
+import glob
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from multirank import run_ranks
+
+SIZES = [0, 1, 7, 1000, 70_000, 3_000_001]  # 70 KB and 3 MB pass the single-copy threshold
+DTYPES = [np.uint8, np.int32, np.float64, np.float16]
+
+
+def _ring_exchange(comm):
+    """Every rank sends to the next and receives from the previous, many sizes and dtypes."""
+    nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    count = 0
+    for dtype in DTYPES:
+        for n in SIZES:
+            x = (np.arange(n) * (comm.rank + 1) % 251).astype(dtype)
+            y = np.full(n, 7, dtype=dtype)
+            r = comm.irecv(y, prv, tag=n % 5)
+            s = comm.isend(x, nxt, tag=n % 5)
+            s.wait()
+            got = r.wait()
+            expect = (np.arange(n) * (prv + 1) % 251).astype(dtype)
+            assert got == expect.nbytes, (got, expect.nbytes)
+            np.testing.assert_array_equal(y, expect)
+            count += 1
+    return count
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 5])
+def test_ring_exchange_all_sizes(nranks, transport_env, shm_clean):
+    assert run_ranks(nranks, _ring_exchange, env=transport_env) == [len(DTYPES) * len(SIZES)] * nranks
+
+
+def _blocking_pingpong(comm):
+    peer = 1 - comm.rank
+    for n in SIZES:
+        x = np.random.default_rng(n).integers(0, 255, n, dtype=np.uint8)
+        y = np.empty(n, np.uint8)
+        if comm.rank == 0:
+            comm.send(x, peer, tag=3)
+            assert comm.recv(y, peer, tag=3) == n
+        else:
+            comm.recv(y, peer, tag=3)
+            comm.send(y, peer, tag=3)
+        if comm.rank == 0:
+            np.testing.assert_array_equal(x, y)
+    return comm.link(peer)
+
+
+def test_blocking_pingpong_and_link_choice(transport_env, shm_clean):
+    links = run_ranks(2, _blocking_pingpong, env=transport_env)
+    want = "shared memory" if transport_env["LINKWISE_TRANSPORT"] == "shm" else "TCP"
+    assert all(link.startswith(want) for link in links), links
+
+
+def _ordering(comm):
+    """Per (peer, tag) order is kept even when the receiver drains tags in another order."""
+    if comm.rank == 0:
+        for i in range(40):
+            comm.send(np.array([i], np.int64), 1, tag=i % 2)
+            comm.send(np.full(20_000, i, np.int64), 1, tag=2)  # large: single-copy or stream
+        return None
+    got = {0: [], 1: [], 2: []}
+    v = np.empty(1, np.int64)
+    big = np.empty(20_000, np.int64)
+    for tag in (1, 0):
+        for _ in range(20):
+            comm.recv(v, 0, tag=tag)
+            got[tag].append(int(v[0]))
+    for _ in range(40):
+        comm.recv(big, 0, tag=2)
+        assert (big == big[0]).all()
+        got[2].append(int(big[0]))
+    return got
+
+
+def test_order_per_tag(transport_env):
+    got = run_ranks(2, _ordering, env=transport_env)[1]
+    assert got[0] == list(range(0, 40, 2))
+    assert got[1] == list(range(1, 40, 2))
+    assert got[2] == list(range(40))
+
+
+def _both_send_first(comm):
+    """Both ranks send a large message before receiving: must not deadlock."""
+    peer = 1 - comm.rank
+    x = np.full(5_000_000, comm.rank, np.uint8)
+    y = np.empty_like(x)
+    comm.send(x, peer, timeout=20)
+    comm.recv(y, peer, timeout=20)
+    return int(y[0]), int(y[-1])
+
+
+def test_both_send_large_first(transport_env):
+    assert run_ranks(2, _both_send_first, env=transport_env) == [(1, 1), (0, 0)]
+
+
+def _size_and_type_errors(comm):
+    peer = 1 - comm.rank
+    if comm.rank == 0:
+        comm.send(np.arange(10, dtype=np.int32), peer, tag=1)
+        comm.send(np.arange(4, dtype=np.float64), peer, tag=2)
+        comm.send(np.arange(3, dtype=np.int32), peer, tag=3)
+        return None
+    small = np.zeros(5, np.int32)
+    with pytest.raises(ValueError, match="does not fit"):
+        comm.recv(small, peer, tag=1)
+    big = np.zeros(10, np.int32)
+    assert comm.recv(big, peer, tag=1) == 40  # the message was kept
+    assert big.tolist() == list(range(10))
+    with pytest.raises(TypeError, match="float64"):
+        comm.recv(np.zeros(4, np.int64), peer, tag=2)
+    f = np.zeros(4, np.float64)
+    comm.recv(f, peer, tag=2)
+    assert f.tolist() == [0.0, 1.0, 2.0, 3.0]
+    larger = np.full(8, -1, np.int32)
+    assert comm.recv(larger, peer, tag=3) == 12  # a shorter message into a larger buffer
+    assert larger.tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
+    return "ok"
+
+
+def test_receive_too_small_raises_and_keeps_message(transport_env):
+    assert run_ranks(2, _size_and_type_errors, env=transport_env)[1] == "ok"
+
+
+def _argument_errors(comm):
+    x = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="out of range"):
+        comm.send(x, comm.size)
+    with pytest.raises(ValueError, match="out of range"):
+        comm.recv(x, -1)
+    with pytest.raises(ValueError, match="tag"):
+        comm.send(x, 0, tag=-1)
+    with pytest.raises(ValueError, match="not contiguous"):
+        comm.recv(np.zeros((4, 4), np.float32)[:, 1], 0)
+    ro = np.zeros(4, np.float32)
+    ro.setflags(write=False)
+    with pytest.raises(ValueError, match="read-only"):
+        comm.recv(ro, 0)
+    with pytest.raises(ValueError, match="read-only"):
+        comm.recv(b"abcd", 0)
+    with pytest.raises(TypeError, match="buffer protocol"):
+        comm.send(object(), 0)
+    import linkwise
+    t0 = time.monotonic()
+    with pytest.raises(linkwise.TimeoutError, match="did not complete"):
+        comm.recv(x, (comm.rank + 1) % comm.size, tag=99, timeout=0.3)
+    assert time.monotonic() - t0 < 5
+    # self send/recv, also with odd Python buffers
+    comm.send(bytearray(b"hello"), comm.rank, tag=5)
+    out = bytearray(5)
+    comm.recv(out, comm.rank, tag=5)
+    assert bytes(out) == b"hello"
+    return "ok"
+
+
+def test_argument_errors_and_timeout():
+    assert run_ranks(2, _argument_errors) == ["ok", "ok"]
+
+
+def _async(comm):
+    peer = 1 - comm.rank
+
+    async def main():
+        xs = [np.full(n, comm.rank + 1, np.int64) for n in (1, 100, 300_000)]
+        ys = [np.zeros_like(x) for x in xs]
+        sends = [comm.asend(x, peer, tag=i) for i, x in enumerate(xs)]
+        recvs = [comm.arecv(y, peer, tag=i) for i, y in enumerate(ys)]
+        results = await asyncio.gather(*sends, *recvs)
+        assert all((y == peer + 1).all() for y in ys)
+        return results[len(xs):]
+
+    got = asyncio.run(main())
+    # request polling: test() turns True without wait()
+    y = np.zeros(3, np.int32)
+    r = comm.irecv(y, peer, tag=50)
+    comm.send(np.array([1, 2, 3], np.int32), peer, tag=50)
+    deadline = time.monotonic() + 10
+    while not r.test():
+        assert time.monotonic() < deadline
+    assert y.tolist() == [1, 2, 3]
+    return got
+
+
+def test_async_and_test(transport_env):
+    res = run_ranks(2, _async, env=transport_env)
+    assert res == [[8, 800, 2_400_000]] * 2
+
+
+def _torch_tensors(comm):
+    import torch
+    peer = 1 - comm.rank
+    x = torch.arange(1000, dtype=torch.float32) * (comm.rank + 1)
+    y = torch.zeros(1000, dtype=torch.float32)
+    r = comm.irecv(y, peer)
+    comm.send(x, peer)
+    r.wait()
+    assert torch.equal(y, torch.arange(1000, dtype=torch.float32) * (peer + 1))
+    return "ok"
+
+
+def test_dlpack_tensors():
+    pytest.importorskip("torch")
+    assert run_ranks(2, _torch_tensors) == ["ok", "ok"]
+
+
+def _killed_peer(comm, mode):
+    if comm.rank == 1:
+        y = np.zeros(10, np.float32)
+        comm.recv(y, 0, tag=1)  # rank 0 is alive and ready
+        os.kill(os.getpid(), signal.SIGKILL)
+    import linkwise
+    comm.send(np.ones(10, np.float32), 1, tag=1)
+    t0 = time.monotonic()
+    with pytest.raises(linkwise.PeerError, match="rank 1") as info:
+        if mode == "recv":
+            comm.recv(np.zeros(10, np.float32), 1, tag=2, timeout=60)
+        else:
+            for _ in range(100):  # fills the ring / socket, then must notice the death
+                comm.send(np.ones(1 << 20, np.uint8), 1, tag=2, timeout=60)
+    assert info.value.peer == 1
+    elapsed = time.monotonic() - t0
+    assert elapsed < 5, elapsed
+    return "raised"
+
+
+@pytest.mark.parametrize("mode", ["recv", "send"])
+def test_sigkilled_peer_raises_peer_error(mode, transport_env, shm_clean):
+    out = run_ranks(2, _killed_peer, mode, env=transport_env, expect_fail=True)
+    assert out[0] == ("ok", "raised"), out[0]
+    assert out[1][0] == "died"
+    assert not glob.glob("/dev/shm/linkwise-*")
+
+
+def _oversubscribed_pingpong(comm):
+    """8 ranks on 2 cores: pairs ping-pong; sleeping waits let everyone progress."""
+    peer = comm.rank ^ 1
+    x = np.zeros(8, np.uint8)
+    t0 = time.monotonic()
+    for _ in range(300):
+        if comm.rank % 2 == 0:
+            comm.send(x, peer)
+            comm.recv(x, peer)
+        else:
+            comm.recv(x, peer)
+            comm.send(x, peer)
+    return time.monotonic() - t0
+
+
+def test_eight_ranks_on_two_cores_pingpong():
+    times = run_ranks(8, _oversubscribed_pingpong, timeout=60)
+    assert max(times) < 30, times
