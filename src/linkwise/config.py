@@ -92,3 +92,5 @@ declare("LINKWISE_MASTER_PORT", None, int,
         "port of rank 0's rendezvous store; default MASTER_PORT+1, else derived from the job id")
 declare("LINKWISE_JOB_ID", "", str, "job identifier; names shared-memory segments /dev/shm/linkwise-<id>-*")
 declare("LINKWISE_DEVICE", None, int, "GPU index this rank uses (set by `linkwise launch --bind auto`)")
+declare("LINKWISE_TOPO_FILE", "", str,
+        "a topology JSON (linkwise topo --save) used instead of discovering this machine")

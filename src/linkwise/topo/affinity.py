@@ -1,0 +1,120 @@
+"""Which GPU, CPU cores and NIC each local rank should use, and applying it.
+
+``binding_for`` is pure (a function of the topology and the two numbers); the launcher calls
+it for ``--bind auto``. ``bind`` applies it to the calling process, for processes started by
+another launcher (torchrun, mpirun, srun, Dask).
+
+Rules
+- GPU: ``local_rank % ngpus``.
+- CPUs: the GPU's CPU affinity (NVML), else its NUMA node's CPUs, else all CPUs; ranks that
+  share one GPU split that list into contiguous, disjoint slices (one CPU at least each).
+- No GPU: the allowed CPUs are split into ``local_size`` contiguous, disjoint slices.
+- NIC: the GPU's nearest real NIC (link class, then speed); with no GPU, a real NIC on the
+  slice's NUMA node, else the fastest real NIC; None when the machine has none.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .model import Topology
+
+
+@dataclass(frozen=True)
+class Binding:
+    gpu: Optional[int]
+    cpus: list[int] = field(default_factory=list)
+    nic: Optional[str] = None
+
+
+def _slice(items: list[int], k: int, n: int) -> list[int]:
+    """The k-th of n contiguous, near-equal, disjoint slices of ``items``; when there are
+    fewer items than slices, slice k is the single item ``items[k % len(items)]``."""
+    if not items:
+        return []
+    if n <= 1:
+        return list(items)
+    if len(items) < n:
+        return [items[k % len(items)]]
+    lo = k * len(items) // n
+    hi = (k + 1) * len(items) // n
+    return list(items[lo:hi])
+
+
+def binding_for(local_rank: int, local_size: int,
+                topology: Optional[Topology] = None) -> Binding:
+    if local_size < 1 or not 0 <= local_rank < local_size:
+        raise ValueError(f"local_rank {local_rank} not in [0, local_size={local_size})")
+    if topology is None:
+        from . import load_or_discover
+        topology = load_or_discover()
+    topo = topology
+    allowed = sorted(topo.cpus_allowed or topo.cpus)
+    if topo.gpus:
+        gpus = sorted(g.index for g in topo.gpus)
+        gpu = gpus[local_rank % len(gpus)]
+        sharers = [r for r in range(local_size) if gpus[r % len(gpus)] == gpu]
+        near = sorted(topo.gpu_cpus(gpu))
+        allowed_set = set(allowed)
+        usable = [c for c in near if c in allowed_set] if allowed else near
+        cpus = _slice(usable or near, sharers.index(local_rank), len(sharers))
+        return Binding(gpu=gpu, cpus=cpus, nic=topo.nearest_nic(gpu))
+    cpus = _slice(allowed, local_rank, local_size)
+    return Binding(gpu=None, cpus=cpus, nic=_nic_for_cpus(topo, cpus))
+
+
+def _nic_for_cpus(topo: Topology, cpus: list[int]) -> Optional[str]:
+    real = topo.real_nics()
+    if not real:
+        return None
+    node = None
+    if cpus:
+        for n in topo.numa_nodes:
+            if cpus[0] in n.cpus:
+                node = n.id
+    local = [n for n in real if n.numa_node == node] or real
+    return max(local, key=lambda n: n.speed_mbps or 0).name
+
+
+def _local_size_from_env() -> Optional[int]:
+    for var in ("LINKWISE_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                "MV2_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(var, "").split("(")[0]
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def bind(local_rank: int, local_size: Optional[int] = None,
+         topology: Optional[Topology] = None) -> Binding:
+    """Bind the calling process as ``binding_for`` says and return the binding.
+
+    Sets the CPU affinity of the calling thread's process (``os.sched_setaffinity``; CPUs
+    this process may not use are dropped, and if none remain the affinity is left alone),
+    sets ``LINKWISE_DEVICE`` to the GPU index, and sets ``LINKWISE_SOCKET_IFNAME`` to
+    ``=<nic>`` unless the user has already set it. ``local_size`` defaults to the launcher's
+    variable (LINKWISE_LOCAL_SIZE, LOCAL_WORLD_SIZE, OMPI/MVAPICH/Slurm), else the GPU count,
+    else ``local_rank + 1``."""
+    if topology is None:
+        from . import load_or_discover
+        topology = load_or_discover()
+    if local_size is None:
+        local_size = _local_size_from_env() or max(len(topology.gpus), local_rank + 1)
+    b = binding_for(local_rank, local_size, topology)
+    if b.cpus and hasattr(os, "sched_setaffinity"):
+        mine = os.sched_getaffinity(0)
+        cpus = [c for c in b.cpus if c in mine]
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        else:
+            print(f"linkwise.bind: CPUs {b.cpus} not allowed here; affinity unchanged",
+                  file=sys.stderr)
+    if b.gpu is not None:
+        os.environ["LINKWISE_DEVICE"] = str(b.gpu)
+    if b.nic and not os.environ.get("LINKWISE_SOCKET_IFNAME"):
+        nic = next((n for n in topology.nics if n.name == b.nic), None)
+        if nic is not None and nic.netdev:
+            os.environ["LINKWISE_SOCKET_IFNAME"] = "=" + nic.netdev
+    return b

@@ -1,0 +1,208 @@
+"""Measured bandwidth and latency between every pair of devices (host and GPUs).
+
+``probe()`` times copies with CUDA events through PyTorch: GPU->GPU as peer copies
+(``dst.copy_(src)`` between devices, which uses cudaMemcpyPeerAsync with peer access on when
+the pair allows it), host<->GPU from and to pinned host memory. ``reference_peer_bandwidth``
+times cudaMemcpyPeerAsync directly through CuPy, to check the probe against.
+
+Contracts
+- Bandwidth is in GB/s (1e9 bytes per second) of one direction; latency in microseconds,
+  the mean GPU time of back-to-back ``latency_bytes`` copies (launch overhead included).
+- ``result.bandwidth_gbs[s][d]`` is for copies from ``devices[s]`` to ``devices[d]``;
+  the diagonal is None. ``devices`` is ``["host", "GPU0", ...]``.
+- With no CUDA device (or no torch) ``probe`` returns None and says why in ``reason``; it
+  never raises for that. It is a measurement, not a test: numbers vary run to run.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+
+@dataclass
+class ProbeResult:
+    devices: list[str]
+    bandwidth_gbs: list[list[Optional[float]]]
+    latency_us: list[list[Optional[float]]]
+    size_bytes: int
+    iters: int
+    latency_bytes: int
+    backend: str
+    peer_access: list[list[bool]] = field(default_factory=list)  # GPU x GPU
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def no_probe_reason() -> Optional[str]:
+    """None when probing can run here, else a sentence saying why it cannot."""
+    try:
+        import torch  # type: ignore
+    except ImportError:
+        return "PyTorch is not installed: nothing to probe"
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return "no CUDA GPU visible: nothing to probe"
+    return None
+
+
+def _time_copies(torch, stream_device: int, fn: Callable[[], None], iters: int) -> float:
+    """Seconds per call of ``fn`` (mean of ``iters`` after one warm-up), timed by events on
+    ``stream_device``'s current stream (where torch enqueues a copy from that device)."""
+    with torch.cuda.device(stream_device):
+        fn()
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / iters
+
+
+def probe(size_bytes: int = 256 << 20, iters: int = 10, latency_bytes: int = 8,
+          latency_iters: int = 200, progress: bool = True,
+          gpus: Optional[list[int]] = None) -> Optional[ProbeResult]:
+    if no_probe_reason() is not None:
+        return None
+    import torch  # type: ignore
+
+    ids = list(range(torch.cuda.device_count())) if gpus is None else list(gpus)
+    devices = ["host"] + [f"GPU{i}" for i in ids]
+    n = len(devices)
+    bw: list[list[Optional[float]]] = [[None] * n for _ in range(n)]
+    lat: list[list[Optional[float]]] = [[None] * n for _ in range(n)]
+    peer = [[i == j or torch.cuda.can_device_access_peer(i, j) for j in ids] for i in ids]
+
+    big = {i: torch.empty(size_bytes, dtype=torch.uint8, device=f"cuda:{i}") for i in ids}
+    big2 = {i: torch.empty(size_bytes, dtype=torch.uint8, device=f"cuda:{i}") for i in ids}
+    small = {i: torch.empty(latency_bytes, dtype=torch.uint8, device=f"cuda:{i}") for i in ids}
+    host = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=True)
+    host_small = torch.empty(latency_bytes, dtype=torch.uint8, pin_memory=True)
+
+    # (src slot, dst slot, timing device, big copy, small copy)
+    jobs = []
+    for a, i in enumerate(ids, start=1):
+        jobs.append((0, a, i, lambda i=i: big[i].copy_(host, non_blocking=True),
+                     lambda i=i: small[i].copy_(host_small, non_blocking=True)))
+        jobs.append((a, 0, i, lambda i=i: host.copy_(big[i], non_blocking=True),
+                     lambda i=i: host_small.copy_(small[i], non_blocking=True)))
+        for b, j in enumerate(ids, start=1):
+            if i != j:
+                jobs.append((a, b, i, lambda i=i, j=j: big2[j].copy_(big[i], non_blocking=True),
+                             lambda i=i, j=j: small[j].copy_(small[i], non_blocking=True)))
+    t0 = time.perf_counter()
+    bar = _progress(progress, len(jobs))
+    for src, dst, dev, copy_big, copy_small in jobs:
+        sec = _time_copies(torch, dev, copy_big, iters)
+        bw[src][dst] = size_bytes / sec / 1e9
+        lat[src][dst] = _time_copies(torch, dev, copy_small, latency_iters) * 1e6
+        if bar is not None:
+            bar[0].update(bar[1], advance=1, description=f"{devices[src]} -> {devices[dst]}")
+    if bar is not None:
+        bar[0].stop()
+    del big, big2, small, host, host_small
+    return ProbeResult(devices=devices, bandwidth_gbs=bw, latency_us=lat,
+                       size_bytes=size_bytes, iters=iters, latency_bytes=latency_bytes,
+                       backend=f"torch {torch.__version__} copy_ + CUDA events",
+                       peer_access=peer, seconds=time.perf_counter() - t0)
+
+
+def _progress(enabled: bool, total: int):
+    if not enabled:
+        return None
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    except ImportError:
+        return None
+    bar = Progress(TextColumn("probe {task.description:<14}"), BarColumn(),
+                   MofNCompleteColumn(), console=Console(stderr=True), transient=True)
+    task = bar.add_task("", total=total)
+    bar.start()
+    return bar, task
+
+
+def reference_peer_bandwidth(src: int, dst: int, size_bytes: int = 256 << 20,
+                             iters: int = 10) -> Optional[float]:
+    """GB/s of cudaMemcpyPeerAsync from GPU ``src`` to GPU ``dst`` through CuPy's runtime
+    bindings, peer access enabled both ways when possible; None when CuPy is missing."""
+    try:
+        import cupy as cp  # type: ignore
+    except ImportError:
+        return None
+    rt = cp.cuda.runtime
+    for a, b in ((src, dst), (dst, src)):
+        with cp.cuda.Device(a):
+            if rt.deviceCanAccessPeer(a, b):
+                try:
+                    rt.deviceEnablePeerAccess(b)
+                except cp.cuda.runtime.CUDARuntimeError:
+                    pass  # already enabled
+    with cp.cuda.Device(dst):
+        out = cp.empty(size_bytes, dtype=cp.uint8)
+    with cp.cuda.Device(src):
+        inp = cp.empty(size_bytes, dtype=cp.uint8)
+        stream = cp.cuda.Stream(non_blocking=True)
+        copy = lambda: rt.memcpyPeerAsync(out.data.ptr, dst, inp.data.ptr, src,  # noqa: E731
+                                          size_bytes, stream.ptr)
+        copy()
+        stream.synchronize()
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        for _ in range(iters):
+            copy()
+        end.record(stream)
+        end.synchronize()
+        ms = cp.cuda.get_elapsed_time(start, end)
+    return size_bytes * iters / (ms / 1e3) / 1e9
+
+
+def render_probe(result: ProbeResult) -> str:
+    """Two matrices, rows = source, columns = destination."""
+    w = max(9, max(len(d) for d in result.devices) + 2)
+
+    def table(title: str, m: list[list[Optional[float]]], fmt: str) -> list[str]:
+        out = [title, "src\\dst".ljust(w) + "".join(d.rjust(w) for d in result.devices)]
+        for s, row in enumerate(m):
+            out.append(result.devices[s].ljust(w) + "".join(
+                ("-" if v is None else format(v, fmt)).rjust(w) for v in row))
+        return out
+
+    lines = table(f"bandwidth GB/s ({result.size_bytes >> 20} MiB copies, "
+                  f"mean of {result.iters})", result.bandwidth_gbs, ".1f")
+    lines += [""] + table(f"latency us ({result.latency_bytes} B copies)",
+                          result.latency_us, ".2f")
+    lines.append(f"backend: {result.backend}; {result.seconds:.1f} s")
+    return "\n".join(lines)
+
+
+def plot_bandwidth(result: ProbeResult, path: str) -> None:
+    """Heat map of the bandwidth matrix, values written in the cells, saved to ``path``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    m = np.array([[np.nan if v is None else v for v in row] for row in result.bandwidth_gbs])
+    n = len(result.devices)
+    fig, ax = plt.subplots(figsize=(1.2 * n + 2, 1.0 * n + 1.5))
+    im = ax.imshow(m, cmap="viridis")
+    ax.set_xticks(range(n), result.devices)
+    ax.set_yticks(range(n), result.devices)
+    ax.set_xlabel("destination")
+    ax.set_ylabel("source")
+    ax.set_title(f"copy bandwidth, GB/s ({result.size_bytes >> 20} MiB)")
+    mid = (np.nanmin(m) + np.nanmax(m)) / 2 if np.isfinite(m).any() else 0.0
+    for s in range(n):
+        for d in range(n):
+            if not np.isnan(m[s, d]):
+                ax.text(d, s, f"{m[s, d]:.0f}", ha="center", va="center",
+                        color="k" if m[s, d] > mid else "w")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

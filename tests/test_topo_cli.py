@@ -1,0 +1,69 @@
+"""`linkwise topo` through its add_arguments/run pair, and the probe's text and plot views."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from linkwise.topo import Topology, fixture
+from linkwise.topo import cli
+from linkwise.topo.probe import ProbeResult, no_probe_reason, plot_bandwidth, render_probe
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return cli.run(parser.parse_args(argv))
+
+
+def test_fixture_matrix_and_ranks(capsys):
+    assert run(["--fixture", "dgx1", "--ranks", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU0  X     NV1   NV1   NV2   NV2   SYS   SYS   SYS   PIX   SYS   PHB   SYS" in out
+    assert "Legend:" in out and "binding for 8 local rank(s)" in out
+    assert "7     7     ib3       20-39,60-79" in out
+
+
+def test_json_save_load(tmp_path, capsys):
+    path = tmp_path / "epyc.json"
+    assert run(["--fixture", "epyc-a100-pcie", "--json", "--save", str(path)]) == 0
+    printed = Topology.from_dict(json.loads(capsys.readouterr().out))
+    assert printed == fixture("epyc-a100-pcie") == Topology.load(str(path))
+    assert run(["--load", str(path)]) == 0
+    assert "GPU5  SYS   SYS   SYS   SYS   NODE  X     PHB" in capsys.readouterr().out
+
+
+def test_bad_inputs_exit_2(tmp_path, capsys):
+    assert run(["--fixture", "nope"]) == 2
+    assert run(["--load", str(tmp_path / "missing.json")]) == 2
+    assert "linkwise topo" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(no_probe_reason() is None, reason="a GPU is present")
+def test_probe_without_gpu_says_so(capsys):
+    assert run(["--probe", "--plot", "never.png"]) == 0
+    assert "nothing to probe" in capsys.readouterr().out
+    assert run(["--probe", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["probe"] is None and "nothing to probe" in doc["reason"]
+    Topology.from_dict(doc["topology"])
+
+
+def _fake_result() -> ProbeResult:
+    return ProbeResult(devices=["host", "GPU0", "GPU1"],
+                       bandwidth_gbs=[[None, 50.0, 50.0], [55.0, None, 380.0],
+                                      [55.0, 381.0, None]],
+                       latency_us=[[None, 8.0, 8.0], [9.0, None, 12.0], [9.0, 12.0, None]],
+                       size_bytes=256 << 20, iters=10, latency_bytes=8, backend="fake",
+                       peer_access=[[True, True], [True, True]])
+
+
+def test_probe_views(tmp_path):
+    r = _fake_result()
+    text = render_probe(r)
+    assert "380.0" in text and "latency us" in text
+    png = tmp_path / "bw.png"
+    plot_bandwidth(r, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(json.dumps(r.to_dict()))["devices"] == r.devices
