@@ -1,0 +1,349 @@
+"""A small TCP key-value store through which ranks rendezvous at setup.
+
+Rank 0 creates ``Store(host, port, is_server=True, ...)``: it listens on ``port`` (on ``host``
+when that is a loopback address, else on every interface) from a daemon thread and also
+connects to itself as a client. Every other rank creates ``Store(host, port, is_server=False)``
+and retries connecting until ``timeout``.
+
+Wire format (both ways): ``u32 length`` + payload, big-endian. A request payload is
+``op:u8  key_len:u32  key  body`` where body is the value (SET), an f64 timeout in seconds,
+negative for none (GET), an i64 amount (ADD), or an i64 size and an f64 timeout (BARRIER: count
+one arrival and wait for ``size``). A reply payload is ``status:u8  body``.
+
+Threading: the server runs one daemon thread per client connection; all of them share one
+dict guarded by one Condition, so any number of blocking GETs wait concurrently and a SET wakes
+them. A client ``Store`` object holds one socket and serialises its calls with a lock: threads
+that must block on the store at the same time should each open their own ``Store``.
+
+Failure: if the server goes away (rank 0 exited, closed the store, or was killed) every client
+call in progress or later raises :class:`StoreClosedError` (a PeerError and a BootstrapError),
+never hangs. Closing the server first answers every request it has already received (for
+up to DRAIN seconds), so rank 0 may close right after a final barrier: every participant's
+barrier request has then reached the server. Requests sent later get StoreClosedError.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from typing import Optional
+
+from .errors import BootstrapError, PeerError, TimeoutError
+
+__all__ = ["Store", "StoreClosedError"]
+
+_SET, _GET, _ADD, _BARRIER = 1, 2, 3, 4
+_OK, _MISSING, _FAIL = 0, 1, 2
+_LEN = struct.Struct("!I")
+_KEY = struct.Struct("!BI")
+_F64 = struct.Struct("!d")
+_I64 = struct.Struct("!q")
+_BAR = struct.Struct("!qd")  # size, timeout
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_GRACE = 10.0  # seconds a client waits beyond a server-side timeout before it gives up
+DRAIN = 2.0  # seconds a closing server waits for requests in progress to be answered
+
+
+class StoreClosedError(PeerError, BootstrapError):
+    """The rendezvous store (hosted by rank 0) closed its connection."""
+
+
+class _Missing(Exception):
+    """Internal: the server's wait timed out; ``args[0]`` is the reply body."""
+
+
+def _send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(_LEN.pack(len(payload)) + payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> Optional[bytes]:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            return None
+        got += k
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket) -> Optional[bytes]:
+    head = _recv_exact(sock, _LEN.size)
+    if head is None:
+        return None
+    (n,) = _LEN.unpack(head)
+    return _recv_exact(sock, n) if n else b""
+
+
+class _Server:
+    """The store itself; lives in rank 0's process. See the module docstring for threading."""
+
+    def __init__(self, host: str, port: int):
+        bind = host if host in _LOOPBACK else "0.0.0.0"
+        if bind == "localhost":
+            bind = "127.0.0.1"
+        try:
+            family = socket.AF_INET6 if bind == "::1" else socket.AF_INET
+            self.listener = socket.create_server((bind, port), family=family, backlog=256)
+        except OSError as exc:
+            raise BootstrapError(
+                f"rank 0 cannot listen on {bind}:{port} for the rendezvous store ({exc}); another "
+                f"job may hold the port: set LINKWISE_MASTER_PORT to a free port") from None
+        self.port = self.listener.getsockname()[1]
+        self.bind = bind
+        self._data: dict[str, bytes] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self._conns: set[socket.socket] = set()
+        self._busy = 0  # requests received and not yet answered (guarded by _cond)
+        threading.Thread(target=self._accept_loop, name="linkwise-store-accept",
+                         daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return  # listener shut down by close()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._cond:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="linkwise-store-conn",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                req = _recv_frame(conn)
+                if req is None:
+                    return
+                with self._cond:
+                    self._busy += 1
+                try:
+                    try:
+                        reply = self._handle(req)
+                    except (ValueError, UnicodeDecodeError, struct.error) as exc:
+                        reply = bytes([_FAIL]) + f"bad request: {exc}".encode()
+                    _send_frame(conn, reply)
+                finally:
+                    with self._cond:
+                        self._busy -= 1
+                        self._cond.notify_all()
+        except OSError:
+            return
+        finally:
+            with self._cond:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _handle(self, req: bytes) -> bytes:
+        op, klen = _KEY.unpack_from(req)
+        key = req[_KEY.size:_KEY.size + klen].decode()
+        body = req[_KEY.size + klen:]
+        with self._cond:
+            if op == _SET:
+                self._data[key] = body
+                self._cond.notify_all()
+                return bytes([_OK])
+            if op == _ADD:
+                (amount,) = _I64.unpack(body)
+                value = int(self._data.get(key, b"0")) + amount
+                self._data[key] = str(value).encode()
+                self._cond.notify_all()
+                return bytes([_OK]) + _I64.pack(value)
+            if op == _GET:
+                (timeout,) = _F64.unpack(body)
+                ready = self._cond.wait_for(lambda: key in self._data or self._closed,
+                                            None if timeout < 0 else timeout)
+                if key in self._data:
+                    return bytes([_OK]) + self._data[key]
+                if ready:  # woken by close()
+                    raise OSError("store closing")
+                return bytes([_MISSING])
+            if op == _BARRIER:
+                size, timeout = _BAR.unpack(body)
+                arrived = int(self._data.get(key, b"0")) + 1
+                self._data[key] = str(arrived).encode()
+                self._cond.notify_all()
+                if arrived > size:
+                    return bytes([_FAIL]) + (f"{arrived} callers for size {size}; barrier names "
+                                             f"are single-use and size must match on every rank"
+                                             ).encode()
+                done = self._cond.wait_for(
+                    lambda: int(self._data[key]) >= size or self._closed,
+                    None if timeout < 0 else timeout)
+                if int(self._data[key]) >= size:
+                    return bytes([_OK])
+                if done:
+                    raise OSError("store closing")
+                return bytes([_MISSING]) + _I64.pack(int(self._data[key]))
+        return bytes([_FAIL]) + f"unknown store op {op}".encode()
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        with self._cond:  # answer what was asked before the close (see the module docstring)
+            self._cond.wait_for(lambda: self._busy == 0, DRAIN)
+            conns = list(self._conns)
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.listener.close()
+
+
+class Store:
+    """Client of the rendezvous store (and, with ``is_server=True``, its host).
+
+    ``timeout`` bounds connecting and is the default for :meth:`get`, :meth:`barrier` and
+    :meth:`all_gather`. With ``port=0`` and ``is_server=True`` the OS picks a port, readable
+    as ``store.port``. Calls on one object are serialised (see the module docstring)."""
+
+    def __init__(self, host: str, port: int, *, is_server: bool, timeout: float):
+        self.host, self.timeout, self.is_server = host, float(timeout), is_server
+        self._server: Optional[_Server] = None
+        self._lock = threading.Lock()
+        self._sock: Optional[socket.socket] = None
+        if is_server:
+            self._server = _Server(host, port)
+            port = self._server.port
+            host = "127.0.0.1" if self._server.bind == "0.0.0.0" else self._server.bind
+        self.port = port
+        try:
+            self._sock = self._connect(host, port)
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self, host: str, port: int) -> socket.socket:
+        deadline = time.monotonic() + self.timeout
+        delay, last = 0.01, None
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                sock = socket.create_connection((host, port), timeout=max(0.1, min(left, 5.0)))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.settimeout(None)
+                return sock
+            except OSError as exc:
+                last = exc
+            if time.monotonic() + delay > deadline:
+                raise BootstrapError(
+                    f"could not reach the rendezvous store at {host}:{port} within "
+                    f"{self.timeout:g} s ({last}); check that rank 0 is running, that "
+                    f"LINKWISE_MASTER_ADDR/LINKWISE_MASTER_PORT (or MASTER_ADDR/MASTER_PORT) "
+                    f"point to it, and that no firewall blocks the port")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+    def _request(self, op: int, key: str, body: bytes, wait: Optional[float],
+                 what: str) -> bytes:
+        """Send one request and return the reply body; ``wait`` bounds the reply (None: none)."""
+        k = key.encode()
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise BootstrapError(f"store {what} {key!r}: the store was closed")
+            try:
+                sock.settimeout(wait)
+                _send_frame(sock, _KEY.pack(op, len(k)) + k + body)
+                reply = _recv_frame(sock)
+            except socket.timeout:
+                self._drop()
+                raise TimeoutError(f"store {what} {key!r}: no reply from {self.host}:{self.port} "
+                                   f"within {wait:g} s") from None
+            except OSError as exc:
+                self._drop()
+                raise self._gone(what, key, exc) from None
+            if reply is None:
+                self._drop()
+                raise self._gone(what, key, None)
+        if reply[0] == _FAIL:
+            raise BootstrapError(f"store {what} {key!r}: {reply[1:].decode()}")
+        if reply[0] == _MISSING:
+            raise _Missing(reply[1:])
+        return reply[1:]
+
+    def _gone(self, what: str, key: str, exc: Optional[BaseException]) -> StoreClosedError:
+        why = f" ({exc})" if exc else ""
+        return StoreClosedError(
+            f"store {what} {key!r}: the rendezvous store at {self.host}:{self.port} closed the "
+            f"connection{why}; rank 0 probably exited or failed, see its output",
+            peer=0, op=f"store {what}")
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def set(self, key: str, value: bytes) -> None:
+        """Set ``key`` to ``value`` and wake everyone waiting for it."""
+        self._request(_SET, key, bytes(value), self.timeout + _GRACE, "set")
+
+    def get(self, key: str, timeout: Optional[float] = None) -> bytes:
+        """Block until ``key`` is set and return its value; TimeoutError after ``timeout``
+        seconds (default: the store's timeout)."""
+        t = self.timeout if timeout is None else float(timeout)
+        try:
+            return self._request(_GET, key, _F64.pack(t), t + _GRACE, "get")
+        except _Missing:
+            raise TimeoutError(f"store get {key!r}: nobody set it within {t:g} s") from None
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the integer counter ``key`` (0 if unset); return the new value."""
+        return _I64.unpack(self._request(_ADD, key, _I64.pack(int(amount)),
+                                         self.timeout + _GRACE, "add"))[0]
+
+    def barrier(self, name: str, size: int, timeout: Optional[float] = None) -> None:
+        """Return once all ``size`` participants have called ``barrier(name, size)``.
+        Each name is for one use."""
+        t = self.timeout if timeout is None else float(timeout)
+        try:
+            self._request(_BARRIER, f"__barrier/{name}", _BAR.pack(int(size), t), t + _GRACE,
+                          "barrier")
+        except _Missing as m:
+            (arrived,) = _I64.unpack(m.args[0])
+            raise TimeoutError(f"barrier {name!r}: only {arrived} of {size} ranks arrived within "
+                               f"{t:g} s; a rank is missing or stuck") from None
+
+    def all_gather(self, name: str, rank: int, size: int, value: bytes,
+                   timeout: Optional[float] = None) -> list[bytes]:
+        """Every rank contributes ``value``; returns all ``size`` values in rank order."""
+        if not 0 <= rank < size:
+            raise ValueError(f"all_gather {name!r}: rank {rank} is not in 0..{size - 1}")
+        deadline = time.monotonic() + (self.timeout if timeout is None else float(timeout))
+        self.set(f"__ag/{name}/{rank}", value)
+        return [self.get(f"__ag/{name}/{r}", timeout=max(0.0, deadline - time.monotonic()))
+                for r in range(size)]
+
+    def close(self) -> None:
+        """Close the connection and, on rank 0, the server (others then get StoreClosedError)."""
+        sock = self._sock
+        if sock is not None:  # wakes a call blocked in another thread (it raises)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        with self._lock:
+            self._drop()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

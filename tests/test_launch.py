@@ -1,0 +1,222 @@
+"""linkwise launch: environment, prefixed output, failure handling, binding, /dev/shm cleanup."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from linkwise import launch
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def run_launch(tmp_path, body: str, *opts: str, timeout: float = 20, script_args=()):
+    script = tmp_path / "prog.py"
+    script.write_text("import os, sys, time, signal\n"
+                      "RANK = int(os.environ['LINKWISE_RANK'])\n" + body)
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "linkwise.cli", "launch", *opts, str(script),
+                        *script_args], env=env, capture_output=True, text=True, timeout=timeout)
+    return p, time.monotonic() - t0
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purpose.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_environment_and_prefixed_output(tmp_path):
+    body = ("e = os.environ\n"
+            "print('hello', RANK, e['LINKWISE_SIZE'], e['LINKWISE_LOCAL_RANK'], "
+            "e['LINKWISE_LOCAL_SIZE'], e['LINKWISE_MASTER_ADDR'], e['LINKWISE_MASTER_PORT'], "
+            "e['LINKWISE_JOB_ID'], e['PYTHONUNBUFFERED'], sys.argv[1:])\n"
+            "print('oops', RANK, file=sys.stderr)\n"
+            "sys.stdout.write('no newline')\n")
+    p, _ = run_launch(tmp_path, body, "-n", "3", "--master-port", "24567",
+                      script_args=["-n", "9", "--flag"])
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    jobs = set()
+    for k in range(3):
+        mine = [ln for ln in lines if ln.startswith(f"[rank {k}] hello")]
+        assert len(mine) == 1, lines
+        f = mine[0].split(" ", 2)[2].split(" ", 8)
+        assert f[:8] == ["hello", str(k), "3", str(k), "3", "127.0.0.1", "24567", f[7]]
+        assert mine[0].endswith("1 ['-n', '9', '--flag']")
+        jobs.add(f[7])
+        assert f"[rank {k}] oops {k}" in p.stderr.splitlines()
+        assert f"[rank {k}] no newline" in lines
+    assert len(jobs) == 1 and len(jobs.pop()) == 16
+    assert all(ln.startswith("[rank ") for ln in lines)
+
+
+def test_free_port_chosen(tmp_path):
+    p, _ = run_launch(tmp_path, "print(os.environ['LINKWISE_MASTER_PORT'])\n", "-n", "2")
+    ports = {ln.split()[-1] for ln in p.stdout.splitlines()}
+    assert p.returncode == 0 and len(ports) == 1 and 0 < int(ports.pop()) < 65536
+
+
+def test_module_mode(tmp_path):
+    (tmp_path / "mymod.py").write_text("import os, sys\nprint('mod', os.environ['LINKWISE_RANK'], sys.argv[1:])\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, str(tmp_path)]))
+    p = subprocess.run([sys.executable, "-m", "linkwise.cli", "launch", "-n", "2", "-m", "mymod",
+                        "--help"], env=env, capture_output=True, text=True, timeout=20)
+    assert p.returncode == 0, p.stderr
+    assert "[rank 1] mod 1 ['--help']" in p.stdout.splitlines()
+
+
+PIDS = ("open(os.path.join({d!r}, str(RANK)), 'w').write(str(os.getpid()))\n")
+
+
+def _wait_others(tmp_path, n):
+    return (f"while len(os.listdir({str(tmp_path / 'pids')!r})) < {n}:\n"
+            f"    time.sleep(0.01)\n")
+
+
+@pytest.mark.parametrize("how, message, code", [
+    ("sys.exit(3)", "linkwise launch: rank 1 exited with status 3", 3),
+    ("os.kill(os.getpid(), signal.SIGKILL)", "linkwise launch: rank 1 was killed by signal SIGKILL",
+     128 + 9),
+])
+def test_failing_rank_stops_the_others(tmp_path, how, message, code):
+    (tmp_path / "pids").mkdir()
+    body = (PIDS.format(d=str(tmp_path / "pids")) + _wait_others(tmp_path, 3)
+            + f"if RANK == 1:\n    {how}\ntime.sleep(60)\n")
+    p, elapsed = run_launch(tmp_path, body, "-n", "3")
+    assert p.returncode == code, p.stderr
+    assert message in p.stderr
+    assert "rank 0 was killed" not in p.stderr  # only the first failure is reported
+    assert elapsed < 10
+    pids = [int((tmp_path / "pids" / str(k)).read_text()) for k in range(3)]
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_rank_ignoring_sigterm_gets_killed(tmp_path):
+    (tmp_path / "pids").mkdir()
+    body = (PIDS.format(d=str(tmp_path / "pids")) + _wait_others(tmp_path, 2)
+            + "if RANK == 0:\n    sys.exit(1)\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n")
+    p, elapsed = run_launch(tmp_path, body, "-n", "2")
+    assert p.returncode == 1 and "rank 0 exited with status 1" in p.stderr
+    assert launch.TERM_GRACE - 0.5 < elapsed < launch.TERM_GRACE + 5
+    assert not alive(int((tmp_path / "pids" / "1").read_text()))
+
+
+def test_sigint_is_forwarded(tmp_path):
+    (tmp_path / "pids").mkdir()
+    script = tmp_path / "prog.py"
+    script.write_text("import os, time\nRANK = int(os.environ['LINKWISE_RANK'])\n"
+                      + PIDS.format(d=str(tmp_path / "pids")) + "print('ready', flush=True)\n"
+                      "time.sleep(60)\n")
+    env = dict(os.environ, PYTHONPATH=SRC)
+    p = subprocess.Popen([sys.executable, "-m", "linkwise.cli", "launch", "-n", "2", str(script)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(2):
+        assert "ready" in p.stdout.readline()
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    p.communicate(timeout=10)
+    assert p.returncode != 0 and time.monotonic() - t0 < 8
+    for k in range(2):
+        assert not alive(int((tmp_path / "pids" / str(k)).read_text()))
+
+
+def test_shm_cleanup(tmp_path):
+    other = Path(launch.SHM_DIR) / f"linkwise-notmine{os.getpid()}-x"
+    other.write_bytes(b"keep")
+    try:
+        body = ("open(f\"/dev/shm/linkwise-{os.environ['LINKWISE_JOB_ID']}-x{RANK}\", 'w').write('1')\n"
+                "print('planted', os.environ['LINKWISE_JOB_ID'])\n"
+                "if RANK == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+        p, _ = run_launch(tmp_path, body, "-n", "2")
+        assert p.returncode != 0
+        job = p.stdout.split("planted ")[1].split()[0]
+        assert not list(Path(launch.SHM_DIR).glob(f"linkwise-{job}-*"))
+        assert other.exists()
+        p, _ = run_launch(tmp_path, body.replace("RANK == 1", "False"), "-n", "2")
+        job = p.stdout.split("planted ")[1].split()[0]
+        assert p.returncode == 0 and not list(Path(launch.SHM_DIR).glob(f"linkwise-{job}-*"))
+    finally:
+        other.unlink()
+
+
+def test_cleanup_shm_only_matches_job(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "SHM_DIR", str(tmp_path))
+    for name in ("linkwise-abc-1", "linkwise-abc-ring", "linkwise-abcd-1", "other-abc-1"):
+        (tmp_path / name).write_text("")
+    assert sorted(Path(p).name for p in launch.cleanup_shm("abc")) == ["linkwise-abc-1",
+                                                                        "linkwise-abc-ring"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["linkwise-abcd-1", "other-abc-1"]
+    assert launch.cleanup_shm("") == []
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_bind_cpu_sets_disjoint_affinity(tmp_path):
+    body = "print('cpus', sorted(os.sched_getaffinity(0)))\n"
+    p, _ = run_launch(tmp_path, body, "-n", "2", "--bind", "cpu")
+    assert p.returncode == 0, p.stderr
+    sets = [set(eval(ln.split("cpus ", 1)[1])) for ln in p.stdout.splitlines()]
+    assert len(sets) == 2 and not sets[0] & sets[1]
+    assert sets[0] | sets[1] == set(os.sched_getaffinity(0))
+    p, _ = run_launch(tmp_path, body, "-n", "2")
+    sets = [set(eval(ln.split("cpus ", 1)[1])) for ln in p.stdout.splitlines()]
+    assert sets == [set(os.sched_getaffinity(0))] * 2  # --bind none leaves affinity alone
+
+
+def test_cpu_slices():
+    assert launch.cpu_slices([3, 1, 2, 0], 2) == [[0, 1], [2, 3]]
+    assert launch.cpu_slices(list(range(5)), 3) == [[0, 1], [2, 3], [4]]
+    assert launch.cpu_slices([0, 1], 3) == [[0], [1], [0]]
+    for n in range(1, 9):
+        s = launch.cpu_slices(list(range(8)), n)
+        assert sorted(c for x in s for c in x) == list(range(8)) and all(s)
+
+
+def test_bind_auto_uses_topology(monkeypatch):
+    fake = types.ModuleType("linkwise.topo.affinity")
+    fake.binding_for = lambda k, n: types.SimpleNamespace(cpus=[k], gpu=k, nic="eth0" if k else None)
+    monkeypatch.setitem(sys.modules, "linkwise.topo.affinity", fake)
+    said = []
+    got = launch._bindings("auto", 2, said.append)
+    assert got == [([0], {"LINKWISE_DEVICE": "0"}),
+                   ([1], {"LINKWISE_DEVICE": "1", "LINKWISE_SOCKET_IFNAME": "=eth0"})]
+    assert said == []
+
+
+def test_bind_auto_falls_back_to_cpu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "linkwise.topo.affinity", None)  # import fails
+    said = []
+    got = launch._bindings("auto", 1, said.append)
+    assert got == [(sorted(os.sched_getaffinity(0)), {})]
+    assert "not available" in said[0]
+    broken = types.ModuleType("linkwise.topo.affinity")
+    broken.binding_for = lambda k, n: 1 / 0
+    monkeypatch.setitem(sys.modules, "linkwise.topo.affinity", broken)
+    said.clear()
+    assert launch._bindings("auto", 1, said.append) == got and "failed" in said[0]
+
+
+def test_usage_errors(tmp_path):
+    env = dict(os.environ, PYTHONPATH=SRC)
+    p = subprocess.run([sys.executable, "-m", "linkwise.cli", "launch", "-n", "2"], env=env,
+                       capture_output=True, text=True, timeout=20)
+    assert p.returncode == 2 and "give a script" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "linkwise.cli", "launch", "-n", "1",
+                        str(tmp_path / "missing.py")], env=env, capture_output=True, text=True,
+                       timeout=20)
+    assert p.returncode == 2 and "rank 0 exited with status 2" in p.stderr
