@@ -227,7 +227,7 @@ def _killed_peer(comm, mode):
                 comm.send(np.ones(1 << 20, np.uint8), 1, tag=2, timeout=60)
     assert info.value.peer == 1
     elapsed = time.monotonic() - t0
-    assert elapsed < 5, elapsed
+    assert elapsed < 10, elapsed  # the engine checks every 0.1 s; slack for a loaded CI box
     return "raised"
 
 

@@ -6,6 +6,7 @@ over shared memory and TCP, that knows the machine's links.
     comm.send(x, dst=1); comm.recv(y, src=0)
 """
 from .comm import Communicator, Request, init
+from .topo.affinity import bind
 from .errors import BootstrapError, CommAbortedError, LinkwiseError, PeerError, TimeoutError
 
 __version__ = "0.1.0"
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "init",
+    "bind",
     "Communicator",
     "Request",
     "LinkwiseError",
