@@ -153,6 +153,10 @@ def _argument_errors(comm):
     with pytest.raises(linkwise.TimeoutError, match="did not complete"):
         comm.recv(x, (comm.rank + 1) % comm.size, tag=99, timeout=0.3)
     assert time.monotonic() - t0 < 5
+    # neither rank may exit while the other still waits out its timeout (that is a PeerError)
+    peer = (comm.rank + 1) % comm.size
+    comm.send(np.zeros(1), peer, tag=100)
+    comm.recv(np.zeros(1), peer, tag=100)
     # self send/recv, also with odd Python buffers
     comm.send(bytearray(b"hello"), comm.rank, tag=5)
     out = bytearray(5)

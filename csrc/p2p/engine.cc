@@ -14,7 +14,6 @@ constexpr uint32_t kHeaderMagic = 0x314d574c;  // "LWM1"
 constexpr uint32_t kEager = 1;
 constexpr uint32_t kPull = 2;
 constexpr size_t kStage = 4096;          // header + payload up to this go out in one write
-constexpr int64_t kSliceUs = 100000;     // while asleep, look for dead peers this often
 
 // Messages a rank sends to itself: an unbounded in-memory byte queue. Never full, so a
 // self-send completes at once; the receiver reads it under the same Engine lock.
@@ -425,76 +424,6 @@ void Engine::reap_dead_peers_locked() {
   }
 }
 
-void Engine::wake_all() {
-  for (auto& t : transports_) t->wake();
-}
-
-void Engine::sleep_once(int64_t timeout_us, const std::function<bool()>& ready) {
-  sleepers_.fetch_add(1);
-  std::vector<uint32_t> tokens(transports_.size());
-  for (size_t i = 0; i < transports_.size(); ++i) tokens[i] = transports_[i]->begin_sleep();
-  bool moved;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    moved = progress_locked();
-  }
-  if (!moved && !ready()) {
-    if (transports_.empty()) {
-      std::this_thread::sleep_for(std::chrono::microseconds(std::min<int64_t>(timeout_us, 200)));
-    } else {
-      // With several transports (shared memory and TCP at once) none can sleep on all the
-      // others' events: take turns in short naps.
-      int64_t nap = transports_.size() == 1 ? timeout_us : std::min<int64_t>(timeout_us, 1000);
-      for (size_t i = 0; i < transports_.size(); ++i) transports_[i]->sleep(tokens[i], i == 0 ? nap : 0);
-    }
-  }
-  for (auto& t : transports_) t->end_sleep();
-  sleepers_.fetch_sub(1);
-}
-
-void Engine::wait(Request& req, double timeout_s, const char* op) {
-  if (!req.done()) {
-    const auto t0 = Clock::now();
-    while (!req.done()) {
-      {
-        std::lock_guard<std::mutex> g(mu_);
-        progress_locked();
-      }
-      if (req.done() || seconds_since(t0) * 1e6 >= opt_.spin_us) break;
-      cpu_relax();
-    }
-    auto last_reap = Clock::now();
-    while (!req.done()) {
-      double left = timeout_s - seconds_since(t0);
-      if (left <= 0) {
-        if (cancel(req) || !req.done()) {
-          if (!req.done()) abort("an operation timed out in the middle of a transfer");
-          throw Error(ErrorKind::Timeout,
-                      "rank " + std::to_string(rank_) + ": " + op + " with rank " + std::to_string(req.peer) +
-                          " (" + tag_text(req.tag) + ") did not complete within " + std::to_string(timeout_s) +
-                          " s; check that the peer posts the matching call, or raise LINKWISE_TIMEOUT / timeout=",
-                      req.peer);
-        }
-        break;
-      }
-      sleep_once(std::min<int64_t>(kSliceUs, static_cast<int64_t>(left * 1e6) + 1), [&] { return req.done(); });
-      if (seconds_since(last_reap) >= 0.1 && !req.done()) {
-        std::lock_guard<std::mutex> g(mu_);
-        reap_dead_peers_locked();
-        last_reap = Clock::now();
-      }
-    }
-  }
-  req.rethrow();
-}
-
-bool Engine::test(Request& req) {
-  if (req.done()) return true;
-  std::lock_guard<std::mutex> g(mu_);
-  progress_locked();
-  return req.done();
-}
-
 bool Engine::cancel(Request& req) {
   std::lock_guard<std::mutex> g(mu_);
   if (req.done()) return false;
@@ -539,39 +468,6 @@ void Engine::abort(const std::string& why) {
       if (u.bound) fail_locked(*u.bound, ErrorKind::Aborted, abort_reason_, -1);
     p.in_req.reset();
     p.in_msg = false;
-  }
-}
-
-void Engine::note_async_posted() {
-  {
-    std::lock_guard<std::mutex> g(thread_mu_);
-    if (!progress_thread_.joinable() && !stop_thread_)
-      progress_thread_ = std::thread([this] { progress_thread_main(); });
-  }
-  thread_cv_.notify_all();
-  wake_all();
-}
-
-void Engine::progress_thread_main() {
-  auto last_reap = Clock::now();
-  while (true) {
-    {
-      std::unique_lock<std::mutex> l(thread_mu_);
-      thread_cv_.wait(l, [&] { return stop_thread_ || pending_async_.load() > 0; });
-      if (stop_thread_) return;
-    }
-    while (pending_async_.load() > 0) {
-      {
-        std::lock_guard<std::mutex> g(thread_mu_);
-        if (stop_thread_) return;
-      }
-      sleep_once(kSliceUs, [&] { return pending_async_.load() == 0; });
-      if (seconds_since(last_reap) >= 0.1) {
-        std::lock_guard<std::mutex> g(mu_);
-        reap_dead_peers_locked();
-        last_reap = Clock::now();
-      }
-    }
   }
 }
 
