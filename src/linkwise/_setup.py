@@ -165,6 +165,10 @@ def setup_links(native, store, tag: str, rank: int, size: int, job_id: str, time
     if tcp_peers:
         connect_tcp(native, store, tag, rank, size, job_id, tcp_peers, cards, timeout)
     store.barrier(f"{tag}/ready", size, timeout)
+    if config.get("LINKWISE_DEBUG"):
+        import sys
+        shown = ", ".join(f"{p}:{k}" for p, k in sorted(kinds.items())) or "none"
+        print(f"linkwise: rank {rank}/{size} ({tag}) job {job_id}: links {shown}", file=sys.stderr, flush=True)
     return kinds
 
 
