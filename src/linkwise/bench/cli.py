@@ -1,0 +1,181 @@
+"""``linkwise bench <test> [flags]``: flags and orchestration.
+
+Tests: ``p2p`` (OSU-style latency, bandwidth, bidirectional bandwidth between ranks 0 and 1)
+and the collectives (nccl-tests' flags and columns). Two ways to run:
+
+* not under a launcher (LINKWISE_RANK unset, a single process): this process starts ``-N``
+  ranks itself (:mod:`.spawn`), then, for ``--compare mpi``, a second launch with mpirun right
+  after; each repetition (``--reps``) repeats both launches, and the tables show medians;
+* under a launcher (``linkwise launch -n 2 -m linkwise.cli bench all_reduce``, torchrun,
+  mpirun, ...): every rank runs the sweep in place and rank 0 prints (and, for ``--compare
+  mpi`` outside mpirun, starts mpirun itself once the others are done).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+from . import common, compare, report
+
+TESTS = ("p2p",) + common.COLLECTIVES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("test", choices=TESTS, help="p2p, or a collective as in nccl-tests")
+    p.add_argument("-b", "--minbytes", default=None, help="smallest size (default 1 for p2p, 8)")
+    p.add_argument("-e", "--maxbytes", default="64M", help="largest size (default 64M)")
+    p.add_argument("-f", "--stepfactor", type=float, default=2.0,
+                   help="multiply the size by this (default 2); 1: add -i instead")
+    p.add_argument("-i", "--stepbytes", default="1M", help="size step when -f is 1")
+    p.add_argument("-n", "--iters", type=int, default=None,
+                   help="timed iterations (default 20; p2p 10000, fewer for large sizes)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=None,
+                   help="warm-up iterations (default 5; p2p 200)")
+    p.add_argument("-c", "--check", type=int, default=1, choices=(0, 1),
+                   help="check every result and count wrong elements (default 1)")
+    p.add_argument("-d", "--datatype", default="float",
+                   help=f"{', '.join(common.DTYPES)} or all (default float)")
+    p.add_argument("-o", "--op", default="sum", help=f"{', '.join(common.OPS)} or all (default sum)")
+    p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast and reduce")
+    p.add_argument("-N", "--nranks", type=int, default=2,
+                   help="ranks to start when not under a launcher (default 2)")
+    p.add_argument("--tests", default="latency,bw,bibw", help="p2p: which of latency,bw,bibw")
+    p.add_argument("--window", type=int, default=64, help="p2p: messages in flight for bw/bibw")
+    p.add_argument("--compare", default="", help="other systems to run the same sweep: gloo,mpi")
+    p.add_argument("--reps", type=int, default=1,
+                   help="repeat the whole sweep (every system, alternating); report medians")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="plot busbw and time against size")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--mpirun-args", default="", help="extra mpirun arguments for --compare mpi")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds for each launch")
+
+
+def _normalise(args) -> list[str]:
+    """Fill test-dependent defaults; returns the compared systems (validated)."""
+    if args.minbytes is None:
+        args.minbytes = "1" if args.test == "p2p" else "8"
+    common.resolve_dtypes(args.datatype)
+    common.resolve_ops(args.op)
+    others = [s.strip() for s in args.compare.split(",") if s.strip()]
+    for s in others:
+        if s not in compare.SYSTEMS:
+            raise ValueError(f"--compare: unknown system {s!r}; expected {', '.join(compare.SYSTEMS)}")
+    if args.test == "p2p" and args.nranks < 2:
+        raise ValueError("p2p needs -N 2 or more")
+    if not 0 <= args.root < max(1, args.nranks):
+        raise ValueError(f"-r {args.root} is not a rank of {args.nranks}")
+    return others
+
+
+def _command(args) -> str:
+    argv = sys.argv[sys.argv.index(args.test):] if args.test in sys.argv else [args.test]
+    return "linkwise bench " + " ".join(shlex.quote(a) for a in argv)
+
+
+def _args_json(args) -> str:
+    return json.dumps({k: v for k, v in vars(args).items() if not callable(v)})
+
+
+def _finish(doc: dict, args) -> int:
+    coll = doc["test"]
+    for name, s in doc["systems"].items():
+        if s.get("status") == "ok":
+            s["rows"] = report.median_rows(s.get("runs", []), coll, doc["nranks"])
+    report.print_doc(doc, sys.stdout)
+    sys.stdout.flush()
+    if args.json:
+        report.write_json(doc, args.json)
+    if args.plot:
+        try:
+            report.plot(doc, args.plot)
+        except ImportError as exc:
+            print(f"linkwise bench: --plot needs matplotlib ({exc})", file=sys.stderr)
+    measured = [s for s in doc["systems"].values() if s.get("status") == "ok"]
+    lw = doc["systems"].get("linkwise", {})
+    if lw.get("status") == "not available" and not measured:
+        print(f"linkwise bench {coll}: {lw.get('reason')}", file=sys.stderr)
+        return 2
+    wrong = sum((c.get("wrong") or 0) for s in measured for r in s.get("rows", [])
+                for c in (r.get("oop", {}), r.get("ip", {})) if isinstance(c, dict))
+    return 1 if wrong else 0
+
+
+def _merge(doc: dict, part: dict) -> None:
+    for name, s in part["systems"].items():
+        mine = doc["systems"].setdefault(name, {k: v for k, v in s.items() if k != "runs"} | {"runs": []})
+        mine["runs"].extend(s.get("runs", []))
+
+
+def _self_launched(args, others: list[str]) -> int:
+    from . import spawn
+    systems = ["linkwise"] + [s for s in others if s != "mpi"]
+    doc = {"test": args.test, "nranks": args.nranks, "machine": report.machine(),
+           "command": _command(args),
+           "systems": {}}
+    one_rep = json.loads(_args_json(args)) | {"reps": 1}
+    mpi_skip = compare.missing("mpi") if "mpi" in others else None
+    for _ in range(max(1, args.reps)):
+        _merge(doc, spawn.launch_ranks(args.nranks, json.dumps(one_rep), systems, args.timeout))
+        if "mpi" in others and not mpi_skip:
+            part = spawn.launch_mpi(args.nranks, json.dumps(one_rep), args.timeout, args.mpirun_args)
+            part["systems"]["mpi"]["how"] = spawn.mpi_how(args.nranks, args.mpirun_args)
+            _merge(doc, part)
+    if mpi_skip:
+        doc["systems"]["mpi"] = {"status": "skipped", "reason": mpi_skip}
+    return _finish(doc, args)
+
+
+def _in_launcher(args, others: list[str]) -> int:
+    from .runner import measure
+    mpi_here = compare.under_mpirun()
+    systems = ["linkwise"] + [s for s in others if s != "mpi" or mpi_here]
+    out = measure(args, systems, show_progress=not args.no_progress)
+    rank, nranks = out.pop("_rank"), out.pop("_nranks")
+    if rank != 0:
+        return 0
+    doc = {"test": args.test, "nranks": nranks, "machine": report.machine(),
+           "command": _command(args),
+           "systems": out}
+    if "mpi" in others and not mpi_here:
+        why = compare.missing("mpi")
+        if why:
+            out["mpi"] = {"status": "skipped", "reason": why}
+        else:
+            from . import spawn
+            part = spawn.launch_mpi(nranks, _args_json(args), args.timeout, args.mpirun_args)
+            part["systems"]["mpi"]["how"] = spawn.mpi_how(nranks, args.mpirun_args)
+            _merge(doc, part)
+    return _finish(doc, args)
+
+
+def run(args) -> int:
+    try:
+        others = _normalise(args)
+    except ValueError as exc:
+        print(f"linkwise bench: {exc}", file=sys.stderr)
+        return 2
+    from .. import bootstrap
+    env = bootstrap.detect()
+    if env.size > 1:
+        return _in_launcher(args, others)
+    if args.nranks == 1 and args.test != "p2p":
+        return _in_launcher(args, others)
+    from .spawn import LaunchError
+    try:
+        return _self_launched(args, others)
+    except LaunchError as exc:
+        print(f"linkwise bench: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="linkwise bench", description="measure latency and bandwidth")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""nccl-tests-style sweep of one collective on one backend (runs on every rank).
+
+For each size, type, op and root: out-of-place then in-place, each timed as ``-w`` warm-up
+calls, a barrier, ``-n`` timed calls; the time reported is the mean per call, the max over
+ranks. With ``-c 1`` every rank then refills its inputs, runs the operation once more and
+counts the elements that differ from a NumPy reference (summed over ranks).
+
+Sizes are nccl-tests': for all_gather, reduce_scatter and all_to_all ``size`` is the whole
+buffer (n blocks of size/n bytes), rounded down to a multiple of n elements.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+
+from . import common
+from .backends import Backend, Unsupported, first_call, inplace_views, time_loop
+
+
+def _inputs(coll: str, op: str, rank: int, size: int, total: int, block: int, dtype, root: int):
+    """(send, recv) filled as rank's inputs, with recv holding this rank's in-place input."""
+    if coll == "all_gather":
+        send = common.input_values(coll, op, rank, block, dtype)
+        recv = np.zeros(total, dtype)
+        recv[rank * block:(rank + 1) * block] = send
+        return send, recv
+    if coll == "reduce_scatter":
+        return common.input_values(coll, op, rank, total, dtype), np.zeros(block, dtype)
+    send = common.input_values(coll, op, rank, total, dtype)
+    if coll == "broadcast":
+        recv = send.copy() if rank == root else np.zeros(total, dtype)
+        return send, recv
+    if coll in ("all_reduce", "reduce"):
+        return send, send.copy()
+    return send, np.zeros(total, dtype)
+
+
+def expected(coll: str, op: str, rank: int, size: int, total: int, block: int, dtype,
+             root: int) -> Optional[np.ndarray]:
+    """What this rank's result must be; None where nothing is defined (reduce off root)."""
+    def inp(r, n):
+        return common.input_values(coll, op, r, n, dtype)
+    if coll == "all_reduce":
+        return common.reduce_reference(np.stack([inp(r, total) for r in range(size)]), op, dtype)
+    if coll == "reduce":
+        if rank != root:
+            return None
+        return common.reduce_reference(np.stack([inp(r, total) for r in range(size)]), op, dtype)
+    if coll == "broadcast":
+        return inp(root, total)
+    if coll == "all_gather":
+        return np.concatenate([inp(r, block) for r in range(size)]) if size else inp(0, 0)
+    if coll == "reduce_scatter":
+        full = common.reduce_reference(np.stack([inp(r, total) for r in range(size)]), op, dtype)
+        return full[rank * block:(rank + 1) * block]
+    if coll == "all_to_all":
+        return np.concatenate([inp(r, total)[rank * block:(rank + 1) * block] for r in range(size)])
+    if coll == "sendrecv":
+        return inp((rank - 1) % size, total)
+    raise ValueError(coll)
+
+
+def _one_variant(backend: Backend, coll: str, dtype, op: str, root: int, total: int, block: int,
+                 inplace: bool, iters: int, warmup: int, check: bool) -> dict:
+    """Time (and check) one variant; {'na': reason} when the system has no such form."""
+    rank, size = backend.rank, backend.size
+    send, recv = _inputs(coll, op, rank, size, total, block, dtype, root)
+    try:
+        fn = backend.bind(coll, send, recv, inplace, op, root)
+    except Unsupported as exc:
+        return {"na": str(exc)}
+    why = first_call(fn)
+    if why is not None:
+        return {"na": why}
+    seconds = time_loop(backend, fn, iters, max(0, warmup - 1))
+    wrong = 0
+    if check:
+        fresh_send, fresh_recv = _inputs(coll, op, rank, size, total, block, dtype, root)
+        send[...] = fresh_send
+        recv[...] = fresh_recv
+        backend.barrier()
+        fn()
+        want = expected(coll, op, rank, size, total, block, dtype, root)
+        if want is not None:
+            got = backend.result_view(coll, send, recv, inplace)
+            wrong = common.count_wrong(got, want, op)
+        wrong = backend.sum_over_ranks(wrong)
+    nbytes = total * dtype.itemsize
+    algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+    return {"time_us": seconds * 1e6, "algbw": algbw,
+            "busbw": algbw * common.busbw_factor(coll, size), "wrong": wrong if check else None}
+
+
+def run_sweep(backend: Backend, coll: str, sizes: list[int], dtypes: list[str], ops: list[str],
+              root: int, iters: int, warmup: int, check: bool,
+              progress: Optional[Callable[[], None]] = None) -> list[dict]:
+    """Every (size, type, op) point of the sweep on this backend; rows are valid on rank 0."""
+    if coll not in common.COLLECTIVES:
+        raise ValueError(f"unknown collective {coll!r}")
+    rows = []
+    op_list = ops if coll in common.HAS_REDOP else ["none"]
+    for nbytes in sizes:
+        for tname in dtypes:
+            dtype = common.DTYPES[tname]
+            split = common.counts(coll, nbytes, dtype.itemsize, backend.size)
+            for op in op_list:
+                if progress:
+                    progress()
+                if split is None:
+                    continue
+                total, block = split
+                row = {"size": total * dtype.itemsize, "count": total, "type": tname, "redop": op,
+                       "root": root if coll in common.HAS_ROOT else -1}
+                for key, inplace in (("oop", False), ("ip", True)):
+                    row[key] = _one_variant(backend, coll, dtype, op if op != "none" else "sum",
+                                            root, total, block, inplace, iters, warmup, check)
+                rows.append(row)
+    return rows
+
+
+def sweep_points(coll: str, sizes: list[int], dtypes: list[str], ops: list[str]) -> int:
+    return len(sizes) * len(dtypes) * (len(ops) if coll in common.HAS_REDOP else 1)
+
+
+__all__ = ["run_sweep", "expected", "sweep_points", "inplace_views"]

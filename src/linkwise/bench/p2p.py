@@ -1,0 +1,118 @@
+"""OSU-style point-to-point tests between ranks 0 and 1 (other ranks wait at the barrier).
+
+* latency: ping-pong; one-way latency is half the round trip (us).
+* bandwidth: rank 0 posts a window of isends, rank 1 a window of irecvs; after each window
+  rank 1 sends a 4-byte acknowledgement (as osu_bw). GB/s = size * window * iters / time.
+* bibw: both ranks post a window of irecvs and isends at once (as osu_bibw); bytes both ways.
+
+Iteration counts shrink with size so a 64 MiB point takes a fraction of a second:
+``iters_for(size)``. All messages of a window share one buffer, as OSU does.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from .backends import Backend
+
+TESTS = ("latency", "bw", "bibw")
+_LAT_BUDGET = 256 << 20    # bytes a latency point moves, at most (each way)
+_BW_BUDGET = 1 << 30       # bytes a bandwidth point moves, at most
+
+
+def lat_iters(size: int, iters: int) -> int:
+    return max(10, min(iters, _LAT_BUDGET // max(1, size)))
+
+
+def warmup_for(size: int, warmup: int) -> int:
+    """Warm-up rounds: as asked for small sizes, about a tenth of the timed rounds for large."""
+    return max(2, min(warmup, lat_iters(size, warmup * 10) // 10))
+
+
+def window_for(size: int, window: int) -> int:
+    if size <= 1 << 20:
+        return window
+    return max(4, min(window, (64 << 20) // size))
+
+
+def bw_iters(size: int, window: int, iters: int) -> int:
+    return max(5, min(max(10, iters // 10), _BW_BUDGET // max(1, size * window)))
+
+
+def latency(b: Backend, size: int, iters: int, warmup: int) -> float:
+    """One-way latency in microseconds (valid on rank 0)."""
+    buf = np.zeros(max(size, 1), np.uint8)[:size]
+    n = lat_iters(size, iters)
+    me = b.rank
+
+    def rounds(k: int) -> None:
+        for _ in range(k):
+            if me == 0:
+                b.send(buf, 1)
+                b.recv(buf, 1)
+            elif me == 1:
+                b.recv(buf, 0)
+                b.send(buf, 0)
+    rounds(warmup_for(size, warmup))
+    b.barrier()
+    t0 = time.perf_counter()
+    rounds(n)
+    dt = time.perf_counter() - t0
+    b.barrier()
+    return dt / n / 2 * 1e6
+
+
+def bandwidth(b: Backend, size: int, iters: int, warmup: int, window: int, bidir: bool) -> float:
+    """GB/s from rank 0 to rank 1 (bidir: both ways added; valid on rank 0)."""
+    sbuf = np.zeros(max(size, 1), np.uint8)[:size]
+    rbuf = np.zeros(max(size, 1), np.uint8)[:size]
+    ack = np.zeros(4, np.uint8)
+    w = window_for(size, window)
+    n = bw_iters(size, w, iters)
+    me = b.rank
+
+    def windows(k: int) -> None:
+        for _ in range(k):
+            if me > 1:
+                return
+            peer = 1 - me
+            if bidir:
+                reqs = [b.irecv(rbuf, peer) for _ in range(w)]
+                reqs += [b.isend(sbuf, peer) for _ in range(w)]
+                b.waitall(reqs)
+            elif me == 0:
+                b.waitall([b.isend(sbuf, 1) for _ in range(w)])
+                b.recv(ack, 1)
+            else:
+                b.waitall([b.irecv(rbuf, 0) for _ in range(w)])
+                b.send(ack, 0)
+    windows(max(1, min(warmup // 10, n // 5)))
+    b.barrier()
+    t0 = time.perf_counter()
+    windows(n)
+    dt = time.perf_counter() - t0
+    b.barrier()
+    moved = size * w * n * (2 if bidir else 1)
+    return moved / dt / 1e9
+
+
+def run_sweep(b: Backend, sizes: list[int], tests: list[str], iters: int, warmup: int,
+              window: int, progress: Optional[Callable[[], None]] = None) -> list[dict]:
+    """Rows {size, latency_us, bw_GBps, bibw_GBps} (tests not asked for are absent)."""
+    if b.size < 2:
+        raise ValueError("the point-to-point benchmark needs at least 2 ranks")
+    rows = []
+    for size in sizes:
+        row: dict = {"size": size}
+        if "latency" in tests:
+            row["latency_us"] = latency(b, size, iters, warmup)
+        if "bw" in tests:
+            row["bw_GBps"] = bandwidth(b, size, iters, warmup, window, bidir=False)
+        if "bibw" in tests:
+            row["bibw_GBps"] = bandwidth(b, size, iters, warmup, window, bidir=True)
+        rows.append(row)
+        if progress:
+            progress()
+    return rows

@@ -1,0 +1,241 @@
+"""Tables (nccl-tests / OSU layout), JSON documents, medians over repetitions, and plots.
+
+A result document is a dict::
+
+    {"test": "all_reduce" | "p2p", "nranks": 2, "command": "...", "machine": "...",
+     "systems": {"linkwise": {"status": "ok", "how": "...", "runs": [[row, ...], ...],
+                              "rows": [median row, ...]},
+                 "gloo": {"status": "skipped", "reason": "torch is not installed"}, ...}}
+
+Ratios: for bandwidth, linkwise / other (above 1: linkwise is faster); for p2p latency,
+linkwise time / other time (below 1: linkwise is faster). For a collective,
+``lw/x = linkwise busbw / x busbw`` equals ``x time / linkwise time`` for the same size.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from typing import Optional, TextIO
+
+from . import common
+
+VARIANTS = (("oop", "out-of-place"), ("ip", "in-place"))
+
+
+def machine() -> str:
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cpu or platform.processor()} ({cores} cores), Linux {platform.release()}, " \
+           f"Python {platform.python_version()}"
+
+
+# -- medians over repetitions ---------------------------------------------------------------
+def _row_key(row: dict) -> tuple:
+    return (row["size"], row.get("type"), row.get("redop"), row.get("root"))
+
+
+def median_rows(runs: list[list[dict]], coll: str, nranks: int) -> list[dict]:
+    """Per point, the median over repetitions (time for collectives; each metric for p2p)."""
+    if not runs:
+        return []
+    if len(runs) == 1:
+        return runs[0]
+    out = []
+    for idx, first in enumerate(runs[0]):
+        same = [r[idx] for r in runs if idx < len(r) and _row_key(r[idx]) == _row_key(first)]
+        row = dict(first)
+        if coll == "p2p":
+            for k in ("latency_us", "bw_GBps", "bibw_GBps"):
+                if k in first:
+                    row[k] = statistics.median(r[k] for r in same)
+        else:
+            for var, _ in VARIANTS:
+                cells = [r[var] for r in same if "time_us" in r.get(var, {})]
+                if not cells:
+                    continue
+                t = statistics.median(c["time_us"] for c in cells)
+                algbw = row["size"] / (t * 1e-6) / 1e9 if t > 0 else 0.0
+                wrong = [c["wrong"] for c in cells if c.get("wrong") is not None]
+                row[var] = {"time_us": t, "algbw": algbw,
+                            "busbw": algbw * common.busbw_factor(coll, nranks),
+                            "wrong": max(wrong) if wrong else None}
+        out.append(row)
+    return out
+
+
+# -- collectives ----------------------------------------------------------------------------
+def _cell(c: Optional[dict]) -> str:
+    if not c or "time_us" not in c:
+        return f"{'n/a':>10} {'n/a':>7} {'n/a':>7} {'n/a':>6}"
+    wrong = "N/A" if c.get("wrong") is None else str(c["wrong"])
+    return f"{c['time_us']:10.2f} {c['algbw']:7.2f} {c['busbw']:7.2f} {wrong:>6}"
+
+
+def _pick(lw_row: dict, other_row: Optional[dict]):
+    """(variant, lw cell, other cell) for a comparison: out-of-place where the other system
+    has it, else in-place."""
+    if other_row is None:
+        return None, None, None
+    for var, _ in VARIANTS:
+        if "time_us" in other_row.get(var, {}):
+            return var, lw_row.get(var, {}), other_row[var]
+    return None, None, None
+
+
+def collective_table(doc: dict, out: TextIO) -> None:
+    coll, n = doc["test"], doc["nranks"]
+    systems = doc["systems"]
+    lw = systems.get("linkwise", {})
+    others = [s for s, v in systems.items() if s != "linkwise" and v.get("status") == "ok"]
+    w = out.write
+    w(f"# linkwise bench {coll}: {n} ranks; {doc.get('machine', '')}\n")
+    w(f"# busbw = algbw * {common.busbw_factor(coll, n):.4g} (nccl-tests' factor for {coll}); "
+      f"time = mean per call, max over ranks\n")
+    for name, s in systems.items():
+        if s.get("status") != "ok":
+            w(f"# {name}: {s.get('status')} ({s.get('reason', '')})\n")
+        elif s.get("how"):
+            w(f"# {name}: {s['how']}\n")
+    rows = lw.get("rows") if lw.get("status") == "ok" else None
+    if rows is None:  # linkwise could not run it: show the first other system instead
+        if not others:
+            return
+        rows = systems[others[0]]["rows"]
+        w(f"# rows below are {others[0]}'s (linkwise has no {coll})\n")
+        others = others[1:]
+    head_cmp = "".join(f" {s + ' us':>10} {s + ' busbw':>10} {'lw/' + s:>8}" for s in others)
+    w(f"#{'':47}{'out-of-place':^34}{'in-place':^34}\n")
+    w(f"#{'size':>11} {'count':>12} {'type':>8} {'redop':>6} {'root':>5}"
+      f" {'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
+      f" {'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}{head_cmp}\n")
+    w(f"#{'(B)':>11} {'(elements)':>12} {'':>8} {'':>6} {'':>5}"
+      f" {'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}"
+      f" {'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}\n")
+    index = {s: {_row_key(r): r for r in systems[s]["rows"]} for s in others}
+    busbws, wrong_total = [], 0
+    for r in rows:
+        line = f"{r['size']:12d} {r['count']:12d} {r['type']:>8} {r['redop']:>6} {r['root']:5d}"
+        line += " " + _cell(r.get("oop")) + " " + _cell(r.get("ip"))
+        for s in others:
+            var, mine, theirs = _pick(r, index[s].get(_row_key(r)))
+            if theirs is None:
+                line += f" {'n/a':>10} {'n/a':>10} {'n/a':>8}"
+                continue
+            ratio = (mine["busbw"] / theirs["busbw"]) if mine and "busbw" in mine and theirs["busbw"] else None
+            tag = "" if var == "oop" else "*"
+            line += f" {theirs['time_us']:10.2f} {theirs['busbw']:9.2f}{tag or ' '}"
+            line += f" {ratio:8.2f}" if ratio is not None else f" {'n/a':>8}"
+        w(line + "\n")
+        for var, _ in VARIANTS:
+            c = r.get(var, {})
+            if "busbw" in c:
+                wrong_total += c.get("wrong") or 0
+        if "busbw" in r.get("oop", {}):
+            busbws.append(r["oop"]["busbw"])
+    if others:
+        w("# lw/x: linkwise busbw / x busbw for the same variant (= x time / linkwise time); "
+          "* = compared in place (x has no out-of-place form)\n")
+    w(f"# Out of bounds values : {wrong_total} {'OK' if wrong_total == 0 else 'FAILED'}\n")
+    if busbws:
+        w(f"# Avg bus bandwidth    : {sum(busbws) / len(busbws):.4f}\n")
+
+
+# -- point-to-point -------------------------------------------------------------------------
+_P2P_COLS = (("latency_us", "lat(us)", True), ("bw_GBps", "bw(GB/s)", False),
+             ("bibw_GBps", "bibw(GB/s)", False))
+
+
+def p2p_table(doc: dict, out: TextIO) -> None:
+    systems = doc["systems"]
+    w = out.write
+    w(f"# linkwise bench p2p: ranks 0 <-> 1 of {doc['nranks']}; {doc.get('machine', '')}\n")
+    for name, s in systems.items():
+        if s.get("status") != "ok":
+            w(f"# {name}: {s.get('status')} ({s.get('reason', '')})\n")
+        elif s.get("how"):
+            w(f"# {name}: {s['how']}\n")
+    lw = systems.get("linkwise", {})
+    if lw.get("status") != "ok":
+        return
+    others = [s for s, v in systems.items() if s != "linkwise" and v.get("status") == "ok"]
+    cols = [c for c in _P2P_COLS if c[0] in (lw["rows"][0] if lw["rows"] else {})]
+    head = f"#{'size':>11}"
+    for key, label, _ in cols:
+        head += f" {label:>11}"
+        for s in others:
+            head += f" {s + ' ' + label.split('(')[0]:>11} {'lw/' + s:>7}"
+    w(head + "\n")
+    index = {s: {r["size"]: r for r in systems[s]["rows"]} for s in others}
+    for r in lw["rows"]:
+        line = f"{r['size']:12d}"
+        for key, _, is_time in cols:
+            line += f" {r[key]:11.2f}" if is_time else f" {r[key]:11.3f}"
+            for s in others:
+                o = index[s].get(r["size"], {})
+                if key not in o:
+                    line += f" {'n/a':>11} {'n/a':>7}"
+                    continue
+                line += f" {o[key]:11.2f}" if is_time else f" {o[key]:11.3f}"
+                line += f" {r[key] / o[key]:7.2f}" if o[key] else f" {'n/a':>7}"
+        w(line + "\n")
+    if others:
+        w("# lw/x: latency = linkwise time / x time (lower is better); bw, bibw = linkwise GB/s / "
+          "x GB/s (higher is better)\n")
+
+
+def print_doc(doc: dict, out: TextIO) -> None:
+    (p2p_table if doc["test"] == "p2p" else collective_table)(doc, out)
+
+
+def write_json(doc: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def plot(doc: dict, path: str) -> None:
+    """busbw and time against size (log-log), one line per system (out-of-place where it has
+    it, else in-place); for p2p, latency and bandwidth."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))
+    p2p = doc["test"] == "p2p"
+    for name, s in doc["systems"].items():
+        if s.get("status") != "ok" or not s.get("rows"):
+            continue
+        rows = s["rows"]
+        if p2p:
+            xs = [r["size"] for r in rows]
+            if "bw_GBps" in rows[0]:
+                ax_bw.plot(xs, [r["bw_GBps"] for r in rows], marker="o", label=name)
+            if "latency_us" in rows[0]:
+                ax_t.plot(xs, [r["latency_us"] for r in rows], marker="o", label=name)
+            continue
+        for var, label in VARIANTS:
+            pts = [(r["size"], r[var]) for r in rows if "time_us" in r.get(var, {}) and r["size"] > 0]
+            if pts:
+                ax_bw.plot([p[0] for p in pts], [p[1]["busbw"] for p in pts], marker="o",
+                           label=f"{name} ({label})")
+                ax_t.plot([p[0] for p in pts], [p[1]["time_us"] for p in pts], marker="o",
+                          label=f"{name} ({label})")
+                break
+    ax_bw.set_ylabel("bandwidth (GB/s)" if p2p else "busbw (GB/s)")
+    ax_t.set_ylabel("one-way latency (us)" if p2p else "time (us)")
+    for ax in (ax_bw, ax_t):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("size (bytes)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"linkwise bench {doc['test']}, {doc['nranks']} ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,137 @@
+"""Start benchmark ranks when ``linkwise bench`` is not already running under a launcher.
+
+:func:`launch_ranks` starts N processes of ``python -m linkwise.bench.worker`` on this host
+with the ``LINKWISE_*`` variables of a local job (as ``linkwise launch`` sets them);
+:func:`launch_mpi` starts the same worker under ``mpirun`` for the MPI comparison. The
+benchmark's arguments travel in ``LINKWISE_BENCH_ARGS`` (JSON), the systems to measure in
+``LINKWISE_BENCH_SYSTEMS``, and rank 0 writes its results to ``LINKWISE_BENCH_RESULT``.
+
+Only rank 0 keeps stdout and stderr (its progress bar and errors); other ranks keep stderr.
+When a rank fails or the time limit passes, the other ranks started here are killed, and the
+job's shared-memory segments are removed.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+from . import compare
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_env(args_json: str, systems: list[str], result: str) -> dict:
+    env = dict(os.environ)
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(LINKWISE_BENCH_ARGS=args_json, LINKWISE_BENCH_SYSTEMS=",".join(systems),
+               LINKWISE_BENCH_RESULT=result)
+    return env
+
+
+def _read_result(path: str, what: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise LaunchError(f"{what}: rank 0 wrote no result ({exc})") from None
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(k, c) for k, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                k, c = bad[0]
+                raise LaunchError(f"{what}: rank {k} exited with status {c}")
+            if all(c == 0 for c in codes):
+                return
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{what}: ranks did not finish within {timeout:.0f} s")
+            time.sleep(0.02)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def launch_ranks(nranks: int, args_json: str, systems: list[str], timeout: float) -> dict:
+    """Run the worker on nranks local processes; returns rank 0's result document."""
+    job = secrets.token_hex(6)
+    fd, result = tempfile.mkstemp(prefix="linkwise-bench-", suffix=".json")
+    os.close(fd)
+    env = _worker_env(args_json, systems, result)
+    port = free_port()
+    procs = []
+    try:
+        for rank in range(nranks):
+            e = dict(env, LINKWISE_RANK=str(rank), LINKWISE_SIZE=str(nranks),
+                     LINKWISE_LOCAL_RANK=str(rank), LINKWISE_LOCAL_SIZE=str(nranks),
+                     LINKWISE_MASTER_ADDR="127.0.0.1", LINKWISE_MASTER_PORT=str(port),
+                     LINKWISE_JOB_ID=job)
+            out = None if rank == 0 else subprocess.DEVNULL
+            procs.append(subprocess.Popen([sys.executable, "-m", "linkwise.bench.worker"],
+                                          env=e, stdout=out))
+        _wait_all(procs, timeout, f"linkwise bench ({nranks} ranks)")
+        return _read_result(result, "linkwise bench")
+    finally:
+        os.unlink(result)
+        for seg in glob.glob(f"/dev/shm/linkwise-{job}-*"):
+            try:
+                os.unlink(seg)
+            except OSError:
+                pass
+
+
+def launch_mpi(nranks: int, args_json: str, timeout: float, extra: str = "") -> dict:
+    """Run the worker's MPI sweep under mpirun; returns rank 0's result document."""
+    fd, result = tempfile.mkstemp(prefix="linkwise-bench-mpi-", suffix=".json")
+    os.close(fd)
+    env = _worker_env(args_json, ["mpi"], result)
+    for var in [v for v in env if v.startswith(("LINKWISE_RANK", "LINKWISE_SIZE", "LINKWISE_LOCAL_",
+                                                 "LINKWISE_MASTER_", "LINKWISE_JOB_ID"))]:
+        del env[var]
+    cmd = compare.mpirun_command(nranks, extra) + [sys.executable, "-m", "linkwise.bench.worker"]
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            text, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise LaunchError(f"mpirun did not finish within {timeout:.0f} s") from None
+        if proc.returncode != 0:
+            tail = text.decode(errors="replace")[-2000:]
+            raise LaunchError(f"mpirun exited with status {proc.returncode}:\n{tail}")
+        return _read_result(result, "mpirun")
+    finally:
+        os.unlink(result)
+
+
+def mpi_how(nranks: int, extra: str = "") -> str:
+    return "second launch right after linkwise's: " + " ".join(
+        os.path.basename(c) if k == 0 else c for k, c in enumerate(compare.mpirun_command(nranks, extra))
+        if not c.startswith("LINKWISE") and c != "-x" and c != "PYTHONPATH")
+
+
+def shm_leftovers(job: Optional[str] = None) -> list[str]:
+    return glob.glob(f"/dev/shm/linkwise-{job or ''}*")

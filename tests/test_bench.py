@@ -1,0 +1,146 @@
+"""linkwise bench: tiny sweeps through the real command, columns, JSON, checks, busbw factors,
+and comparison systems that are missing."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from linkwise.bench import collective, common, compare, report
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+TINY = ["-b", "8", "-e", "1024", "-f", "8", "-n", "2", "-w", "1", "--no-progress"]
+HEADER = ["size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong",
+          "time", "algbw", "busbw", "#wrong"]
+
+
+def bench(*argv: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    e = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in [k for k in e if k.startswith("LINKWISE_") and k != "LINKWISE_TRANSPORT"]:
+        del e[k]
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "linkwise.bench.cli", *argv], env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _available_collectives() -> list[str]:
+    from linkwise.comm import Communicator
+    return [c for c in common.COLLECTIVES if c == "sendrecv" or callable(getattr(Communicator, c, None))]
+
+
+@pytest.mark.parametrize("coll,n,factor", [
+    ("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5), ("all_reduce", 8, 1.75), ("all_reduce", 1, 0.0),
+    ("all_gather", 4, 0.75), ("reduce_scatter", 8, 0.875), ("all_to_all", 2, 0.5),
+    ("broadcast", 8, 1.0), ("reduce", 5, 1.0), ("sendrecv", 3, 1.0)])
+def test_busbw_factor(coll, n, factor):
+    assert common.busbw_factor(coll, n) == pytest.approx(factor)
+
+
+def test_busbw_factor_rejects_unknown():
+    with pytest.raises(ValueError):
+        common.busbw_factor("gather_all", 2)
+
+
+def test_sweep_and_sizes():
+    assert common.sweep(8, 1024, 8) == [8, 64, 512]
+    assert common.sweep(1, 8, 2) == [1, 2, 4, 8]
+    assert common.sweep(0, 3 << 20, 1, 1 << 20) == [0, 1 << 20, 2 << 20, 3 << 20]
+    assert common.parse_size("64M") == 64 << 20 and common.parse_size("4KiB") == 4096
+
+
+@pytest.mark.parametrize("coll", common.COLLECTIVES)
+def test_reference_is_consistent(coll):
+    """The expected results agree with a direct NumPy model for 3 ranks."""
+    n, dtype, op = 3, np.dtype(np.float32), "sum"
+    total, block = common.counts(coll, 96, 4, n)
+    got = [collective.expected(coll, op, r, n, total, block, dtype, 1) for r in range(n)]
+    if coll == "all_reduce":
+        assert np.array_equal(got[0], got[2])
+    if coll == "all_gather":
+        assert got[0].size == total
+    if coll in ("reduce_scatter",):
+        assert got[1].size == block
+    if coll == "reduce":
+        assert got[0] is None and got[1] is not None
+
+
+def test_p2p_tiny_sweep_json(tmp_path):
+    out = tmp_path / "p2p.json"
+    r = bench("p2p", "-b", "1", "-e", "4096", "-f", "16", "-n", "20", "-w", "2", "--no-progress",
+              "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln and not ln.startswith("#")]
+    assert [int(ln.split()[0]) for ln in lines] == [1, 16, 256, 4096]
+    assert "lat(us)" in r.stdout and "bibw(GB/s)" in r.stdout
+    doc = json.loads(out.read_text())
+    rows = doc["systems"]["linkwise"]["rows"]
+    assert doc["test"] == "p2p" and len(rows) == 4
+    assert all(row["latency_us"] > 0 and row["bw_GBps"] > 0 and row["bibw_GBps"] > 0 for row in rows)
+
+
+def test_collectives_tiny_sweep(tmp_path):
+    """Every collective the build has: nccl-tests' columns, JSON, -c 1 gives 0 wrong."""
+    colls = _available_collectives()
+    for coll in colls:
+        out = tmp_path / f"{coll}.json"
+        r = bench(coll, *TINY, "-c", "1", "--json", str(out))
+        assert r.returncode == 0, f"{coll}: {r.stdout}\n{r.stderr}"
+        header = next(ln for ln in r.stdout.splitlines() if "#wrong" in ln)
+        assert header.lstrip("#").split() == HEADER
+        doc = json.loads(out.read_text())
+        rows = doc["systems"]["linkwise"]["rows"]
+        assert rows, coll
+        for row in rows:
+            assert row["oop"]["wrong"] == 0, (coll, row)
+            if "time_us" in row["ip"]:
+                assert row["ip"]["wrong"] == 0, (coll, row)
+            assert row["oop"]["busbw"] == pytest.approx(
+                row["oop"]["algbw"] * common.busbw_factor(coll, 2))
+        assert "# Out of bounds values : 0 OK" in r.stdout
+
+
+def test_missing_collective_is_not_available(monkeypatch):
+    from linkwise.bench.backends import LinkwiseBackend
+
+    class Bare:
+        rank, size = 0, 2
+    b = LinkwiseBackend(Bare())
+    assert b.available("sendrecv") and not b.available("all_reduce")
+
+
+def test_missing_system_is_skipped(monkeypatch, tmp_path):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("torch", "mpi4py") else real(name, *a))
+    assert "not installed" in compare.missing("gloo")
+    assert "not installed" in compare.missing("mpi")
+    # Through the command: a Python where torch and mpi4py cannot be imported.
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['torch'] = None\nsys.modules['mpi4py'] = None\n")
+    r = bench("sendrecv", *TINY, "--compare", "gloo,mpi",
+              env={"PYTHONPATH": f"{shim}{os.pathsep}{SRC}"})
+    assert r.returncode == 0, r.stderr
+    assert "# gloo: skipped" in r.stdout and "# mpi: skipped" in r.stdout
+
+
+def test_report_ratio_columns():
+    row = {"size": 1024, "count": 256, "type": "float", "redop": "sum", "root": -1,
+           "oop": {"time_us": 10.0, "algbw": 0.1024, "busbw": 0.1024, "wrong": 0}, "ip": {"na": "x"}}
+    other = dict(row, oop={"time_us": 20.0, "algbw": 0.0512, "busbw": 0.0512, "wrong": 0})
+    doc = {"test": "all_reduce", "nranks": 2, "systems": {
+        "linkwise": {"status": "ok", "rows": [row]}, "mpi": {"status": "ok", "rows": [other]},
+        "gloo": {"status": "skipped", "reason": "torch is not installed"}}}
+    import io
+    buf = io.StringIO()
+    report.print_doc(doc, buf)
+    text = buf.getvalue()
+    assert "# gloo: skipped (torch is not installed)" in text
+    data = [ln for ln in text.splitlines() if not ln.startswith("#")][0].split()
+    assert float(data[-1]) == pytest.approx(2.0)
