@@ -6,4 +6,5 @@
 namespace linkwise {
 void bind_errors(nanobind::module_& m);
 void bind_p2p(nanobind::module_& m);
+void bind_coll(nanobind::module_& m);
 }  // namespace linkwise

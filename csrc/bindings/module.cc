@@ -37,6 +37,7 @@ NB_MODULE(_native, m) {
   m.doc() = "linkwise data plane (C++)";
   linkwise::bind_errors(m);
   linkwise::bind_p2p(m);
+  linkwise::bind_coll(m);
   m.def("build_info", []() {
     nb::dict d;
 #ifdef LINKWISE_HAVE_CUDA

@@ -1,6 +1,386 @@
-"""Collective operations of a Communicator (issue 3). Filled in by the collectives work."""
+"""Collective operations of a Communicator (issue 3).
+
+Every collective is called by every rank of the communicator, in the same order. Arrays are
+NumPy arrays or anything with the buffer protocol / ``__dlpack__`` (viewed through NumPy);
+they must be C-contiguous. Results land in place (``out=None``) or in ``out``; collectives
+whose result has another size (all_gather, reduce_scatter, gather, scatter) allocate a NumPy
+array when ``out`` is not given and return it.
+
+Forms: blocking (the default; the GIL is released while the native executor runs),
+``async_op=True`` (returns a :class:`CollectiveRequest`; ``wait()`` returns the result), and
+coroutines ``await comm.aall_reduce(x)`` (the communicator's native worker thread runs the
+collective and signals an eventfd that the asyncio loop watches: no busy loop).
+
+Ordering contract: each call takes the next number of this communicator's collective
+sequence, which names its messages (tag bit 63 set, so never a user tag). Ranks must issue
+collectives in the same order; async ones run in issue order on one worker thread.
+
+Tunables (read per call): LINKWISE_ALGO forces an algorithm, LINKWISE_CHUNK_SIZE the
+pipelining chunk, LINKWISE_CHECK=1 verifies that all ranks agree on kind/size/dtype/op/root
+first and raises ValueError on every rank when they do not.
+"""
 from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+from .plan.schedule import default_schedule
+
+KINDS = {"all_reduce": 0, "broadcast": 1, "reduce": 2, "all_gather": 3, "reduce_scatter": 4,
+         "all_to_all": 5, "gather": 6, "scatter": 7, "barrier": 8}
+OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "avg": 4, "band": 5, "bor": 6, "bxor": 7}
+DTYPES = {"int8": 0, "uint8": 1, "int32": 2, "int64": 3, "float16": 4, "bfloat16": 5,
+          "float32": 6, "float64": 7}
+ALGO_CODES = {"ring": 1, "tree": 2, "chain": 3, "direct": 4}
+_REDUCING = ("all_reduce", "reduce", "reduce_scatter")
+_U8 = DTYPES["uint8"]
+
+
+def _native_module():
+    from . import _native
+    return _native
+
+
+def _as_array(x: Any, what: str) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        a = x
+    else:
+        try:
+            a = np.asarray(memoryview(x))
+        except TypeError:
+            from .comm import _as_buffer
+            a = np.asarray(_as_buffer(x, what))
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{what}: the array is not C-contiguous; pass np.ascontiguousarray(x)")
+    return a
+
+
+def _dtype_name(a: np.ndarray, dtype: Optional[str]) -> str:
+    if dtype is not None:
+        dtype = str(dtype)
+        if dtype not in DTYPES:
+            raise TypeError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+        if np.dtype(dtype if dtype != "bfloat16" else np.uint16).itemsize != a.itemsize:
+            raise TypeError(f"dtype={dtype!r} does not match the array's {a.itemsize}-byte elements")
+        return dtype
+    return a.dtype.name
+
+
+def _raw(a: np.ndarray) -> np.ndarray:
+    """A view the native layer can take through the buffer protocol (bfloat16 as uint16)."""
+    if a.dtype.name == "bfloat16" or a.dtype.kind == "V":
+        return a.view(np.uint16 if a.itemsize == 2 else np.uint8)
+    return a
+
+
+class CollectiveRequest:
+    """An async collective. ``wait()`` (or ``await req``) returns its result array."""
+
+    __slots__ = ("_native", "_timeout", "_result")
+
+    def __init__(self, native_request, timeout: float, result: Any):
+        self._native = native_request
+        self._timeout = timeout
+        self._result = result
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        self._native.wait(self._timeout if timeout is None else float(timeout))
+        return self._result
+
+    def test(self) -> bool:
+        return self._native.test()
+
+    @property
+    def done(self) -> bool:
+        return self._native.done
+
+    def __await__(self):
+        from .comm import _await_native
+
+        async def run():
+            await _await_native(self._native, self._timeout)
+            return self._result
+        return run().__await__()
 
 
 class CollectivesMixin:
     """Mixed into Communicator; uses self._native, self.rank, self.size, self.timeout."""
+
+    # -- plumbing ------------------------------------------------------------------------
+    def _next_seq(self) -> int:
+        seq = getattr(self, "_coll_seq", 0)
+        self._coll_seq = seq + 1
+        return seq
+
+    def _schedule(self, kind: str, root: int, nbytes: int) -> tuple:
+        env = (os.environ.get("LINKWISE_ALGO", ""), os.environ.get("LINKWISE_CHUNK_SIZE", ""))
+        key = (kind, root, nbytes, env)
+        cache = self.__dict__.setdefault("_sched_cache", {})
+        hit = cache.get(key)
+        if hit is None:
+            from . import config
+            algo = config.get("LINKWISE_ALGO") or None
+            chunk = config.get("LINKWISE_CHUNK_SIZE") or None
+            s = default_schedule(kind, self.size, self.rank, root, nbytes, algo=algo, chunk=chunk)
+            hit = (ALGO_CODES[s.algorithm], s.chunk_bytes, list(s.ring_order), s.parent, list(s.children))
+            if len(cache) > 4096:
+                cache.clear()
+            cache[key] = hit
+        return hit
+
+    def _check_open(self, op: str) -> None:
+        if self._native is None:
+            from .errors import CommAbortedError
+            raise CommAbortedError(f"rank {self.rank}: {op} on a closed communicator")
+
+    def _check_agree(self, kind: str, count: int, dtype: str, op: str, root: int) -> None:
+        """LINKWISE_CHECK: gather every rank's descriptor and raise on all ranks if they differ."""
+        dcode = DTYPES[dtype] if dtype in DTYPES else 100 + np.dtype(dtype).num
+        mine = np.array([KINDS[kind], count, dcode, OPS.get(op, -1), root], dtype=np.int64)
+        everyone = np.empty(self.size * mine.size, dtype=np.int64)
+        _native_module().coll(self._native, KINDS["all_gather"], mine, everyone, _U8, 0, 0,
+                              self._next_seq(), 1, 1 << 20, [], -1, [], self.timeout)
+        rows = everyone.reshape(self.size, mine.size)
+        if (rows == rows[0]).all():
+            return
+        names = {v: k for k, v in KINDS.items()}
+        opn = {v: k for k, v in OPS.items()}
+        desc = "; ".join(f"rank {r}: {names.get(int(k), k)} count={c} dtype#{d} op={opn.get(int(o), '-')} root={ro}"
+                         for r, (k, c, d, o, ro) in enumerate(rows.tolist()))
+        raise ValueError(f"rank {self.rank}: {kind}: the ranks disagree ({desc}); call each collective with "
+                         "the same kind, size, dtype, op and root on every rank")
+
+    def _run(self, kind: str, x: Optional[np.ndarray], out: Optional[np.ndarray], dtype: str, op: str,
+             root: int, count: int, nbytes: int, async_op: bool, result: Any):
+        from . import config
+        self._check_open(kind)
+        if config.get("LINKWISE_CHECK"):
+            self._check_agree(kind, count, dtype, op, root)
+        algo, chunk, order, parent, children = self._schedule(kind, root, nbytes)
+        dcode = DTYPES[dtype] if kind in _REDUCING else _U8
+        xr = None if x is None else _raw(x)
+        outr = None if out is None else _raw(out)
+        args = (KINDS[kind], xr, outr, dcode, OPS.get(op, 0), root, self._next_seq(), algo, chunk,
+                order, parent, children, self.timeout)
+        if not async_op:
+            _native_module().coll(self._native, *args)
+            return result
+        worker = self.__dict__.get("_coll_worker")
+        if worker is None:
+            worker = self._coll_worker = _native_module().CollWorker(self._native)
+        return CollectiveRequest(worker.submit(*args), self.timeout, result)
+
+    def _root(self, root: Any, op: str) -> int:
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise ValueError(f"{op}: root {root!r} is out of range; this communicator has ranks 0..{self.size - 1}")
+        return int(root)
+
+    def _redop(self, op: Any, dtype: str, what: str) -> str:
+        if op not in OPS:
+            raise ValueError(f"{what}: op {op!r} is not one of {', '.join(OPS)}")
+        if dtype not in DTYPES:
+            raise TypeError(f"{what}: dtype {dtype} cannot be reduced; use one of {', '.join(DTYPES)} "
+                            "(e.g. x.astype(np.float32))")
+        if op in ("band", "bor", "bxor") and dtype not in ("int8", "uint8", "int32", "int64"):
+            raise TypeError(f"{what}: op {op!r} is for integer arrays; {dtype} supports sum, prod, min, max, avg")
+        return op
+
+    @staticmethod
+    def _writable(a: np.ndarray, what: str) -> None:
+        if not a.flags.writeable:
+            raise ValueError(f"{what}: the result array is read-only; pass a writable array or out=")
+
+    def _same(self, a: np.ndarray, b: np.ndarray, what: str, n: int = 1) -> None:
+        if b.dtype != a.dtype or b.size != a.size * n:
+            raise ValueError(f"{what}: out must be a {a.dtype} array of {a.size * n} elements, "
+                             f"got {b.dtype} with {b.size}")
+
+    # -- collectives ---------------------------------------------------------------------
+    def all_reduce(self, x: Any, op: str = "sum", out: Any = None, async_op: bool = False,
+                   dtype: Optional[str] = None):
+        """Combine x across ranks with op; every rank gets bitwise the same result (in x, or out)."""
+        x = _as_array(x, "all_reduce")
+        dt = _dtype_name(x, dtype)
+        self._redop(op, dt, "all_reduce")
+        if out is None:
+            out = x
+            self._writable(x, "all_reduce")
+        else:
+            out = _as_array(out, "all_reduce")
+            self._same(x, out, "all_reduce")
+        return self._run("all_reduce", x, out, dt, op, 0, x.size, x.nbytes, async_op, out)
+
+    def broadcast(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
+        """Copy root's x to every rank (into x, or into out)."""
+        root = self._root(root, "broadcast")
+        x = _as_array(x, "broadcast")
+        if out is None:
+            out = x
+        else:
+            out = _as_array(out, "broadcast")
+            self._same(x, out, "broadcast")
+        self._writable(out, "broadcast")
+        return self._run("broadcast", x, out, x.dtype.name, "", root, x.size, x.nbytes, async_op, out)
+
+    def reduce(self, x: Any, root: int = 0, op: str = "sum", out: Any = None, async_op: bool = False,
+               dtype: Optional[str] = None):
+        """Combine x across ranks onto root (into x, or out, on root; other ranks' x is untouched)."""
+        root = self._root(root, "reduce")
+        x = _as_array(x, "reduce")
+        dt = _dtype_name(x, dtype)
+        self._redop(op, dt, "reduce")
+        if out is None:
+            out = x
+            if self.rank == root:
+                self._writable(x, "reduce")
+        else:
+            out = _as_array(out, "reduce")
+            self._same(x, out, "reduce")
+        return self._run("reduce", x, out if self.rank == root else None, dt, op, root, x.size, x.nbytes,
+                         async_op, out)
+
+    def all_gather(self, x: Any, out: Any = None, async_op: bool = False):
+        """Concatenate every rank's x (rank order) into out (size * len(x) elements)."""
+        x = _as_array(x, "all_gather")
+        if out is None:
+            out = np.empty((self.size * (x.shape[0] if x.ndim else 1),) + x.shape[1:], dtype=x.dtype)
+        else:
+            out = _as_array(out, "all_gather")
+            self._same(x, out, "all_gather", self.size)
+        self._writable(out, "all_gather")
+        return self._run("all_gather", x, out, x.dtype.name, "", 0, x.size, x.nbytes, async_op, out)
+
+    def reduce_scatter(self, x: Any, op: str = "sum", out: Any = None, async_op: bool = False,
+                       dtype: Optional[str] = None):
+        """Combine x across ranks; rank r gets block r (x has size * len(out) elements)."""
+        x = _as_array(x, "reduce_scatter")
+        dt = _dtype_name(x, dtype)
+        self._redop(op, dt, "reduce_scatter")
+        if x.size % self.size:
+            raise ValueError(f"reduce_scatter: x has {x.size} elements, not a multiple of the "
+                             f"communicator size {self.size}")
+        if out is None:
+            out = np.empty(x.size // self.size, dtype=x.dtype)
+        else:
+            out = _as_array(out, "reduce_scatter")
+            if out.dtype != x.dtype or out.size * self.size != x.size:
+                raise ValueError(f"reduce_scatter: out must be a {x.dtype} array of {x.size // self.size} "
+                                 f"elements, got {out.dtype} with {out.size}")
+        self._writable(out, "reduce_scatter")
+        return self._run("reduce_scatter", x, out, dt, op, 0, out.size, x.nbytes, async_op, out)
+
+    def all_to_all(self, x: Any, out: Any = None, async_op: bool = False):
+        """Rank r's block j (x split into size equal blocks) goes to rank j's block r."""
+        x = _as_array(x, "all_to_all")
+        if x.size % self.size:
+            raise ValueError(f"all_to_all: x has {x.size} elements, not a multiple of the "
+                             f"communicator size {self.size}")
+        if out is None:
+            out = x
+        else:
+            out = _as_array(out, "all_to_all")
+            self._same(x, out, "all_to_all")
+        self._writable(out, "all_to_all")
+        return self._run("all_to_all", x, out, x.dtype.name, "", 0, x.size, x.nbytes, async_op, out)
+
+    def gather(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
+        """Concatenate every rank's x onto root; returns out on root and None elsewhere."""
+        root = self._root(root, "gather")
+        x = _as_array(x, "gather")
+        if self.rank == root:
+            if out is None:
+                out = np.empty((self.size * (x.shape[0] if x.ndim else 1),) + x.shape[1:], dtype=x.dtype)
+            else:
+                out = _as_array(out, "gather")
+                self._same(x, out, "gather", self.size)
+            self._writable(out, "gather")
+        else:
+            out = None
+        return self._run("gather", x, out, x.dtype.name, "", root, x.size, x.nbytes, async_op, out)
+
+    def scatter(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
+        """Root's x, split into size blocks, goes block r to rank r (into out, returned).
+
+        x matters on root only (other ranks may pass None together with out=)."""
+        root = self._root(root, "scatter")
+        xa = None if x is None else _as_array(x, "scatter")
+        if self.rank == root and xa is None:
+            raise ValueError("scatter: the root must pass x")
+        if xa is not None and xa.size % self.size:
+            raise ValueError(f"scatter: x has {xa.size} elements, not a multiple of the communicator size {self.size}")
+        if out is None:
+            if xa is None:
+                raise ValueError("scatter: pass out= (an array of len(x) // size elements) on ranks without x")
+            out = np.empty(xa.size // self.size, dtype=xa.dtype)
+        else:
+            out = _as_array(out, "scatter")
+            if xa is not None and (out.dtype != xa.dtype or out.size * self.size != xa.size):
+                raise ValueError(f"scatter: out must be a {xa.dtype} array of {xa.size // self.size} elements")
+        self._writable(out, "scatter")
+        send = xa if self.rank == root else None
+        return self._run("scatter", send, out, out.dtype.name, "", root, out.size, out.nbytes, async_op, out)
+
+    def barrier(self, async_op: bool = False):
+        """Return once every rank has entered the barrier."""
+        return self._run("barrier", None, None, "uint8", "", 0, 0, 0, async_op, None)
+
+    # -- coroutines ----------------------------------------------------------------------
+    async def aall_reduce(self, x, op="sum", out=None, dtype=None):
+        return await self.all_reduce(x, op=op, out=out, async_op=True, dtype=dtype)
+
+    async def abroadcast(self, x, root=0, out=None):
+        return await self.broadcast(x, root=root, out=out, async_op=True)
+
+    async def areduce(self, x, root=0, op="sum", out=None, dtype=None):
+        return await self.reduce(x, root=root, op=op, out=out, async_op=True, dtype=dtype)
+
+    async def aall_gather(self, x, out=None):
+        return await self.all_gather(x, out=out, async_op=True)
+
+    async def areduce_scatter(self, x, op="sum", out=None, dtype=None):
+        return await self.reduce_scatter(x, op=op, out=out, async_op=True, dtype=dtype)
+
+    async def aall_to_all(self, x, out=None):
+        return await self.all_to_all(x, out=out, async_op=True)
+
+    async def agather(self, x, root=0, out=None):
+        return await self.gather(x, root=root, out=out, async_op=True)
+
+    async def ascatter(self, x, root=0, out=None):
+        return await self.scatter(x, root=root, out=out, async_op=True)
+
+    async def abarrier(self):
+        return await self.barrier(async_op=True)
+
+    # -- sub-communicators ---------------------------------------------------------------
+    def split(self, color: Optional[int], key: Optional[int] = None):
+        """A new communicator over the ranks that pass the same color, ordered by (key, rank).
+
+        Every rank must call it; color=None (MPI_UNDEFINED) joins no group and returns None.
+        The new communicator has its own links and its own collective sequence."""
+        from ._setup import host_identity
+        self._check_open("split")
+        if color is not None and (not isinstance(color, (int, np.integer)) or color < 0):
+            raise ValueError(f"split: color must be a non-negative int or None, got {color!r}")
+        key = self.rank if key is None else int(key)
+        n = getattr(self, "_split_count", 0)
+        self._split_count = n + 1
+        tag = f"{self.comm_id}/split{n}"
+        me = json.dumps([None if color is None else int(color), key, host_identity()]).encode()
+        if self.size == 1:
+            cards = [json.loads(me)]
+        else:
+            cards = [json.loads(c) for c in self._store.all_gather(tag, self.rank, self.size, me)]
+        if color is None:
+            return None
+        members = sorted((k, r) for r, (c, k, _) in enumerate(cards) if c == color)
+        ranks = [r for _, r in members]
+        new_rank = ranks.index(self.rank)
+        host = cards[self.rank][2]
+        local = [r for r in ranks if cards[r][2] == host]
+        return type(self)(new_rank, len(ranks), local_rank=local.index(self.rank), local_size=len(local),
+                          launcher=self.launcher, store=self._store, job_id=self.job_id,
+                          comm_id=f"{self.comm_id}-s{n}c{int(color)}", timeout=self.timeout)

@@ -94,3 +94,9 @@ declare("LINKWISE_JOB_ID", "", str, "job identifier; names shared-memory segment
 declare("LINKWISE_DEVICE", None, int, "GPU index this rank uses (set by `linkwise launch --bind auto`)")
 declare("LINKWISE_TOPO_FILE", "", str,
         "a topology JSON (linkwise topo --save) used instead of discovering this machine")
+# Collectives (issue 3), read per call by linkwise.collectives.
+declare("LINKWISE_ALGO", "", _choice("", "ring", "tree", "chain", "direct"),
+        "force a collective algorithm (ring, tree, chain, direct); empty picks by size")
+declare("LINKWISE_CHUNK_SIZE", 0, _size, "pipelining chunk of ring/chain collectives in bytes; 0 = default (512K)")
+declare("LINKWISE_CHECK", False, _bool,
+        "verify before each collective that all ranks agree on size/dtype/op/root (raise ValueError if not)")

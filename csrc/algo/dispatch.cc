@@ -1,0 +1,88 @@
+// run_collective: checks buffer sizes, does the local copies a collective needs, and hands
+// the work to one algorithm family. The algorithm choice (p.algo) and the shape (order,
+// parent, children, chunk) were made on the Python side; Auto falls back to the defaults.
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "algo/coll.h"
+
+namespace linkwise {
+
+namespace {
+
+void need(bool ok, const std::string& what) {
+  if (!ok) throw Error(ErrorKind::Invalid, what);
+}
+
+}  // namespace
+
+void run_collective(Engine& engine, const CollParams& p, const void* send, size_t send_bytes, void* recv,
+                    size_t recv_bytes) {
+  CollCtx c(engine, p);
+  const int n = engine.size(), me = engine.rank();
+  const size_t es = dtype_size(p.dtype);
+  auto copy = [](void* dst, const void* src, size_t bytes) {
+    if (bytes && dst != src) std::memmove(dst, src, bytes);
+  };
+  switch (p.kind) {
+    case CollKind::AllReduce: {
+      need(send_bytes == recv_bytes, "all_reduce: out must have as many bytes as x");
+      copy(recv, send, send_bytes);
+      const size_t count = send_bytes / es;
+      if (n == 1 || count == 0) return;
+      if (p.algo == Algo::Tree) rd_all_reduce(c, recv, count);
+      else if (p.algo == Algo::Direct) direct_all_reduce(c, recv, count);
+      else ring_all_reduce(c, recv, count);
+      return;
+    }
+    case CollKind::Broadcast:
+      if (me == p.root) copy(recv, send, send_bytes);
+      tree_broadcast(c, recv, recv_bytes);
+      return;
+    case CollKind::Reduce:
+      tree_reduce(c, send, recv, send_bytes / es);
+      return;
+    case CollKind::AllGather: {
+      need(recv_bytes == send_bytes * n, "all_gather: out must have size * len(x) elements");
+      copy(static_cast<char*>(recv) + me * send_bytes, send, send_bytes);
+      if (n > 1 && send_bytes) ring_all_gather(c, recv, send_bytes);
+      return;
+    }
+    case CollKind::ReduceScatter: {
+      need(send_bytes == recv_bytes * n, "reduce_scatter: x must have size * len(out) elements");
+      const size_t m = recv_bytes / es;
+      if (n == 1 || m == 0) {
+        copy(recv, send, recv_bytes);
+        return;
+      }
+      std::vector<char> work(static_cast<const char*>(send), static_cast<const char*>(send) + send_bytes);
+      ring_reduce_scatter(c, work.data(), m, recv);
+      return;
+    }
+    case CollKind::AllToAll: {
+      need(send_bytes == recv_bytes && send_bytes % n == 0, "all_to_all: x and out need the same size, a multiple of the communicator size");
+      if (send == recv && n > 1 && send_bytes) {
+        std::vector<char> tmp(static_cast<const char*>(send), static_cast<const char*>(send) + send_bytes);
+        pairwise_all_to_all(c, tmp.data(), recv, send_bytes / n);
+      } else {
+        pairwise_all_to_all(c, send, recv, send_bytes / n);
+      }
+      return;
+    }
+    case CollKind::Gather:
+      linear_gather(c, send, recv, send_bytes);
+      return;
+    case CollKind::Scatter:
+      linear_scatter(c, send, recv, recv_bytes);
+      return;
+    case CollKind::Barrier:
+      dissemination_barrier(c);
+      return;
+    default:
+      break;
+  }
+  throw Error(ErrorKind::Invalid, "unknown collective kind");
+}
+
+}  // namespace linkwise

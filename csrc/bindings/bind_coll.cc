@@ -1,0 +1,243 @@
+// Python bindings of the CPU collectives.
+//
+//   coll(native, kind, x, out, dtype, op, root, seq, algo, chunk, order, parent, children, timeout)
+//       runs one collective on the calling thread with the GIL released;
+//   CollWorker(native).submit(...same...) runs it on the communicator's worker thread and
+//       returns a CollRequest (wait(timeout), test(), fileno() -> eventfd, done).
+//
+// Ownership: a CollRequest holds both arrays (buffer acquired, object referenced) until the
+// job is done; dropped early, it leaks them rather than let the worker touch freed memory.
+// Threading: one worker thread per CollWorker runs jobs in submission order (FIFO), so async
+// collectives of one communicator start in the order they were called on this rank. The
+// worker never touches Python objects; buffers are released by wait()/test() under the GIL.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "algo/coll.h"
+#include "bindings/bindings.h"
+#include "bindings/native_comm.h"
+
+namespace nb = nanobind;
+
+namespace linkwise {
+
+namespace {
+
+struct CollJob {
+  CollParams p;
+  HeldBuffer x, out;
+  const void* send = nullptr;
+  size_t send_bytes = 0;
+  void* recv = nullptr;
+  size_t recv_bytes = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::atomic<bool> done{false};
+  std::exception_ptr err;
+  int efd = -1;
+  ~CollJob() {
+    if (efd >= 0) ::close(efd);
+  }
+  void finish(std::exception_ptr e) {
+    {
+      std::lock_guard<std::mutex> g(mu);
+      err = e;
+      done.store(true, std::memory_order_release);
+    }
+    cv.notify_all();
+    uint64_t one = 1;
+    if (efd >= 0) (void)!::write(efd, &one, sizeof one);
+  }
+};
+
+CollParams make_params(int kind, int dtype, int op, int root, uint64_t seq, int algo, size_t chunk,
+                       std::vector<int> order, int parent, std::vector<int> children, double timeout) {
+  if (kind < 0 || kind >= static_cast<int>(CollKind::kCount)) throw Error(ErrorKind::Invalid, "collective kind out of range");
+  if (dtype < 0 || dtype >= static_cast<int>(DType::kCount)) throw Error(ErrorKind::Invalid, "dtype code out of range");
+  if (op < 0 || op >= static_cast<int>(RedOp::kCount)) throw Error(ErrorKind::Invalid, "reduction op code out of range");
+  CollParams p;
+  p.kind = static_cast<CollKind>(kind);
+  p.dtype = static_cast<DType>(dtype);
+  p.op = static_cast<RedOp>(op);
+  p.root = root;
+  p.seq = seq;
+  p.algo = static_cast<Algo>(algo);
+  p.chunk_bytes = chunk ? chunk : 1;
+  p.order = std::move(order);
+  p.parent = parent;
+  p.children = std::move(children);
+  p.timeout = timeout;
+  return p;
+}
+
+// Acquires x (read) and out (write); either may be None. Returns (send, bytes, recv, bytes).
+void hold(nb::handle x, nb::handle out, HeldBuffer& hx, HeldBuffer& ho, const void*& s, size_t& sb, void*& r,
+          size_t& rb) {
+  if (!x.is_none()) {
+    acquire_buffer(x, false, "collective input", hx);
+    s = hx.ptr();
+    sb = hx.bytes();
+  }
+  if (!out.is_none()) {
+    acquire_buffer(out, true, "collective output", ho);
+    r = ho.ptr();
+    rb = ho.bytes();
+  }
+}
+
+class CollRequest {
+ public:
+  CollRequest(std::shared_ptr<NativeComm> comm, std::shared_ptr<CollJob> job, nb::object x, nb::object out)
+      : comm_(std::move(comm)), job_(std::move(job)), x_(std::move(x)), out_(std::move(out)) {}
+  ~CollRequest() {
+    if (!job_->done.load()) {
+      // The worker may still read or write these arrays: keep them for good.
+      job_->x.held = false;
+      job_->out.held = false;
+      x_.release();
+      out_.release();
+    }
+  }
+  void wait(double timeout_s) {
+    {
+      nb::gil_scoped_release nogil;
+      std::unique_lock<std::mutex> l(job_->mu);
+      if (!job_->cv.wait_for(l, std::chrono::duration<double>(timeout_s), [&] { return job_->done.load(); }))
+        throw Error(ErrorKind::Timeout, "async collective did not complete within " + std::to_string(timeout_s) +
+                                            " s; check that every rank calls it, or raise LINKWISE_TIMEOUT");
+    }
+    finish();
+  }
+  bool test() {
+    if (!job_->done.load(std::memory_order_acquire)) return false;
+    finish();
+    return true;
+  }
+  int fileno() {
+    std::lock_guard<std::mutex> g(job_->mu);
+    return job_->efd;
+  }
+  bool done() const { return job_->done.load(std::memory_order_acquire); }
+
+ private:
+  void finish() {
+    job_->x.release();
+    job_->out.release();
+    if (job_->err) std::rethrow_exception(job_->err);
+  }
+  std::shared_ptr<NativeComm> comm_;
+  std::shared_ptr<CollJob> job_;
+  nb::object x_, out_;
+};
+
+class CollWorker {
+ public:
+  explicit CollWorker(std::shared_ptr<NativeComm> comm) : comm_(std::move(comm)) {}
+  ~CollWorker() {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) {
+      nb::gil_scoped_release nogil;
+      thread_.join();
+    }
+  }
+  void submit(std::shared_ptr<CollJob> job) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!thread_.joinable()) thread_ = std::thread([this] { main(); });
+    queue_.push_back(std::move(job));
+    cv_.notify_all();
+  }
+  std::shared_ptr<NativeComm> comm() { return comm_; }
+
+ private:
+  void main() {
+    while (true) {
+      std::shared_ptr<CollJob> job;
+      {
+        std::unique_lock<std::mutex> l(mu_);
+        cv_.wait(l, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stop_ and nothing left to run
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      std::exception_ptr err;
+      try {
+        run_collective(comm_->engine(), job->p, job->send, job->send_bytes, job->recv, job->recv_bytes);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      job->finish(err);
+    }
+  }
+  std::shared_ptr<NativeComm> comm_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<CollJob>> queue_;
+  std::thread thread_;
+  bool stop_ = false;
+};
+
+}  // namespace
+
+void bind_coll(nb::module_& m) {
+  m.def("coll",
+        [](NativeComm& c, int kind, nb::handle x, nb::handle out, int dtype, int op, int root, uint64_t seq, int algo,
+           size_t chunk, std::vector<int> order, int parent, std::vector<int> children, double timeout) {
+          CollParams p = make_params(kind, dtype, op, root, seq, algo, chunk, std::move(order), parent,
+                                     std::move(children), timeout);
+          HeldBuffer hx, ho;
+          const void* s = nullptr;
+          size_t sb = 0, rb = 0;
+          void* r = nullptr;
+          hold(x, out, hx, ho, s, sb, r, rb);
+          nb::gil_scoped_release nogil;
+          run_collective(c.engine(), p, s, sb, r, rb);
+        },
+        nb::arg("native"), nb::arg("kind"), nb::arg("x").none(), nb::arg("out").none(), nb::arg("dtype"),
+        nb::arg("op"), nb::arg("root"), nb::arg("seq"), nb::arg("algo"), nb::arg("chunk"), nb::arg("order"),
+        nb::arg("parent"), nb::arg("children"), nb::arg("timeout"),
+        "Run one collective on this thread (GIL released). See linkwise.collectives.");
+
+  nb::class_<CollRequest>(m, "CollRequest", "An async collective; wait() or await it.")
+      .def("wait", &CollRequest::wait, nb::arg("timeout"))
+      .def("test", &CollRequest::test)
+      .def("fileno", &CollRequest::fileno, "An eventfd that turns readable when the collective is done.")
+      .def_prop_ro("done", &CollRequest::done)
+      .def_prop_ro("nbytes", [](CollRequest&) { return 0; });
+
+  nb::class_<CollWorker>(m, "CollWorker", "The worker thread that runs a communicator's async collectives.")
+      .def(nb::new_([](NativeComm& c) { return std::make_shared<CollWorker>(c.shared_from_this()); }),
+           nb::arg("native"))
+      .def("submit",
+           [](CollWorker& w, int kind, nb::object x, nb::object out, int dtype, int op, int root, uint64_t seq,
+              int algo, size_t chunk, std::vector<int> order, int parent, std::vector<int> children, double timeout) {
+             auto job = std::make_shared<CollJob>();
+             job->p = make_params(kind, dtype, op, root, seq, algo, chunk, std::move(order), parent,
+                                  std::move(children), timeout);
+             hold(x, out, job->x, job->out, job->send, job->send_bytes, job->recv, job->recv_bytes);
+             job->efd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+             if (job->efd < 0) fail_errno("eventfd for an async collective");
+             auto req = std::make_unique<CollRequest>(w.comm(), job, x, out);
+             w.submit(job);
+             return req;
+           },
+           nb::arg("kind"), nb::arg("x").none(), nb::arg("out").none(), nb::arg("dtype"), nb::arg("op"),
+           nb::arg("root"), nb::arg("seq"), nb::arg("algo"), nb::arg("chunk"), nb::arg("order"), nb::arg("parent"),
+           nb::arg("children"), nb::arg("timeout"));
+}
+
+}  // namespace linkwise

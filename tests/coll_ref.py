@@ -1,0 +1,76 @@
+"""NumPy reference for the collective tests: per-rank inputs every rank can recompute, and
+the expected result of each reduction computed exactly (small integer values, wide types)."""
+from __future__ import annotations
+
+import zlib
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = ["int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+OPS = ["sum", "prod", "min", "max", "avg", "band", "bor", "bxor"]
+INT = ("int8", "uint8", "int32", "int64")
+
+
+def np_dtype(name: str):
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def ops_for(dtype: str) -> list[str]:
+    return OPS if dtype in INT else OPS[:5]
+
+
+def data(rank: int, count: int, dtype: str, op: str, salt: int = 0) -> np.ndarray:
+    """Rank's input: small integers so that every reduction is exact in every dtype."""
+    seed = zlib.crc32(f"{rank}/{count}/{dtype}/{op}/{salt}".encode())
+    rng = np.random.default_rng(seed)
+    if op == "prod":
+        lo, hi = (1, 3) if dtype == "uint8" else (-1, 3)
+        v = rng.integers(lo, hi, count)
+        v[v == 0] = 1
+    elif dtype == "uint8" or op in ("band", "bor", "bxor"):
+        v = rng.integers(0, 100 if op.startswith("b") else 4, count)
+    else:
+        v = rng.integers(-2, 4, count)
+    return v.astype(np.float64).astype(np_dtype(dtype))
+
+
+def reduce_ref(arrays: list[np.ndarray], op: str, dtype: str) -> np.ndarray:
+    """Exact result of combining `arrays` (all the same dtype) with op."""
+    n = len(arrays)
+    if dtype in INT:
+        a = np.stack([x.astype(np.int64) for x in arrays])
+    else:
+        a = np.stack([x.astype(np.float64) for x in arrays])
+    if a.shape[1] == 0:
+        return np.empty(0, np_dtype(dtype))
+    if op == "sum" or op == "avg":
+        r = a.sum(0)
+    elif op == "prod":
+        r = a.prod(0)
+    elif op == "min":
+        r = a.min(0)
+    elif op == "max":
+        r = a.max(0)
+    else:
+        f = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[op]
+        r = f.reduce(a, 0)
+    if dtype in INT:
+        r = r.astype(np_dtype(dtype))  # wraps like the native two's-complement arithmetic
+        if op == "avg":
+            r = np.trunc(r.astype(np.float64) / n).astype(np_dtype(dtype))
+        return r
+    if op == "avg":
+        return (r / n).astype(np_dtype(dtype))
+    return r.astype(np_dtype(dtype))
+
+
+def check_equal(got: np.ndarray, want: np.ndarray, what: str, avg_float: bool = False) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype, f"{what}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
+    if avg_float:
+        ok = np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-2, atol=1e-2)
+    else:
+        ok = np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    if not ok:
+        bad = np.flatnonzero(got.astype(np.float64) != want.astype(np.float64))[:5]
+        raise AssertionError(f"{what}: mismatch at {bad.tolist()}: got {got[bad].tolist()} want {want[bad].tolist()}")

@@ -1,0 +1,209 @@
+"""Collectives beyond the reference matrix: async and coroutine forms, split communicators,
+LINKWISE_CHECK, a rank killed mid-collective, argument errors, and the half-precision kernels."""
+import asyncio
+import os
+import signal
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+from coll_ref import check_equal, data, reduce_ref
+from multirank import run_ranks
+
+import linkwise
+from linkwise.errors import PeerError
+
+
+def _async_body(comm):
+    n, r = comm.size, comm.rank
+    ins = [data(q, 3000, "float32", "sum") for q in range(n)]
+    want = reduce_ref(ins, "sum", "float32")
+    # several in flight at once, finished out of order
+    xs = [ins[r].copy() for _ in range(3)]
+    reqs = [comm.all_reduce(x, async_op=True) for x in xs]
+    g = comm.all_gather(ins[r][:10], async_op=True)
+    b = comm.broadcast(ins[r].copy(), root=n - 1, async_op=True)
+    for req in reversed(reqs):
+        assert req.wait() is not None
+    for x in xs:
+        check_equal(x, want, "async all_reduce")
+    check_equal(g.wait(), np.concatenate([i[:10] for i in ins]), "async all_gather")
+    check_equal(b.wait(), ins[n - 1], "async broadcast")
+    comm.barrier(async_op=True).wait()
+
+    async def coros():
+        x = ins[r].copy()
+        got = await comm.aall_reduce(x, op="max")
+        check_equal(got, reduce_ref(ins, "max", "float32"), "aall_reduce")
+        got = await comm.abroadcast(ins[r].copy(), root=0)
+        check_equal(got, ins[0], "abroadcast")
+        red = await comm.areduce(ins[r].copy(), root=n - 1)
+        if r == n - 1:
+            check_equal(red, want, "areduce")
+        check_equal(await comm.aall_gather(ins[r]), np.concatenate(ins), "aall_gather")
+        rs = await comm.areduce_scatter(np.concatenate([ins[r]] * n))
+        check_equal(rs, want, "areduce_scatter")
+        a2a = await comm.aall_to_all(np.full(n, r, np.int32))
+        check_equal(a2a, np.arange(n, dtype=np.int32), "aall_to_all")
+        gat = await comm.agather(np.array([r], np.int64), root=0)
+        if r == 0:
+            check_equal(gat, np.arange(n, dtype=np.int64), "agather")
+        sc = await comm.ascatter(np.arange(n, dtype=np.int64) * 10 if r == 1 else None, root=1,
+                                 out=np.empty(1, np.int64))
+        check_equal(sc, np.array([r * 10], np.int64), "ascatter")
+        # two coroutines at once on one loop
+        a, c = ins[r].copy(), ins[r].copy()
+        await asyncio.gather(comm.aall_reduce(a), comm.aall_reduce(c, op="min"))
+        check_equal(a, want, "gathered coroutine sum")
+        check_equal(c, reduce_ref(ins, "min", "float32"), "gathered coroutine min")
+        await comm.abarrier()
+        return True
+    return asyncio.run(coros())
+
+
+def test_async_and_coroutines(transport_env):
+    assert run_ranks(3, _async_body, env=transport_env, timeout=60) == [True] * 3
+
+
+def _split_body(comm):
+    n, r = comm.size, comm.rank
+    color = None if r == n - 1 else r % 2
+    sub = comm.split(color, key=-r)  # reversed order inside each group
+    if color is None:
+        assert sub is None
+        comm.barrier()
+        return None
+    members = sorted([q for q in range(n - 1) if q % 2 == color], reverse=True)
+    assert sub.size == len(members) and sub.rank == members.index(r)
+    x = np.array([r, 1], np.int64)
+    sub.all_reduce(x)
+    assert x.tolist() == [sum(members), len(members)]
+    got = sub.all_gather(np.array([r], np.int32))
+    assert got.tolist() == members
+    # a second level of splitting, and the parent still works alongside
+    sub2 = sub.split(0)
+    y = np.ones(1000, np.float32)
+    sub2.all_reduce(y)
+    assert (y == len(members)).all()
+    comm.barrier()
+    sub2.close()
+    sub.close()
+    return sub.size
+
+
+def test_split(shm_clean):
+    assert run_ranks(5, _split_body, timeout=60) == [2, 2, 2, 2, None]
+
+
+def _mismatch_body(comm, what):
+    r = comm.rank
+    try:
+        if what == "size":
+            comm.all_reduce(np.ones(10 + (r == 1), np.float32))
+        elif what == "dtype":
+            comm.all_reduce(np.ones(10, np.float32 if r else np.float64))
+        elif what == "op":
+            comm.all_reduce(np.ones(10, np.float32), op="max" if r == 2 else "sum")
+        elif what == "root":
+            comm.broadcast(np.ones(10, np.float32), root=r % 2)
+        elif what == "kind":
+            (comm.barrier() if r == 0 else comm.all_reduce(np.ones(4)))
+    except ValueError as exc:
+        assert "disagree" in str(exc)
+        # the communicator is still usable afterwards
+        x = np.ones(3, np.float32)
+        comm.all_reduce(x)
+        assert (x == comm.size).all()
+        return "raised"
+    return "no error"
+
+
+@pytest.mark.parametrize("what", ["size", "dtype", "op", "root", "kind"])
+def test_check_mismatch_raises_everywhere(what):
+    got = run_ranks(3, _mismatch_body, what, env={"LINKWISE_CHECK": "1"}, timeout=60)
+    assert got == ["raised"] * 3
+
+
+def _die_body(comm):
+    x = np.ones(1 << 18, np.float32)
+    if comm.rank == 2:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    try:
+        for _ in range(100000):
+            comm.all_reduce(x, op="max")
+    except PeerError as exc:
+        return f"PeerError peer={exc.peer}"
+    return "finished"
+
+
+def test_rank_killed_mid_collective(transport_env):
+    out = run_ranks(3, _die_body, env=transport_env, expect_fail=True, timeout=60)
+    assert out[2][0] == "died"
+    for kind, val in out[:2]:
+        assert kind == "ok" and val.startswith("PeerError"), (kind, val)
+
+
+def test_argument_errors():
+    comm = linkwise.init()
+    x = np.ones(4, np.float32)
+    with pytest.raises(TypeError, match="integer"):
+        comm.all_reduce(x, op="band")
+    with pytest.raises(ValueError, match="not one of"):
+        comm.all_reduce(x, op="mean")
+    with pytest.raises(ValueError, match="root"):
+        comm.broadcast(x, root=3)
+    with pytest.raises(ValueError, match="out must be"):
+        comm.all_reduce(x, out=np.ones(5, np.float32))
+    with pytest.raises(ValueError, match="out must be"):
+        comm.all_gather(x, out=np.ones(4, np.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        comm.all_reduce(np.ones((4, 4), np.float32)[:, 1])
+    with pytest.raises(TypeError, match="cannot be reduced"):
+        comm.all_reduce(np.ones(4, np.int16))
+    with pytest.raises(ValueError, match="read-only"):
+        ro = np.ones(4, np.float32)
+        ro.setflags(write=False)
+        comm.all_reduce(ro)
+    with pytest.raises(ValueError, match="root must pass x"):
+        comm.scatter(None, root=0)
+    with pytest.raises(TypeError, match="dtype"):
+        comm.all_reduce(np.ones(4, np.uint16), dtype="bfloat17")
+    # single rank: every collective is a local copy
+    assert comm.all_gather(x).tolist() == [1.0] * 4
+    assert comm.reduce_scatter(np.arange(4.0)).tolist() == [0, 1, 2, 3]
+    assert comm.all_reduce(np.arange(3, dtype=np.int8), op="avg").tolist() == [0, 1, 2]
+    comm.barrier()
+    # buffer-protocol objects other than NumPy
+    b = bytearray(b"\x01\x02")
+    comm.broadcast(b)
+    assert b == bytearray(b"\x01\x02")
+    comm.close()
+
+
+def _half_body(comm, dt):
+    """Two ranks combine random half values: one rounding of the exact result, as NumPy does."""
+    rng = np.random.default_rng(comm.rank + 10)
+    typ = ml_dtypes.bfloat16 if dt == "bfloat16" else np.float16
+    vals = rng.standard_normal(4000) * np.exp(rng.uniform(-12, 12, 4000))
+    vals[:8] = [0.0, -0.0, np.inf, -np.inf, 6e-8, -6e-5, 65000.0, 3e-5]
+    mine = vals.astype(typ)
+    peer = comm.all_gather(mine).reshape(2, -1)
+    a, b = peer[0], peer[1]
+    for op, f in [("sum", np.add), ("prod", np.multiply), ("min", np.minimum), ("max", np.maximum)]:
+        x = mine.copy()
+        comm.all_reduce(x, op=op)
+        want = f(a, b).astype(typ)
+        ok = (x.view(np.uint16) == want.view(np.uint16)) | (np.isnan(x.astype(np.float32)) & np.isnan(want.astype(np.float32)))
+        assert ok.all(), f"{dt} {op}: {np.flatnonzero(~ok)[:5]} got {x[~ok][:5]} want {want[~ok][:5]}"
+    # a uint16 array tagged as bfloat16 reduces like the ml_dtypes array
+    if dt == "bfloat16":
+        u = mine.view(np.uint16).copy()
+        comm.all_reduce(u, dtype="bfloat16")
+        assert (u == np.add(a, b).astype(typ).view(np.uint16)).all()
+    return True
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_half_rounding(dt):
+    assert run_ranks(2, _half_body, dt, timeout=60) == [True, True]
