@@ -37,6 +37,9 @@ NB_MODULE(_native, m) {
   m.doc() = "linkwise data plane (C++)";
   linkwise::bind_errors(m);
   linkwise::bind_p2p(m);
+#ifdef LINKWISE_HAVE_CUDA
+  linkwise::bind_cuda(m);
+#endif
   linkwise::bind_coll(m);
   m.def("build_info", []() {
     nb::dict d;

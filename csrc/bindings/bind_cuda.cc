@@ -1,0 +1,52 @@
+// linkwise._native._GpuEngine: the CUDA data plane (csrc/cuda/gpu_engine.h) for
+// linkwise.cuda.GpuComm. Private: arrays are unpacked to (device pointer, count, dtype code)
+// on the Python side (linkwise/cuda/arrays.py), which handles __cuda_array_interface__,
+// __dlpack__ and torch tensors; the stream arrives as a cudaStream_t integer. Every call
+// only enqueues GPU work, but still releases the GIL (cudaIpcOpenMemHandle and the first
+// launches can take milliseconds).
+#ifdef LINKWISE_HAVE_CUDA
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "bindings/bindings.h"
+#include "cuda/gpu_engine.h"
+
+namespace nb = nanobind;
+
+namespace linkwise {
+
+void bind_cuda(nb::module_& m) {
+  using linkwise::cuda::GpuEngine;
+  using rel = nb::call_guard<nb::gil_scoped_release>;
+  m.def("cuda_device_count", &linkwise::cuda::device_count, rel());
+  nb::class_<GpuEngine>(m, "_GpuEngine")
+      .def(nb::init<int, int, int, size_t, double>(), nb::arg("rank"), nb::arg("size"),
+           nb::arg("device"), nb::arg("slot_bytes"), nb::arg("timeout"), rel())
+      .def("ipc_handle", [](const GpuEngine& e) { std::string h = e.ipc_handle(); return nb::bytes(h.data(), h.size()); })
+      .def("open_peers", [](GpuEngine& e, const std::vector<nb::bytes>& hs) {
+             std::vector<std::string> v;
+             for (const auto& h : hs) v.emplace_back(h.c_str(), h.size());
+             nb::gil_scoped_release r;
+             e.open_peers(v);
+           })
+      .def("close", &GpuEngine::close, rel())
+      .def("all_reduce", &GpuEngine::all_reduce, rel())
+      .def("reduce_scatter", &GpuEngine::reduce_scatter, rel())
+      .def("broadcast", &GpuEngine::broadcast, rel())
+      .def("all_gather", &GpuEngine::all_gather, rel())
+      .def("all_to_all", &GpuEngine::all_to_all, rel())
+      .def("send", &GpuEngine::send, rel())
+      .def("recv", &GpuEngine::recv, rel())
+      .def("barrier", &GpuEngine::barrier, rel())
+      .def("synchronize", &GpuEngine::synchronize, rel())
+      .def("error_code", &GpuEngine::error_code, rel())
+      .def_prop_ro("device", &GpuEngine::device)
+      .def_prop_ro("slot_bytes", &GpuEngine::slot_bytes)
+      .def_rw("oneshot_max", &GpuEngine::oneshot_max)
+      .def_rw("bcast_sag_min", &GpuEngine::bcast_sag_min)
+      .def_rw("max_blocks", &GpuEngine::max_blocks);
+}
+
+}  // namespace linkwise
+#endif  // LINKWISE_HAVE_CUDA

@@ -1,0 +1,131 @@
+// Device-side view of a GPU communicator: trivially-copyable handles passed by value to
+// kernels, plus the system-scope flag primitives every kernel synchronises with.
+//
+// Scratch layout (one cudaMalloc per rank, mapped into every peer through CUDA IPC):
+//
+//   [ Control (flags, 64 KiB, zeroed at setup) | data: 2 parities x Region ]
+//   Region = in[nranks][slot_bytes] | gather[nranks][slot_bytes] | p2p[nranks][slot_bytes]
+//
+// `in[src]` and `gather[src]` are written only by rank `src` (remote stores over NVLink) and
+// read only by the owner; so are p2p[src] slots. Parity = epoch & 1 (collectives) or piece & 1
+// (point-to-point), so consecutive operations never share a slot.
+//
+// Memory-ordering contracts (all flags are u64 in the owner's Control block):
+//  * start[src] = e   : rank src's kernel of epoch e has begun, hence (kernel boundary) every
+//                       block of its epoch e-1 kernel is finished, reads of our parity included.
+//                       A writer of parity e&1 slots on peer p waits start[p] >= e-1 first.
+//  * ready[phase][block][src] = e : block `block` of rank src wrote its part of epoch e's data
+//                       into our slots. Written with st.release.sys after __syncthreads() and
+//                       __threadfence_system(); read with ld.acquire.sys, then __syncthreads().
+//  * p2p_data[src], p2p_ack[dst] : counters bumped with red.release.sys.add by every block of a
+//                       point-to-point piece; the host knows the cumulative totals to wait for.
+#pragma once
+
+#include <cstdint>
+
+namespace linkwise::cuda {
+
+constexpr int kMaxRanks = 16;
+constexpr int kMaxBlocks = 128;
+constexpr int kPhases = 2;
+constexpr size_t kControlBytes = 64 * 1024;
+
+struct Control {
+  uint64_t start[kMaxRanks];
+  uint64_t ready[kPhases][kMaxBlocks][kMaxRanks];
+  uint64_t p2p_data[kMaxRanks];
+  uint64_t p2p_ack[kMaxRanks];
+  uint64_t error;  // set to a nonzero code by a kernel that timed out waiting
+};
+static_assert(sizeof(Control) <= kControlBytes, "Control must fit its reserved bytes");
+
+// What a kernel needs: every rank's scratch base (ours included) and the geometry.
+struct DevComm {
+  char* base[kMaxRanks];  // base[r] = rank r's scratch as mapped in this process
+  int rank;
+  int nranks;
+  size_t slot_bytes;
+  uint64_t spin_limit;  // clock64 ticks a wait may take before the kernel reports a timeout
+
+  __host__ __device__ Control* ctrl(int r) const { return reinterpret_cast<Control*>(base[r]); }
+  // Region of parity `par` in rank r's scratch.
+  __host__ __device__ char* region(int r, int par) const {
+    return base[r] + kControlBytes + static_cast<size_t>(par) * 3 * nranks * slot_bytes;
+  }
+  __host__ __device__ char* in_slot(int r, int par, int src) const {
+    return region(r, par) + static_cast<size_t>(src) * slot_bytes;
+  }
+  __host__ __device__ char* gather_slot(int r, int par, int src) const {
+    return region(r, par) + static_cast<size_t>(nranks + src) * slot_bytes;
+  }
+  __host__ __device__ char* p2p_slot(int r, int par, int src) const {
+    return region(r, par) + static_cast<size_t>(2 * nranks + src) * slot_bytes;
+  }
+};
+
+inline size_t scratch_bytes(int nranks, size_t slot_bytes) {
+  return kControlBytes + 2 * 3 * static_cast<size_t>(nranks) * slot_bytes;
+}
+
+#ifdef __CUDACC__
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void red_release_sys_add(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Spins until *p >= want. On timeout records the error in our Control and returns false.
+__device__ __forceinline__ bool wait_ge(const DevComm& c, const uint64_t* p, uint64_t want) {
+  if (ld_acquire_sys(p) >= want) return true;
+  uint64_t t0 = clock64();
+  unsigned ns = 32;
+  while (ld_acquire_sys(p) < want) {
+    if (static_cast<uint64_t>(clock64() - t0) > c.spin_limit) {
+      atomicExch(reinterpret_cast<unsigned long long*>(&c.ctrl(c.rank)->error), 1ull);
+      return false;
+    }
+    __nanosleep(ns);
+    if (ns < 256) ns *= 2;
+  }
+  return true;
+}
+
+// Thread t < nranks (t != rank) of block 0 announces "epoch e started" to peer t.
+__device__ __forceinline__ void announce_start(const DevComm& c, uint64_t epoch) {
+  if (blockIdx.x == 0 && threadIdx.x < c.nranks && threadIdx.x != c.rank)
+    st_release_sys(&c.ctrl(threadIdx.x)->start[c.rank], epoch);
+}
+
+// Thread t < nranks of the block waits until peer t may be written for epoch e (it has begun
+// epoch e-1, so it is done reading parity e&1 from epoch e-2). Ends with __syncthreads().
+__device__ __forceinline__ void wait_peers_started(const DevComm& c, uint64_t epoch) {
+  if (threadIdx.x < c.nranks && threadIdx.x != c.rank && epoch >= 2)
+    wait_ge(c, &c.ctrl(c.rank)->start[threadIdx.x], epoch - 1);
+  __syncthreads();
+}
+
+// After this block's stores to peer `dst`: publish ready[phase][block][rank] = e there.
+// Caller guarantees all threads of the block reach this (it begins with __syncthreads()).
+__device__ __forceinline__ void signal_all(const DevComm& c, int phase, uint64_t epoch) {
+  __syncthreads();
+  if (threadIdx.x < c.nranks && threadIdx.x != c.rank) {
+    __threadfence_system();
+    st_release_sys(&c.ctrl(threadIdx.x)->ready[phase][blockIdx.x][c.rank], epoch);
+  }
+}
+
+// Waits for ready[phase][block][src] >= e from every peer; ends with __syncthreads().
+__device__ __forceinline__ void wait_all(const DevComm& c, int phase, uint64_t epoch) {
+  if (threadIdx.x < c.nranks && threadIdx.x != c.rank)
+    wait_ge(c, &c.ctrl(c.rank)->ready[phase][blockIdx.x][threadIdx.x], epoch);
+  __syncthreads();
+}
+#endif
+
+}  // namespace linkwise::cuda

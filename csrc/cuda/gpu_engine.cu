@@ -1,0 +1,309 @@
+// GpuEngine: scratch registration through CUDA IPC, and the host half of every operation:
+// splitting into pieces that fit a slot, choosing blocks and algorithm, numbering epochs.
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <string>
+
+#include "core/status.h"
+#include "cuda/gpu_engine.h"
+#include "cuda/launch.h"
+
+namespace linkwise::cuda {
+
+struct EngineImpl {
+  DevComm dev{};
+  char* own = nullptr;
+  bool opened[kMaxRanks] = {};
+  // Point-to-point bookkeeping per peer: pieces so far, cumulative block counts, and the
+  // cumulative total after each of the last two pieces sent (indexed by piece parity).
+  uint64_t send_pieces[kMaxRanks] = {}, send_cum[kMaxRanks] = {}, send_ring[kMaxRanks][2] = {};
+  uint64_t recv_pieces[kMaxRanks] = {}, recv_cum[kMaxRanks] = {};
+};
+
+namespace {
+// Makes `device` current for the scope and restores the caller's device (torch and cupy
+// keep their own notion of the current device).
+struct DeviceGuard {
+  int prev = -1;
+  explicit DeviceGuard(int device) {
+    cudaGetDevice(&prev);
+    if (prev != device) cudaSetDevice(device);
+  }
+  ~DeviceGuard() {
+    int now = -1;
+    cudaGetDevice(&now);
+    if (prev >= 0 && now != prev) cudaSetDevice(prev);
+  }
+};
+size_t round_up(size_t a, size_t b) { return (a + b - 1) / b * b; }
+}  // namespace
+
+void GpuEngine::fail(const char* op, int err) const {
+  throw Error(ErrorKind::Internal,
+              "rank " + std::to_string(rank_) + ": GPU " + op + " failed on device " +
+                  std::to_string(device_) + ": " +
+                  cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+void GpuEngine::check_launch(const char* op) const {
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) fail(op, e);
+}
+
+#define LW_CUDA(call, op)                        \
+  do {                                           \
+    cudaError_t e_ = (call);                     \
+    if (e_ != cudaSuccess) fail((op), e_);       \
+  } while (0)
+
+GpuEngine::GpuEngine(int rank, int nranks, int device, size_t slot_bytes, double timeout_s)
+    : rank_(rank), nranks_(nranks), device_(device), slot_bytes_(round_up(slot_bytes, 256)),
+      timeout_s_(timeout_s) {
+  if (nranks < 1 || nranks > kMaxRanks)
+    throw Error(ErrorKind::Invalid, "GpuComm supports 1.." + std::to_string(kMaxRanks) +
+                                        " ranks, not " + std::to_string(nranks));
+  DeviceGuard g(device_);
+  impl_ = new EngineImpl();
+  size_t bytes = scratch_bytes(nranks, slot_bytes_);
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, bytes);
+  if (e != cudaSuccess) {
+    delete impl_;
+    impl_ = nullptr;
+    fail("scratch allocation", e);
+  }
+  impl_->own = static_cast<char*>(p);
+  LW_CUDA(cudaMemset(p, 0, kControlBytes), "scratch setup");
+  LW_CUDA(cudaDeviceSynchronize(), "scratch setup");
+  DevComm& d = impl_->dev;
+  d.rank = rank;
+  d.nranks = nranks;
+  d.slot_bytes = slot_bytes_;
+  d.base[rank] = impl_->own;
+  // clock64 ticks: the SM clock is at most ~2 GHz on the GPUs we target.
+  d.spin_limit = static_cast<uint64_t>(timeout_s > 0 ? timeout_s * 2.0e9 : 1e18);
+}
+
+GpuEngine::~GpuEngine() { close(); }
+
+void GpuEngine::close() {
+  if (!impl_) return;
+  DeviceGuard g(device_);
+  cudaDeviceSynchronize();
+  for (int r = 0; r < nranks_; ++r)
+    if (impl_->opened[r]) cudaIpcCloseMemHandle(impl_->dev.base[r]);
+  cudaFree(impl_->own);
+  delete impl_;
+  impl_ = nullptr;
+}
+
+std::string GpuEngine::ipc_handle() const {
+  DeviceGuard g(device_);
+  cudaIpcMemHandle_t h;
+  LW_CUDA(cudaIpcGetMemHandle(&h, impl_->own), "cudaIpcGetMemHandle");
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+void GpuEngine::open_peers(const std::vector<std::string>& handles) {
+  if (static_cast<int>(handles.size()) != nranks_)
+    throw Error(ErrorKind::Invalid, "open_peers: expected one handle per rank");
+  DeviceGuard g(device_);
+  for (int r = 0; r < nranks_; ++r) {
+    if (r == rank_) continue;
+    if (handles[r].size() != sizeof(cudaIpcMemHandle_t))
+      throw Error(ErrorKind::Invalid, "open_peers: malformed IPC handle from rank " + std::to_string(r));
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handles[r].data(), sizeof(h));
+    void* p = nullptr;
+    cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess)
+      throw Error(ErrorKind::Peer, "rank " + std::to_string(rank_) + ": cannot map rank " +
+                                       std::to_string(r) + "'s GPU memory (cudaIpcOpenMemHandle: " +
+                                       cudaGetErrorString(e) +
+                                       "); the GPUs may lack peer access (try LINKWISE_P2P_DISABLE=1)",
+                  r);
+    impl_->dev.base[r] = static_cast<char*>(p);
+    impl_->opened[r] = true;
+  }
+}
+
+int GpuEngine::blocks_for(size_t bytes, size_t per_block) const {
+  size_t b = (bytes + per_block - 1) / per_block;
+  size_t cap = static_cast<size_t>(max_blocks < kMaxBlocks ? max_blocks : kMaxBlocks);
+  if (b < 1) b = 1;
+  return static_cast<int>(b < cap ? b : cap);
+}
+
+void GpuEngine::all_reduce(uintptr_t x, uintptr_t out, size_t count, int dtype, int op,
+                           uintptr_t stream, int algo) {
+  size_t es = dtype_size(dtype);
+  if (es == 0) throw Error(ErrorKind::Type, "all_reduce: unsupported dtype code");
+  if (count == 0) return;
+  DeviceGuard g(device_);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const char* xp = reinterpret_cast<const char*>(x);
+  char* op_ = reinterpret_cast<char*>(out);
+  size_t bytes = count * es, V = 16 / es;
+  size_t slot_elems = slot_bytes_ / es / V * V;
+  if (nranks_ == 1) {
+    if (x != out) LW_CUDA(cudaMemcpyAsync(op_, xp, bytes, cudaMemcpyDeviceToDevice, s), "all_reduce");
+    return;
+  }
+  if (algo == 0) algo = bytes <= oneshot_max && bytes <= slot_bytes_ ? 1 : 2;
+  if (algo == 1) {
+    for (size_t off = 0; off < count; off += slot_elems) {
+      size_t n = count - off < slot_elems ? count - off : slot_elems;
+      launch_oneshot(impl_->dev, dtype, op, xp + off * es, op_ + off * es, n, ++epoch_,
+                     blocks_for(n * es, 16 * 1024), s);
+      check_launch("all_reduce");
+    }
+    return;
+  }
+  size_t piece = slot_elems * nranks_;
+  for (size_t off = 0; off < count; off += piece) {
+    size_t n = count - off < piece ? count - off : piece;
+    size_t chunk = round_up((n + nranks_ - 1) / nranks_, V);
+    launch_twoshot(impl_->dev, dtype, op, xp + off * es, chunk, op_ + off * es, chunk, n, chunk,
+                   true, ++epoch_, blocks_for(chunk * es, 16 * 1024), s);
+    check_launch("all_reduce");
+  }
+}
+
+void GpuEngine::reduce_scatter(uintptr_t x, uintptr_t out, size_t m, int dtype, int op,
+                               uintptr_t stream) {
+  size_t es = dtype_size(dtype);
+  if (es == 0) throw Error(ErrorKind::Type, "reduce_scatter: unsupported dtype code");
+  if (m == 0) return;
+  DeviceGuard g(device_);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const char* xp = reinterpret_cast<const char*>(x);
+  char* op_ = reinterpret_cast<char*>(out);
+  if (nranks_ == 1) {
+    if (x != out) LW_CUDA(cudaMemcpyAsync(op_, xp, m * es, cudaMemcpyDeviceToDevice, s), "reduce_scatter");
+    return;
+  }
+  size_t V = 16 / es, slot_elems = slot_bytes_ / es / V * V;
+  for (size_t off = 0; off < m; off += slot_elems) {
+    size_t n = m - off < slot_elems ? m - off : slot_elems;
+    launch_twoshot(impl_->dev, dtype, op, xp + off * es, m, op_ + off * es, 0, n * nranks_, n,
+                   false, ++epoch_, blocks_for(n * es, 16 * 1024), s);
+    check_launch("reduce_scatter");
+  }
+}
+
+void GpuEngine::broadcast(uintptr_t x, size_t nbytes, int root, uintptr_t stream) {
+  if (root < 0 || root >= nranks_) throw Error(ErrorKind::Invalid, "broadcast: root out of range");
+  if (nbytes == 0 || nranks_ == 1) return;
+  DeviceGuard g(device_);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  char* xp = reinterpret_cast<char*>(x);
+  for (size_t off = 0; off < nbytes; off += slot_bytes_) {
+    size_t n = nbytes - off < slot_bytes_ ? nbytes - off : slot_bytes_;
+    bool sag = nranks_ > 2 && nbytes >= bcast_sag_min;
+    size_t per = sag ? (n + nranks_ - 2) / (nranks_ - 1) : n;  // bytes a block slices
+    launch_broadcast(impl_->dev, xp + off, n, root, ++epoch_, blocks_for(per, 16 * 1024), sag, s);
+    check_launch("broadcast");
+  }
+}
+
+void GpuEngine::all_gather(uintptr_t x, uintptr_t out, size_t nbytes, uintptr_t stream) {
+  if (nbytes == 0) return;
+  DeviceGuard g(device_);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const char* xp = reinterpret_cast<const char*>(x);
+  char* op_ = reinterpret_cast<char*>(out);
+  for (size_t off = 0; off < nbytes; off += slot_bytes_) {
+    size_t n = nbytes - off < slot_bytes_ ? nbytes - off : slot_bytes_;
+    if (nranks_ == 1) {
+      LW_CUDA(cudaMemcpyAsync(op_ + off, xp + off, n, cudaMemcpyDeviceToDevice, s), "all_gather");
+      continue;
+    }
+    launch_all_gather(impl_->dev, xp + off, n, op_ + off, nbytes, ++epoch_, blocks_for(n, 16 * 1024), s);
+    check_launch("all_gather");
+  }
+}
+
+void GpuEngine::all_to_all(uintptr_t x, uintptr_t out, size_t m, uintptr_t stream) {
+  if (m == 0) return;
+  DeviceGuard g(device_);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const char* xp = reinterpret_cast<const char*>(x);
+  char* op_ = reinterpret_cast<char*>(out);
+  for (size_t off = 0; off < m; off += slot_bytes_) {
+    size_t n = m - off < slot_bytes_ ? m - off : slot_bytes_;
+    if (nranks_ == 1) {
+      LW_CUDA(cudaMemcpyAsync(op_ + off, xp + off, n, cudaMemcpyDeviceToDevice, s), "all_to_all");
+      continue;
+    }
+    launch_all_to_all(impl_->dev, xp + off, m, op_ + off, m, n, ++epoch_, blocks_for(n, 16 * 1024), s);
+    check_launch("all_to_all");
+  }
+}
+
+void GpuEngine::send(uintptr_t x, size_t nbytes, int dst, uintptr_t stream) {
+  if (dst < 0 || dst >= nranks_ || dst == rank_)
+    throw Error(ErrorKind::Invalid, "send: destination must be another rank of the communicator");
+  DeviceGuard g(device_);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const char* xp = reinterpret_cast<const char*>(x);
+  EngineImpl& im = *impl_;
+  for (size_t off = 0; off < nbytes; off += slot_bytes_) {
+    size_t n = nbytes - off < slot_bytes_ ? nbytes - off : slot_bytes_;
+    int blocks = blocks_for(n, 64 * 1024);
+    uint64_t k = im.send_pieces[dst]++;
+    uint64_t need = k >= 2 ? im.send_ring[dst][k & 1] : 0;
+    launch_send(im.dev, xp + off, n, dst, static_cast<int>(k & 1), need, blocks, s);
+    check_launch("send");
+    im.send_cum[dst] += blocks;
+    im.send_ring[dst][k & 1] = im.send_cum[dst];
+  }
+}
+
+void GpuEngine::recv(uintptr_t x, size_t nbytes, int src, uintptr_t stream) {
+  if (src < 0 || src >= nranks_ || src == rank_)
+    throw Error(ErrorKind::Invalid, "recv: source must be another rank of the communicator");
+  DeviceGuard g(device_);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  char* xp = reinterpret_cast<char*>(x);
+  EngineImpl& im = *impl_;
+  for (size_t off = 0; off < nbytes; off += slot_bytes_) {
+    size_t n = nbytes - off < slot_bytes_ ? nbytes - off : slot_bytes_;
+    int blocks = blocks_for(n, 64 * 1024);
+    uint64_t k = im.recv_pieces[src]++;
+    im.recv_cum[src] += blocks;
+    launch_recv(im.dev, xp + off, n, src, static_cast<int>(k & 1), im.recv_cum[src], blocks, s);
+    check_launch("recv");
+  }
+}
+
+void GpuEngine::barrier(uintptr_t stream) {
+  if (nranks_ == 1) return;
+  DeviceGuard g(device_);
+  launch_barrier(impl_->dev, ++epoch_, reinterpret_cast<cudaStream_t>(stream));
+  check_launch("barrier");
+}
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+void GpuEngine::synchronize(uintptr_t stream) {
+  DeviceGuard g(device_);
+  LW_CUDA(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream)), "synchronize");
+}
+
+uint64_t GpuEngine::error_code() {
+  DeviceGuard g(device_);
+  uint64_t v = 0;
+  LW_CUDA(cudaMemcpy(&v, &reinterpret_cast<Control*>(impl_->own)->error, sizeof(v),
+                     cudaMemcpyDeviceToHost), "error check");
+  return v;
+}
+
+}  // namespace linkwise::cuda

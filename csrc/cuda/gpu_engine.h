@@ -1,0 +1,68 @@
+// GpuEngine: one communicator's GPU data plane (host side; builds without nvcc).
+//
+// Owns a scratch area on its device (cudaMalloc), exported through a CUDA IPC handle; peers'
+// areas are opened with cudaIpcOpenMemHandle. Layout and flag contracts: gpu_device.cuh.
+//
+// Threading: not thread-safe; one thread (the caller's) uses it at a time. Ordering: every
+// rank must issue the same collectives in the same order, and all of one engine's operations
+// must be ordered on the GPU (one stream, or streams the caller synchronises), as with NCCL.
+// Point-to-point pieces between a pair are matched in issue order (tags are not matched).
+// Every method enqueues on `stream` (a cudaStream_t as an integer, 0 = legacy default) and
+// returns without waiting for the GPU. Pointers are device pointers on this engine's device.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace linkwise::cuda {
+
+struct EngineImpl;
+
+int device_count();  // 0 when there is no usable CUDA device
+
+class GpuEngine {
+ public:
+  GpuEngine(int rank, int nranks, int device, size_t slot_bytes, double timeout_s);
+  ~GpuEngine();
+  GpuEngine(const GpuEngine&) = delete;
+  GpuEngine& operator=(const GpuEngine&) = delete;
+
+  std::string ipc_handle() const;                         // our scratch's cudaIpcMemHandle
+  void open_peers(const std::vector<std::string>& handles);  // every rank's, in rank order
+  void close();
+
+  // algo: 0 auto, 1 one-shot, 2 two-shot. dtype / op codes: launch.h's DType / RedOp.
+  void all_reduce(uintptr_t x, uintptr_t out, size_t count, int dtype, int op, uintptr_t stream,
+                  int algo);
+  void reduce_scatter(uintptr_t x, uintptr_t out, size_t count_per_rank, int dtype, int op,
+                      uintptr_t stream);
+  void broadcast(uintptr_t x, size_t nbytes, int root, uintptr_t stream);
+  void all_gather(uintptr_t x, uintptr_t out, size_t nbytes, uintptr_t stream);
+  void all_to_all(uintptr_t x, uintptr_t out, size_t nbytes_per_rank, uintptr_t stream);
+  void send(uintptr_t x, size_t nbytes, int dst, uintptr_t stream);
+  void recv(uintptr_t x, size_t nbytes, int src, uintptr_t stream);
+  void barrier(uintptr_t stream);
+  void synchronize(uintptr_t stream);  // waits for the stream (GIL released by the binding)
+  uint64_t error_code();  // nonzero after a kernel timed out waiting for a peer (synchronises)
+
+  int device() const { return device_; }
+  size_t slot_bytes() const { return slot_bytes_; }
+  size_t oneshot_max = 256 * 1024;  // all_reduce auto: one-shot up to this many bytes
+  size_t bcast_sag_min = 1 << 20;  // broadcast: scatter + all-gather from this many bytes
+  int max_blocks = 64;              // blocks for bandwidth-bound launches
+
+ private:
+  int blocks_for(size_t bytes, size_t per_block) const;
+  [[noreturn]] void fail(const char* op, int err) const;
+  void check_launch(const char* op) const;
+
+  int rank_, nranks_, device_;
+  size_t slot_bytes_;
+  double timeout_s_;
+  uint64_t epoch_ = 0;
+  EngineImpl* impl_ = nullptr;
+};
+
+}  // namespace linkwise::cuda

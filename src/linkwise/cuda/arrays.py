@@ -1,0 +1,109 @@
+"""CUDA arrays as (device pointer, element count, dtype, device), and stream resolution.
+
+Accepted: PyTorch CUDA tensors, anything with ``__cuda_array_interface__`` (CuPy, Numba), and
+anything whose ``__dlpack__`` lives on a CUDA device (converted through ``torch.from_dlpack``,
+zero-copy). Arrays must be C-contiguous.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, NamedTuple, Optional
+
+# dtype name -> engine code (csrc/cuda/launch.h DType)
+DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2, "int32": 3, "float64": 4, "int64": 5}
+OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "avg": 4}
+_TYPESTR = {"f4": "float32", "f2": "float16", "i4": "int32", "f8": "float64", "i8": "int64"}
+_KDLCUDA, _KDLCUDAMANAGED = 2, 13
+
+
+class DevArray(NamedTuple):
+    ptr: int
+    count: int
+    itemsize: int
+    dtype: Optional[str]   # a DTYPES key, or another name (bytes-only operations accept it)
+    device: Optional[int]  # CUDA ordinal where known
+    lib: str               # "torch", "cupy" or "other": where the current stream comes from
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.itemsize
+
+
+def _torch_tensor(x: Any):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return torch
+    return None
+
+
+def is_cuda_array(x: Any) -> bool:
+    """True for arrays that live in CUDA device memory (what GpuComm takes)."""
+    if _torch_tensor(x) is not None:
+        return bool(x.is_cuda)
+    if hasattr(x, "__cuda_array_interface__"):
+        return True
+    dev = getattr(x, "__dlpack_device__", None)
+    if dev is not None:
+        try:
+            return dev()[0] in (_KDLCUDA, _KDLCUDAMANAGED)
+        except Exception:  # noqa: BLE001 - not a DLPack exporter after all
+            return False
+    return False
+
+
+def view(x: Any, op: str) -> DevArray:
+    """Unpacks a CUDA array; TypeError for CPU arrays, ValueError for non-contiguous ones."""
+    torch = _torch_tensor(x)
+    if torch is not None:
+        if not x.is_cuda:
+            raise TypeError(f"{op}: expected a CUDA tensor, got a tensor on {x.device}; "
+                            "use the CPU communicator methods for host arrays")
+        if not x.is_contiguous():
+            raise ValueError(f"{op}: the tensor must be contiguous (call .contiguous())")
+        return DevArray(x.data_ptr(), x.numel(), x.element_size(), str(x.dtype).replace("torch.", ""),
+                        x.device.index, "torch")
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is not None:
+        shape = tuple(cai["shape"])
+        ts = cai["typestr"]
+        itemsize = int(ts[2:])
+        strides = cai.get("strides")
+        if strides is not None:
+            want, expect = list(strides), []
+            acc = itemsize
+            for dim in reversed(shape):
+                expect.insert(0, acc)
+                acc *= dim
+            if any(d > 1 and a != b for d, a, b in zip(shape, want, expect)):
+                raise ValueError(f"{op}: the array must be C-contiguous")
+        count = 1
+        for dim in shape:
+            count *= dim
+        dev = getattr(getattr(x, "device", None), "id", None)
+        lib = "cupy" if type(x).__module__.startswith("cupy") else "other"
+        return DevArray(int(cai["data"][0]), count, itemsize, _TYPESTR.get(ts[1:], ts), dev, lib)
+    if hasattr(x, "__dlpack__") and is_cuda_array(x):
+        import torch
+        return view(torch.from_dlpack(x), op)
+    raise TypeError(f"{op}: expected a CUDA array (torch CUDA tensor, __cuda_array_interface__ or a "
+                    f"CUDA __dlpack__), got {type(x).__name__}")
+
+
+def stream_handle(stream: Any, arr: DevArray) -> int:
+    """The cudaStream_t to enqueue on: `stream` (an int, torch.cuda.Stream, cupy Stream), else the
+    current stream of the array's library, else the legacy default stream (0)."""
+    if stream is not None:
+        if isinstance(stream, int):
+            return stream
+        for attr in ("cuda_stream", "ptr", "handle"):
+            h = getattr(stream, attr, None)
+            if isinstance(h, int):
+                return h
+        raise TypeError(f"stream: expected an int cudaStream_t or a stream object, got {type(stream).__name__}")
+    if arr.lib == "torch":
+        import torch
+        return torch.cuda.current_stream(arr.device).cuda_stream
+    if arr.lib == "cupy":
+        import cupy
+        return cupy.cuda.get_current_stream().ptr
+    return 0

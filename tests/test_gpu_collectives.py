@@ -1,0 +1,173 @@
+"""GPU collectives and send/recv against NumPy references (linkwise.cuda.GpuComm).
+
+Each test forks one rank per GPU (at most 4); every rank rebuilds every rank's input from a
+seed, so the reference needs no communication. A small scratch slot (64 KiB) makes the larger
+sizes span many pieces ("larger than the scratch area"). Results must match the reference
+bitwise (kernels reduce in rank order in float32/float64/int) and be identical on all ranks.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from multirank import run_ranks
+
+pytestmark = pytest.mark.gpu
+
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+SMALL_SLOT = {**SAFE_ENV, "LINKWISE_GPU_SLOT_BYTES": str(64 * 1024)}
+SIZES = [0, 1, 7, 1000, 65537, 300001]
+DTYPES = ["float32", "float16", "bfloat16", "int32", "float64", "int64"]
+OPS = ["sum", "prod", "min", "max", "avg"]
+
+
+def _nranks() -> int:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return min(4, pynvml.nvmlDeviceGetCount())
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def _setup(comm):
+    import torch
+    from linkwise.cuda import gpu_comm
+    g = gpu_comm(comm)
+    torch.cuda.set_device(g.device)
+    return g, torch
+
+
+def _digest(t) -> bytes:
+    return hashlib.sha1(t.cpu().contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()).digest()
+
+
+def _same_everywhere(comm, name, t):
+    d = _digest(t)
+    allv = comm._store.all_gather(f"test/{name}", comm.rank, comm.size, d)
+    return all(v == d for v in allv)
+
+
+def _allreduce_body(comm, cases):
+    from gpu_util import host_input, mismatch, reference
+    g, torch = _setup(comm)
+    errors = []
+    for i, (count, dtype, op, algo, offset) in enumerate(cases):
+        ins = [host_input(r, count, dtype, op, seed=i) for r in range(comm.size)]
+        want = reference(ins, dtype, op)
+        buf = torch.empty(count + offset, dtype=getattr(torch, dtype), device="cuda")
+        x = buf[offset:]
+        x.copy_(ins[comm.rank])
+        out = torch.full_like(x, 7) if i % 2 else None  # alternate in-place and out=
+        g.all_reduce(x, op=op, out=out, algo=algo)
+        got = (x if out is None else out).cpu()
+        bad = mismatch(got, want)
+        if bad:
+            errors.append(f"rank {comm.rank} {count} {dtype} {op} {algo} +{offset}: {bad}")
+        if not _same_everywhere(comm, f"ar{i}", got):
+            errors.append(f"{count} {dtype} {op} {algo}: ranks differ")
+    g.close()
+    return errors
+
+
+def _check(results):
+    errors = [e for r in results for e in r]
+    assert not errors, "\n".join(errors[:20])
+
+
+@pytest.mark.parametrize("algo", ["oneshot", "twoshot", "auto"])
+def test_all_reduce_dtypes_ops_sizes(algo):
+    n = _nranks()
+    cases = [(c, d, o, algo, 0) for d in DTYPES for o in OPS for c in SIZES]
+    _check(run_ranks(n, _allreduce_body, cases, env=SMALL_SLOT, timeout=300))
+
+
+def test_all_reduce_misaligned_and_default_slot():
+    n = _nranks()
+    cases = [(c, "float32", "sum", a, 1) for c in (5, 4099, 300001) for a in ("oneshot", "twoshot")]
+    cases += [(c, "bfloat16", "sum", "auto", 0) for c in (8, 2048, 1 << 20, (1 << 24) + 3)]
+    _check(run_ranks(n, _allreduce_body, cases, env=SAFE_ENV, timeout=300))
+    if n >= 2:  # also a 2-rank communicator
+        _check(run_ranks(2, _allreduce_body, cases[:4], env=SMALL_SLOT, timeout=300))
+
+
+def _movement_body(comm, sizes):
+    from gpu_util import host_input, mismatch, reference
+    g, torch = _setup(comm)
+    n, r = comm.size, comm.rank
+    errors = []
+
+    def expect(name, got, want):
+        bad = mismatch(got.cpu(), want)
+        if bad:
+            errors.append(f"rank {r} {name}: {bad}")
+
+    for i, count in enumerate(sizes):
+        for root in range(n):
+            ins = host_input(root, count, "float32", "sum", seed=100 + i)
+            x = ins.cuda() if r == root else torch.full((count,), -1.0, device="cuda")
+            g.broadcast(x, root=root)
+            expect(f"broadcast {count} root {root}", x, ins)
+        ins = [host_input(q, count, "float16", "sum", seed=200 + i) for q in range(n)]
+        out = torch.full((n * count,), -1.0, dtype=torch.float16, device="cuda")
+        g.all_gather(ins[r].cuda(), out)
+        expect(f"all_gather {count}", out, torch.cat(ins))
+        for dtype, op in (("float32", "sum"), ("bfloat16", "max"), ("int32", "prod"), ("float64", "avg")):
+            ins = [host_input(q, n * count, dtype, op, seed=300 + i) for q in range(n)]
+            want = reference(ins, dtype, op)[r * count:(r + 1) * count]
+            out = torch.full((count,), 3, dtype=getattr(torch, dtype), device="cuda")
+            g.reduce_scatter(ins[r].cuda(), out, op=op)
+            expect(f"reduce_scatter {count} {dtype} {op}", out, want)
+        ins = [host_input(q, n * count, "int32", "sum", seed=400 + i) for q in range(n)]
+        out = torch.full((n * count,), -1, dtype=torch.int32, device="cuda")
+        g.all_to_all(ins[r].cuda(), out)
+        want = torch.cat([ins[q][r * count:(r + 1) * count] for q in range(n)])
+        expect(f"all_to_all {count}", out, want)
+        # send/recv: pairs (0,1), (2,3), ...; even ranks send first, odd ranks receive first.
+        peer = r ^ 1
+        if peer < n:
+            mine = host_input(r, count, "float32", "sum", seed=500 + i).cuda()
+            got = torch.full((count,), -1.0, device="cuda")
+            if r % 2 == 0:
+                g.send(mine, peer)
+                g.recv(got, peer)
+            else:
+                g.recv(got, peer)
+                g.send(mine, peer)
+            expect(f"send/recv {count}", got, host_input(peer, count, "float32", "sum", seed=500 + i))
+    g.barrier()
+    g.close()
+    return errors
+
+
+def test_broadcast_gather_scatter_alltoall_sendrecv():
+    n = _nranks()
+    _check(run_ranks(n, _movement_body, SIZES, env=SMALL_SLOT, timeout=300))
+
+
+def test_movement_default_slot_large():
+    n = _nranks()
+    _check(run_ranks(n, _movement_body, [3, (1 << 22) + 5], env=SAFE_ENV, timeout=300))
+
+
+def _errors_body(comm):
+    import numpy as np
+    g, torch = _setup(comm)
+    msgs = []
+    for call in (lambda: g.all_reduce(np.ones(4, np.float32)),
+                 lambda: g.all_reduce(torch.ones(4, dtype=torch.uint8, device="cuda")),
+                 lambda: g.all_gather(torch.ones(4, device="cuda"), torch.ones(5, device="cuda"))):
+        try:
+            call()
+            msgs.append("no error")
+        except (TypeError, ValueError) as exc:
+            msgs.append(type(exc).__name__)
+    g.close()
+    return msgs
+
+
+def test_errors():
+    res = run_ranks(_nranks(), _errors_body, env=SAFE_ENV, timeout=120)
+    assert res[0] == ["TypeError", "TypeError", "ValueError"], res[0]
