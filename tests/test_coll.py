@@ -135,7 +135,7 @@ def test_matrix(n, shm_clean):
 def test_over_transport(transport_env):
     """The same checks over shared memory and forced TCP (3 ranks, default algorithms)."""
     env = dict(transport_env, **SMALL_CHUNK)
-    results = run_ranks(3, body, [0, 7, 3000], ["", "chain"], env=env, timeout=120)
+    results = run_ranks(3, body, [0, 7, 3000], ["", "chain", "direct"], env=env, timeout=120)
     assert all(c > 0 for c, _ in results)
 
 

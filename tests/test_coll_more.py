@@ -207,3 +207,28 @@ def _half_body(comm, dt):
 @pytest.mark.parametrize("dt", ["float16", "bfloat16"])
 def test_half_rounding(dt):
     assert run_ranks(2, _half_body, dt, timeout=60) == [True, True]
+
+
+def _mixed_forms_body(comm):
+    """Ranks may use different forms (async on one, blocking on another); calls keep issue order."""
+    n, r = comm.size, comm.rank
+    a = np.full(200_000, r + 1.0)  # two-shot through shared memory
+    b = np.full(7, r + 1, np.int64)  # one-shot
+    c = np.full(100, float(r))
+    if r % 2 == 0:
+        ra = comm.all_reduce(a, async_op=True)
+        comm.all_reduce(b)  # blocking, queued behind ra
+        rc = comm.broadcast(c, root=1, async_op=True)
+        ra.wait()
+        rc.wait()
+    else:
+        comm.all_reduce(a)
+        comm.all_reduce(b, async_op=True).wait()
+        comm.broadcast(c, root=1)
+    s = n * (n + 1) / 2
+    assert (a == s).all() and (b == s).all() and (c == 1.0).all()
+    return True
+
+
+def test_mixed_blocking_and_async(shm_clean):
+    assert run_ranks(3, _mixed_forms_body, timeout=60) == [True] * 3

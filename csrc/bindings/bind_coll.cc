@@ -12,6 +12,7 @@
 // worker never touches Python objects; buffers are released by wait()/test() under the GIL.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 #include <sys/eventfd.h>
@@ -25,6 +26,7 @@
 #include <thread>
 
 #include "algo/coll.h"
+#include "algo/shm_coll.h"
 #include "bindings/bindings.h"
 #include "bindings/native_comm.h"
 
@@ -34,8 +36,30 @@ namespace linkwise {
 
 namespace {
 
+// The shared-memory fast path of one communicator (see algo/shm_coll.h). A failure aborts
+// the communicator's engine too, as a failed p2p collective does.
+class PyShmColl {
+ public:
+  PyShmColl(std::shared_ptr<NativeComm> comm, const std::string& name, bool create, double spin_us)
+      : comm_(std::move(comm)),
+        shm_(name, create, comm_->engine().rank(), comm_->engine().size(), spin_us) {}
+  template <class F>
+  void guarded(F&& f) {
+    try {
+      f();
+    } catch (const Error&) {
+      comm_->engine().abort("a shared-memory collective failed on this rank");
+      throw;
+    }
+  }
+  std::shared_ptr<NativeComm> comm_;
+  ShmColl shm_;
+  double timeout_ = 300.0;
+};
+
 struct CollJob {
   CollParams p;
+  std::shared_ptr<PyShmColl> shm;  // set: run p.kind (AllReduce/Broadcast) through shared memory
   HeldBuffer x, out;
   const void* send = nullptr;
   size_t send_bytes = 0;
@@ -141,6 +165,8 @@ class CollRequest {
   nb::object x_, out_;
 };
 
+void run_shm(CollJob& j);
+
 class CollWorker {
  public:
   explicit CollWorker(std::shared_ptr<NativeComm> comm) : comm_(std::move(comm)) {}
@@ -155,7 +181,11 @@ class CollWorker {
       thread_.join();
     }
   }
+  // Jobs submitted and not finished. The submitting thread reads it to keep collectives in
+  // issue order: a blocking call runs inline only when no async one is pending.
+  int pending() const { return pending_.load(); }
   void submit(std::shared_ptr<CollJob> job) {
+    pending_.fetch_add(1);
     std::lock_guard<std::mutex> g(mu_);
     if (!thread_.joinable()) thread_ = std::thread([this] { main(); });
     queue_.push_back(std::move(job));
@@ -176,11 +206,13 @@ class CollWorker {
       }
       std::exception_ptr err;
       try {
-        run_collective(comm_->engine(), job->p, job->send, job->send_bytes, job->recv, job->recv_bytes);
+        if (job->shm) run_shm(*job);
+        else run_collective(comm_->engine(), job->p, job->send, job->send_bytes, job->recv, job->recv_bytes);
       } catch (...) {
         err = std::current_exception();
       }
       job->finish(err);
+      pending_.fetch_sub(1);
     }
   }
   std::shared_ptr<NativeComm> comm_;
@@ -189,11 +221,65 @@ class CollWorker {
   std::deque<std::shared_ptr<CollJob>> queue_;
   std::thread thread_;
   bool stop_ = false;
+  std::atomic<int> pending_{0};
 };
+
+void run_shm(CollJob& j) {
+  j.shm->guarded([&] {
+    if (j.p.kind == CollKind::Broadcast)
+      j.shm->shm_.broadcast(j.recv, j.recv_bytes, j.p.root, j.p.timeout);
+    else
+      j.shm->shm_.all_reduce(j.send, j.recv, j.send_bytes / dtype_size(j.p.dtype), j.p.dtype, j.p.op, j.p.timeout);
+  });
+}
 
 }  // namespace
 
 void bind_coll(nb::module_& m) {
+  nb::class_<PyShmColl>(m, "ShmColl", "Shared-memory collectives of a single-host communicator.")
+      .def(nb::new_([](NativeComm& c, const std::string& name, bool create, double spin_us) {
+             return std::make_shared<PyShmColl>(c.shared_from_this(), name, create, spin_us);
+           }),
+           nb::arg("native"), nb::arg("name"), nb::arg("create"), nb::arg("spin_us"))
+      .def("connect", [](PyShmColl& s, double timeout) { s.shm_.connect(); s.timeout_ = timeout; }, nb::arg("timeout"))
+      .def("all_reduce_inplace",
+           [](PyShmColl& s, nb::handle x, int code) {
+             // The latency path: code = dtype * 8 + op, pre-validated by the caller.
+             HeldBuffer hx;
+             acquire_buffer(x, true, "all_reduce", hx);
+             const DType t = static_cast<DType>(code >> 3);
+             nb::gil_scoped_release nogil;
+             s.guarded([&] {
+               s.shm_.all_reduce(hx.ptr(), hx.ptr(), hx.bytes() / dtype_size(t), t, static_cast<RedOp>(code & 7), s.timeout_);
+             });
+           },
+           nb::arg("x"), nb::arg("code"))
+      .def("unlink", [](PyShmColl& s) { s.shm_.unlink(); })
+      .def("all_reduce",
+           [](PyShmColl& s, nb::handle x, nb::handle out, int dtype, int op, double timeout) {
+             HeldBuffer hx, ho;
+             acquire_buffer(x, false, "all_reduce", hx);
+             const void* in = hx.ptr();
+             void* o = const_cast<void*>(in);
+             if (!out.is(x)) {
+               acquire_buffer(out, true, "all_reduce", ho);
+               o = ho.ptr();
+             }
+             const DType t = static_cast<DType>(dtype);
+             const size_t count = hx.bytes() / dtype_size(t);
+             nb::gil_scoped_release nogil;
+             s.guarded([&] { s.shm_.all_reduce(in, o, count, t, static_cast<RedOp>(op), timeout); });
+           },
+           nb::arg("x"), nb::arg("out"), nb::arg("dtype"), nb::arg("op"), nb::arg("timeout"))
+      .def("broadcast",
+           [](PyShmColl& s, nb::handle buf, int root, double timeout) {
+             HeldBuffer hb;
+             acquire_buffer(buf, true, "broadcast", hb);
+             nb::gil_scoped_release nogil;
+             s.guarded([&] { s.shm_.broadcast(hb.ptr(), hb.bytes(), root, timeout); });
+           },
+           nb::arg("buf"), nb::arg("root"), nb::arg("timeout"));
+
   m.def("coll",
         [](NativeComm& c, int kind, nb::handle x, nb::handle out, int dtype, int op, int root, uint64_t seq, int algo,
            size_t chunk, std::vector<int> order, int parent, std::vector<int> children, double timeout) {
@@ -224,8 +310,10 @@ void bind_coll(nb::module_& m) {
            nb::arg("native"))
       .def("submit",
            [](CollWorker& w, int kind, nb::object x, nb::object out, int dtype, int op, int root, uint64_t seq,
-              int algo, size_t chunk, std::vector<int> order, int parent, std::vector<int> children, double timeout) {
+              int algo, size_t chunk, std::vector<int> order, int parent, std::vector<int> children, double timeout,
+              std::shared_ptr<PyShmColl> shm) {
              auto job = std::make_shared<CollJob>();
+             job->shm = std::move(shm);
              job->p = make_params(kind, dtype, op, root, seq, algo, chunk, std::move(order), parent,
                                   std::move(children), timeout);
              hold(x, out, job->x, job->out, job->send, job->send_bytes, job->recv, job->recv_bytes);
@@ -237,7 +325,8 @@ void bind_coll(nb::module_& m) {
            },
            nb::arg("kind"), nb::arg("x").none(), nb::arg("out").none(), nb::arg("dtype"), nb::arg("op"),
            nb::arg("root"), nb::arg("seq"), nb::arg("algo"), nb::arg("chunk"), nb::arg("order"), nb::arg("parent"),
-           nb::arg("children"), nb::arg("timeout"));
+           nb::arg("children"), nb::arg("timeout"), nb::arg("shm").none() = nb::none())
+      .def_prop_ro("pending", &CollWorker::pending);
 }
 
 }  // namespace linkwise

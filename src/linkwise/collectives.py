@@ -37,6 +37,22 @@ DTYPES = {"int8": 0, "uint8": 1, "int32": 2, "int64": 3, "float16": 4, "bfloat16
 ALGO_CODES = {"ring": 1, "tree": 2, "chain": 3, "direct": 4}
 _REDUCING = ("all_reduce", "reduce", "reduce_scatter")
 _U8 = DTYPES["uint8"]
+# (NumPy dtype, op) -> (dtype code, op code) for the all_reduce fast path (valid pairs only).
+_FAST_CODES = {(np.dtype(d), o): c * 8 + oc for d, c in DTYPES.items() if d != "bfloat16"
+               for o, oc in OPS.items() if o in ("sum", "prod", "min", "max", "avg") or d.startswith(("int", "uint"))}
+_NAMES = {np.dtype(d): d for d in DTYPES if d != "bfloat16"}
+try:
+    _ENV = os.environ._data  # bytes -> bytes on POSIX; a dict lookup instead of ~0.5 us per get
+    _ENC = os.fsencode
+except AttributeError:  # pragma: no cover - not CPython/POSIX
+    _ENV, _ENC = None, str
+
+
+def _env_set(name: bytes) -> bool:
+    """True when the environment variable is set and non-empty (cheap; read per call)."""
+    if _ENV is not None:
+        return bool(_ENV.get(name))
+    return bool(os.environ.get(name.decode()))
 
 
 def _native_module():
@@ -66,7 +82,8 @@ def _dtype_name(a: np.ndarray, dtype: Optional[str]) -> str:
         if np.dtype(dtype if dtype != "bfloat16" else np.uint16).itemsize != a.itemsize:
             raise TypeError(f"dtype={dtype!r} does not match the array's {a.itemsize}-byte elements")
         return dtype
-    return a.dtype.name
+    name = _NAMES.get(a.dtype)
+    return name if name is not None else a.dtype.name
 
 
 def _raw(a: np.ndarray) -> np.ndarray:
@@ -109,6 +126,10 @@ class CollectiveRequest:
 class CollectivesMixin:
     """Mixed into Communicator; uses self._native, self.rank, self.size, self.timeout."""
 
+    # The shared-memory executor while the in-place all_reduce latency path may use it: set
+    # when attached, cleared for good once async collectives exist (they need issue order).
+    _fast_shm = None
+
     # -- plumbing ------------------------------------------------------------------------
     def _next_seq(self) -> int:
         seq = getattr(self, "_coll_seq", 0)
@@ -116,7 +137,8 @@ class CollectivesMixin:
         return seq
 
     def _schedule(self, kind: str, root: int, nbytes: int) -> tuple:
-        env = (os.environ.get("LINKWISE_ALGO", ""), os.environ.get("LINKWISE_CHUNK_SIZE", ""))
+        env = ((os.environ.get("LINKWISE_ALGO", ""), os.environ.get("LINKWISE_CHUNK_SIZE", ""))
+               if _env_set(b"LINKWISE_ALGO") or _env_set(b"LINKWISE_CHUNK_SIZE") else None)
         key = (kind, root, nbytes, env)
         cache = self.__dict__.setdefault("_sched_cache", {})
         hit = cache.get(key)
@@ -157,21 +179,81 @@ class CollectivesMixin:
              root: int, count: int, nbytes: int, async_op: bool, result: Any):
         from . import config
         self._check_open(kind)
-        if config.get("LINKWISE_CHECK"):
+        if _env_set(b"LINKWISE_CHECK") and config.get("LINKWISE_CHECK"):
             self._check_agree(kind, count, dtype, op, root)
-        algo, chunk, order, parent, children = self._schedule(kind, root, nbytes)
-        dcode = DTYPES[dtype] if kind in _REDUCING else _U8
-        xr = None if x is None else _raw(x)
-        outr = None if out is None else _raw(out)
-        args = (KINDS[kind], xr, outr, dcode, OPS.get(op, 0), root, self._next_seq(), algo, chunk,
-                order, parent, children, self.timeout)
-        if not async_op:
-            _native_module().coll(self._native, *args)
-            return result
         worker = self.__dict__.get("_coll_worker")
+        # Collectives run in issue order: inline when no async one is pending, else queued
+        # behind them on the worker (and waited for, when blocking).
+        inline = not async_op and (worker is None or worker.pending == 0)
+        shm = self._shm_for(kind)
+        if shm is not None:
+            if kind == "broadcast" and self.rank == root and out is not x:
+                np.copyto(out, x)
+            xr, outr = _raw(x), _raw(out)
+            if inline:
+                if kind == "all_reduce":
+                    shm.all_reduce(xr, outr, DTYPES[dtype], OPS[op], self.timeout)
+                else:
+                    shm.broadcast(outr, root, self.timeout)
+                return result
+            args = (KINDS[kind], xr, outr, DTYPES.get(dtype, _U8) if kind == "all_reduce" else _U8,
+                    OPS.get(op, 0), root, 0, 0, 1, [], -1, [], self.timeout, shm)
+        else:
+            algo, chunk, order, parent, children = self._schedule(kind, root, nbytes)
+            dcode = DTYPES[dtype] if kind in _REDUCING else _U8
+            xr = None if x is None else _raw(x)
+            outr = None if out is None else _raw(out)
+            args = (KINDS[kind], xr, outr, dcode, OPS.get(op, 0), root, self._next_seq(), algo, chunk,
+                    order, parent, children, self.timeout)
+            if inline:
+                _native_module().coll(self._native, *args)
+                return result
         if worker is None:
             worker = self._coll_worker = _native_module().CollWorker(self._native)
-        return CollectiveRequest(worker.submit(*args), self.timeout, result)
+            self._fast_shm = None
+        req = CollectiveRequest(worker.submit(*args), self.timeout, result)
+        return req if async_op else req.wait()
+
+    def _shm_for(self, kind: str):
+        """The shared-memory executor for this call, or None for the point-to-point algorithms.
+
+        Used for all_reduce and broadcast when every peer is on this host (shared-memory links)
+        and LINKWISE_ALGO does not force a point-to-point algorithm ("direct" = one-shot
+        through shared memory for all_reduce). The same on every rank, so all ranks reach the
+        first such call together and attach the segment there (a collective step)."""
+        if kind not in ("all_reduce", "broadcast") or self.size == 1:
+            return None
+        algo = os.environ.get("LINKWISE_ALGO", "") if _env_set(b"LINKWISE_ALGO") else ""
+        if algo and not (algo == "direct" and kind == "all_reduce"):
+            return None
+        shm = self.__dict__.get("_shm")
+        if shm is None:
+            shm = self._shm = self._attach_shm() or False
+        return shm or None
+
+    def _attach_shm(self):
+        if self._store is None or not self.transports or any(v != "shm" for v in self.transports.values()):
+            return None
+        from ._setup import SHM_PREFIX
+        from .comm import _default_spin_us
+        name = f"/{SHM_PREFIX}{self.job_id}-coll-{self.comm_id}"
+        tag = f"{self.comm_id}/shmcoll"
+        spin = _default_spin_us(self.local_size)
+        shm = None
+        try:
+            if self.rank == 0:
+                shm = _native_module().ShmColl(self._native, name, True, spin)
+            self._store.barrier(f"{tag}/created", self.size, self.timeout)
+            if self.rank != 0:
+                shm = _native_module().ShmColl(self._native, name, False, spin)
+            self._store.barrier(f"{tag}/mapped", self.size, self.timeout)
+        finally:
+            if self.rank == 0 and shm is not None:
+                shm.unlink()  # every rank has mapped it (or setup failed): leave nothing in /dev/shm
+        shm.connect(self.timeout)
+        if self.__dict__.get("_coll_worker") is None and _ENV is not None:
+            self._fast_shm = shm
+        return shm
 
     def _root(self, root: Any, op: str) -> int:
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
@@ -202,6 +284,14 @@ class CollectivesMixin:
     def all_reduce(self, x: Any, op: str = "sum", out: Any = None, async_op: bool = False,
                    dtype: Optional[str] = None):
         """Combine x across ranks with op; every rank gets bitwise the same result (in x, or out)."""
+        fast = self._fast_shm
+        if (fast is not None and out is None and self._native is not None and not async_op and dtype is None and type(x) is np.ndarray
+                and not (_ENV.get(b"LINKWISE_ALGO") or _ENV.get(b"LINKWISE_CHECK"))):
+            code = _FAST_CODES.get((x.dtype, op))
+            if code is not None:
+                # The latency path: straight to shared memory (buffer checks happen there).
+                fast.all_reduce_inplace(x, code)
+                return x
         x = _as_array(x, "all_reduce")
         dt = _dtype_name(x, dtype)
         self._redop(op, dt, "all_reduce")
@@ -215,6 +305,12 @@ class CollectivesMixin:
 
     def broadcast(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
         """Copy root's x to every rank (into x, or into out)."""
+        fast = self._fast_shm
+        if (fast is not None and out is None and not async_op and type(x) is np.ndarray and self._native is not None
+                and x.dtype.kind in "biufc" and type(root) is int and 0 <= root < self.size
+                and not (_ENV.get(b"LINKWISE_ALGO") or _ENV.get(b"LINKWISE_CHECK"))):
+            fast.broadcast(x, root, self.timeout)  # the latency path (buffer checks happen there)
+            return x
         root = self._root(root, "broadcast")
         x = _as_array(x, "broadcast")
         if out is None:
