@@ -31,11 +31,20 @@ def _native():
     return native
 
 
+def _is_cuda(x: Any) -> bool:
+    """True for arrays in CUDA device memory (torch CUDA tensors, CuPy, CUDA DLPack)."""
+    if not (hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack_device__") or hasattr(x, "is_cuda")):
+        return False
+    from .cuda.arrays import is_cuda_array
+    return is_cuda_array(x)
+
+
 def _as_buffer(x: Any, op: str) -> Any:
     """What the native layer accepts for x: x itself, or a NumPy view of a DLPack array."""
-    if hasattr(x, "__cuda_array_interface__") and not hasattr(x, "__array_interface__"):
-        raise TypeError(f"{op}: got a CUDA array ({type(x).__name__}); this communicator moves host "
-                        "memory only. Copy it to the host first (x.get() / x.cpu()).")
+    if _is_cuda(x):
+        raise TypeError(f"{op}: got a CUDA array ({type(x).__name__}); {op} moves host memory. "
+                        "Use send/recv or the collectives, which take CUDA arrays and are already "
+                        "asynchronous (enqueued on the array's stream), or copy it to the host.")
     if hasattr(x, "__dlpack__"):
         import numpy as np
         try:
@@ -141,27 +150,49 @@ class Communicator(CollectivesMixin):
         return self.timeout if timeout is None else float(timeout)
 
     # -- point-to-point -------------------------------------------------------------------
-    def send(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None) -> None:
-        """Send array x to rank dst. Returns once x may be reused."""
+    def send(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None,
+             stream: Any = None) -> None:
+        """Send array x to rank dst. Returns once x may be reused.
+
+        A CUDA array goes GPU to GPU (CUDA IPC / NVLink), enqueued on `stream` (else the array's
+        current stream) like NCCL: it returns before the GPU has moved the data."""
         self._check(dst, tag, "send")
         try:
             self._native.send(x, dst, tag, self._timeout(timeout))
         except TypeError as exc:
             if "buffer protocol" not in str(exc):
                 raise
+            if _is_cuda(x):
+                self.cuda().send(x, dst, tag, stream=stream)
+                return
             self._native.send(_as_buffer(x, "send"), dst, tag, self._timeout(timeout))
 
-    def recv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None) -> int:
+    def recv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None,
+             stream: Any = None) -> int:
         """Receive into array x from rank src; returns the number of bytes received.
 
-        A message larger than x raises ValueError (and stays queued for a larger receive)."""
+        A message larger than x raises ValueError (and stays queued for a larger receive).
+        A CUDA array is received GPU to GPU, enqueued on `stream` as for send."""
         self._check(src, tag, "recv")
         try:
             return self._native.recv(x, src, tag, self._timeout(timeout))
         except TypeError as exc:
             if "buffer protocol" not in str(exc):
                 raise
+            if _is_cuda(x):
+                return self.cuda().recv(x, src, tag, stream=stream)
             return self._native.recv(_as_buffer(x, "recv"), src, tag, self._timeout(timeout))
+
+    def cuda(self):
+        """This communicator's GPU data plane (linkwise.cuda.GpuComm), built on first use.
+
+        Building it is collective: every rank of the communicator must reach its first GPU
+        operation (or call comm.cuda()) so that CUDA IPC handles can be exchanged."""
+        g = getattr(self, "_gpu_comm", None)
+        if g is None:
+            from .cuda import gpu_comm
+            g = gpu_comm(self)
+        return g
 
     def _post(self, x: Any, peer: int, tag: int, is_send: bool, is_async: bool,
               timeout: Optional[float]) -> Request:
@@ -205,6 +236,10 @@ class Communicator(CollectivesMixin):
         if self._closed:
             return
         self._closed = True
+        gpu = getattr(self, "_gpu_comm", None)
+        if gpu is not None:
+            gpu.close()
+            self._gpu_comm = None
         self._native.abort("the communicator was closed")
         self._native = None
         if self._store is not None and self.comm_id == "world":
