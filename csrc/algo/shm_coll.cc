@@ -9,6 +9,9 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "algo/coll.h"
 #include "core/status.h"
@@ -21,9 +24,40 @@ struct alignas(64) Line {
   std::atomic<uint32_t> v;
 };
 constexpr size_t kHeader = 4096;
-constexpr size_t kSub = 32 << 10;  // reduce, then copy out, this many bytes at a time (in L1/L2)
+constexpr size_t kSub = 32 << 10;
+constexpr size_t kStreamMin = 8 << 20;  // messages at least this big are copied out with streaming stores  // reduce, then copy out, this many bytes at a time (in L1/L2)
 
 inline bool reached(uint32_t have, uint32_t want) { return static_cast<int32_t>(have - want) >= 0; }
+
+// Copies into a large destination that will not be read again soon (a big message's user
+// buffer) with non-temporal stores, which skip the read-for-ownership of every destination
+// line: out-of-cache copies move 2 streams of memory traffic instead of 3.
+void copy_out(void* dst, const void* src, size_t n, bool stream) {
+#if defined(__SSE2__)
+  if (stream && n >= 4096) {
+    char* d = static_cast<char*>(dst);
+    const char* s = static_cast<const char*>(src);
+    size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;
+    std::memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+      __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+      __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+    }
+    _mm_sfence();
+    std::memcpy(d + i, s + i, n - i);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
 }  // namespace
 
 struct ShmColl::Slot {
@@ -164,14 +198,14 @@ void ShmColl::two_shot(const void* in, void* out, size_t count, DType t, RedOp o
       reduce3(res, val(0, o), val(1, o), m, t, op);
       for (int q = 2; q < n_; ++q) reduce_into(res, val(q, o), m, t, op);
       if (op == RedOp::Avg) avg_finish(res, m, t, n_);
-      std::memcpy(dst + (base + o) * es, res, m * es);
+      copy_out(dst + (base + o) * es, res, m * es, count * es >= kStreamMin);
     }
     publish(me->h().a_res.v, r);
     for (int q = 0; q < n_; ++q) {
       if (q == rank_) continue;
       wait_ge(q, slot(q)->h().a_res.v, r, "all_reduce");
       const size_t qo = part_off(cnt, n_, q), ql = part_off(cnt, n_, q + 1) - qo;
-      std::memcpy(dst + (base + qo) * es, slot(q)->two_res() + qo * es, ql * es);
+      copy_out(dst + (base + qo) * es, slot(q)->two_res() + qo * es, ql * es, count * es >= kStreamMin);
     }
   }
 }
@@ -194,7 +228,7 @@ void ShmColl::broadcast(void* buf, size_t bytes, int root, double timeout) {
       publish(rs->h().c_in.v, static_cast<uint32_t>(i + 1));
     } else {
       wait_ge(root, rs->h().c_in.v, static_cast<uint32_t>(i + 1), "broadcast");
-      std::memcpy(b + off, rs->bc(i), len);
+      copy_out(b + off, rs->bc(i), len, bytes >= kStreamMin);
       publish(slot(rank_)->h().c_done.v, static_cast<uint32_t>(i + 1));
     }
   }
