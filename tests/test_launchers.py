@@ -2,6 +2,7 @@
 
 Each starts 3 (or 2) ranks of a script that passes its rank around a ring over shared memory."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,7 +30,8 @@ def _run(cmd, tmp_path, n):
     out = subprocess.run(cmd + [str(script)], capture_output=True, text=True, timeout=120, env=env,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
-    rows = sorted(line.split("RESULT ")[1].split() for line in out.stdout.splitlines() if "RESULT " in line)
+    # ranks share one stdout: lines may interleave, so pick the fields out wherever they are
+    rows = sorted(list(m) for m in re.findall(r"RESULT (\d+) (\d+) (\w+) (\d+)", out.stdout))
     assert len(rows) == n, out.stdout + out.stderr
     return rows
 

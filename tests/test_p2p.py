@@ -219,6 +219,7 @@ def _killed_peer(comm, mode):
     if comm.rank == 1:
         y = np.zeros(10, np.float32)
         comm.recv(y, 0, tag=1)  # rank 0 is alive and ready
+        time.sleep(0.2)  # not in a linkwise call: rank 0's stream backs up, then we die
         os.kill(os.getpid(), signal.SIGKILL)
     import linkwise
     comm.send(np.ones(10, np.float32), 1, tag=1)

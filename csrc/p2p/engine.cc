@@ -14,6 +14,7 @@ constexpr uint32_t kHeaderMagic = 0x314d574c;  // "LWM1"
 constexpr uint32_t kEager = 1;
 constexpr uint32_t kPull = 2;
 constexpr size_t kStage = 4096;          // header + payload up to this go out in one write
+constexpr int kMessagesPerPass = 16;     // incoming messages one progress pass may finish per peer
 
 // Messages a rank sends to itself: an unbounded in-memory byte queue. Never full, so a
 // self-send completes at once; the receiver reads it under the same Engine lock.
@@ -292,8 +293,11 @@ bool Engine::progress_send(Peer& p) {
 bool Engine::progress_recv(Peer& p) {
   bool moved = false;
   PeerLink& link = *p.link;
+  // Bounded work per pass: a peer that streams without pause must not keep this thread here
+  // (its caller waits for one particular request, and other peers need turns too).
+  int budget = kMessagesPerPass;
   try {
-    while (true) {
+    while (budget-- > 0) {
       if (!p.in_msg) {
         size_t n = link.read_some(reinterpret_cast<char*>(&p.in_hdr) + p.in_hdr_got, sizeof(MsgHeader) - p.in_hdr_got);
         p.in_hdr_got += n;
