@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from . import _gpu_coll
 from .plan.schedule import default_schedule
 
 KINDS = {"all_reduce": 0, "broadcast": 1, "reduce": 2, "all_gather": 3, "reduce_scatter": 4,
@@ -72,6 +73,13 @@ def _as_array(x: Any, what: str) -> np.ndarray:
     if not a.flags.c_contiguous:
         raise ValueError(f"{what}: the array is not C-contiguous; pass np.ascontiguousarray(x)")
     return a
+
+
+def _host_out(out: Any, what: str) -> np.ndarray:
+    """out for a host collective; a CUDA out with a host x is a clear TypeError."""
+    if type(out) is not np.ndarray and _gpu_coll.is_cuda(out):
+        raise _gpu_coll.host_device_mix(what, False)
+    return _as_array(out, what)
 
 
 def _dtype_name(a: np.ndarray, dtype: Optional[str]) -> str:
@@ -282,8 +290,10 @@ class CollectivesMixin:
 
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(self, x: Any, op: str = "sum", out: Any = None, async_op: bool = False,
-                   dtype: Optional[str] = None):
-        """Combine x across ranks with op; every rank gets bitwise the same result (in x, or out)."""
+                   dtype: Optional[str] = None, stream: Any = None):
+        """Combine x across ranks with op; every rank gets bitwise the same result (in x, or out).
+
+        A CUDA array runs on the GPU data plane, enqueued on `stream` (else its current stream)."""
         fast = self._fast_shm
         if (fast is not None and out is None and self._native is not None and not async_op and dtype is None and type(x) is np.ndarray
                 and not (_ENV.get(b"LINKWISE_ALGO") or _ENV.get(b"LINKWISE_CHECK"))):
@@ -292,6 +302,9 @@ class CollectivesMixin:
                 # The latency path: straight to shared memory (buffer checks happen there).
                 fast.all_reduce_inplace(x, code)
                 return x
+        if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
+            return _gpu_coll.dispatch(self, "all_reduce", x, out=out, red=op, async_op=async_op,
+                                      dtype=dtype, stream=stream)
         x = _as_array(x, "all_reduce")
         dt = _dtype_name(x, dtype)
         self._redop(op, dt, "all_reduce")
@@ -299,12 +312,13 @@ class CollectivesMixin:
             out = x
             self._writable(x, "all_reduce")
         else:
-            out = _as_array(out, "all_reduce")
+            out = _host_out(out, "all_reduce")
             self._same(x, out, "all_reduce")
         return self._run("all_reduce", x, out, dt, op, 0, x.size, x.nbytes, async_op, out)
 
-    def broadcast(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
-        """Copy root's x to every rank (into x, or into out)."""
+    def broadcast(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False,
+                  stream: Any = None):
+        """Copy root's x to every rank (into x, or into out). CUDA arrays: on the GPU, on `stream`."""
         fast = self._fast_shm
         if (fast is not None and out is None and not async_op and type(x) is np.ndarray and self._native is not None
                 and x.dtype.kind in "biufc" and type(root) is int and 0 <= root < self.size
@@ -312,11 +326,14 @@ class CollectivesMixin:
             fast.broadcast(x, root, self.timeout)  # the latency path (buffer checks happen there)
             return x
         root = self._root(root, "broadcast")
+        if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
+            return _gpu_coll.dispatch(self, "broadcast", x, out=out, root=root, async_op=async_op,
+                                      stream=stream)
         x = _as_array(x, "broadcast")
         if out is None:
             out = x
         else:
-            out = _as_array(out, "broadcast")
+            out = _host_out(out, "broadcast")
             self._same(x, out, "broadcast")
         self._writable(out, "broadcast")
         return self._run("broadcast", x, out, x.dtype.name, "", root, x.size, x.nbytes, async_op, out)
@@ -325,6 +342,8 @@ class CollectivesMixin:
                dtype: Optional[str] = None):
         """Combine x across ranks onto root (into x, or out, on root; other ranks' x is untouched)."""
         root = self._root(root, "reduce")
+        if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
+            raise _gpu_coll.unsupported("reduce", "use all_reduce (every rank gets the result) or copy x to the host")
         x = _as_array(x, "reduce")
         dt = _dtype_name(x, dtype)
         self._redop(op, dt, "reduce")
@@ -338,20 +357,27 @@ class CollectivesMixin:
         return self._run("reduce", x, out if self.rank == root else None, dt, op, root, x.size, x.nbytes,
                          async_op, out)
 
-    def all_gather(self, x: Any, out: Any = None, async_op: bool = False):
-        """Concatenate every rank's x (rank order) into out (size * len(x) elements)."""
+    def all_gather(self, x: Any, out: Any = None, async_op: bool = False, stream: Any = None):
+        """Concatenate every rank's x (rank order) into out (size * len(x) elements).
+        CUDA arrays: on the GPU, on `stream`."""
+        if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
+            return _gpu_coll.dispatch(self, "all_gather", x, out=out, async_op=async_op, stream=stream)
         x = _as_array(x, "all_gather")
         if out is None:
             out = np.empty((self.size * (x.shape[0] if x.ndim else 1),) + x.shape[1:], dtype=x.dtype)
         else:
-            out = _as_array(out, "all_gather")
+            out = _host_out(out, "all_gather")
             self._same(x, out, "all_gather", self.size)
         self._writable(out, "all_gather")
         return self._run("all_gather", x, out, x.dtype.name, "", 0, x.size, x.nbytes, async_op, out)
 
     def reduce_scatter(self, x: Any, op: str = "sum", out: Any = None, async_op: bool = False,
-                       dtype: Optional[str] = None):
-        """Combine x across ranks; rank r gets block r (x has size * len(out) elements)."""
+                       dtype: Optional[str] = None, stream: Any = None):
+        """Combine x across ranks; rank r gets block r (x has size * len(out) elements).
+        CUDA arrays: on the GPU, on `stream`."""
+        if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
+            return _gpu_coll.dispatch(self, "reduce_scatter", x, out=out, red=op, async_op=async_op,
+                                      dtype=dtype, stream=stream)
         x = _as_array(x, "reduce_scatter")
         dt = _dtype_name(x, dtype)
         self._redop(op, dt, "reduce_scatter")
@@ -361,15 +387,18 @@ class CollectivesMixin:
         if out is None:
             out = np.empty(x.size // self.size, dtype=x.dtype)
         else:
-            out = _as_array(out, "reduce_scatter")
+            out = _host_out(out, "reduce_scatter")
             if out.dtype != x.dtype or out.size * self.size != x.size:
                 raise ValueError(f"reduce_scatter: out must be a {x.dtype} array of {x.size // self.size} "
                                  f"elements, got {out.dtype} with {out.size}")
         self._writable(out, "reduce_scatter")
         return self._run("reduce_scatter", x, out, dt, op, 0, out.size, x.nbytes, async_op, out)
 
-    def all_to_all(self, x: Any, out: Any = None, async_op: bool = False):
-        """Rank r's block j (x split into size equal blocks) goes to rank j's block r."""
+    def all_to_all(self, x: Any, out: Any = None, async_op: bool = False, stream: Any = None):
+        """Rank r's block j (x split into size equal blocks) goes to rank j's block r.
+        CUDA arrays: on the GPU, on `stream`."""
+        if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
+            return _gpu_coll.dispatch(self, "all_to_all", x, out=out, async_op=async_op, stream=stream)
         x = _as_array(x, "all_to_all")
         if x.size % self.size:
             raise ValueError(f"all_to_all: x has {x.size} elements, not a multiple of the "
@@ -377,7 +406,7 @@ class CollectivesMixin:
         if out is None:
             out = x
         else:
-            out = _as_array(out, "all_to_all")
+            out = _host_out(out, "all_to_all")
             self._same(x, out, "all_to_all")
         self._writable(out, "all_to_all")
         return self._run("all_to_all", x, out, x.dtype.name, "", 0, x.size, x.nbytes, async_op, out)
@@ -385,6 +414,8 @@ class CollectivesMixin:
     def gather(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
         """Concatenate every rank's x onto root; returns out on root and None elsewhere."""
         root = self._root(root, "gather")
+        if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
+            raise _gpu_coll.unsupported("gather", "use all_gather (every rank gets the result) or copy x to the host")
         x = _as_array(x, "gather")
         if self.rank == root:
             if out is None:
@@ -402,6 +433,8 @@ class CollectivesMixin:
 
         x matters on root only (other ranks may pass None together with out=)."""
         root = self._root(root, "scatter")
+        if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
+            raise _gpu_coll.unsupported("scatter", "broadcast the whole array and take your block, or copy x to the host")
         xa = None if x is None else _as_array(x, "scatter")
         if self.rank == root and xa is None:
             raise ValueError("scatter: the root must pass x")
@@ -419,8 +452,16 @@ class CollectivesMixin:
         send = xa if self.rank == root else None
         return self._run("scatter", send, out, out.dtype.name, "", root, out.size, out.nbytes, async_op, out)
 
-    def barrier(self, async_op: bool = False):
-        """Return once every rank has entered the barrier."""
+    def barrier(self, async_op: bool = False, stream: Any = None):
+        """Return once every rank has entered the barrier.
+
+        With `stream` (a CUDA stream), a device-side barrier on the GPU data plane: enqueued on
+        that stream, and waited for (every rank's stream has reached it when this returns)."""
+        if stream is not None:
+            if async_op:
+                raise TypeError("barrier: async_op=True cannot be combined with stream=")
+            return self.cuda().barrier(stream=stream if isinstance(stream, int)
+                                       else _gpu_coll.stream_int(stream))
         return self._run("barrier", None, None, "uint8", "", 0, 0, 0, async_op, None)
 
     # -- coroutines ----------------------------------------------------------------------

@@ -1,0 +1,112 @@
+"""Routing of Communicator collectives on CUDA arrays to the GPU data plane (GpuComm).
+
+The CPU collectives (collectives.py) call :func:`dispatch` only after their NumPy fast checks
+failed (``type(x) is not np.ndarray``) and :func:`is_cuda` said yes, so the CPU path pays
+nothing. Semantics are GpuComm's (NCCL's): the operation is enqueued on ``stream`` (else the
+array's current stream) and the call returns before the GPU has finished.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+def is_cuda(x: Any) -> bool:
+    """Cheap test for a CUDA array (see comm._is_cuda)."""
+    if x is None:
+        return False
+    from .comm import _is_cuda
+    return _is_cuda(x)
+
+
+def host_device_mix(op: str, x_is_cuda: bool) -> TypeError:
+    if x_is_cuda:
+        return TypeError(f"{op}: x is a CUDA array but out is not; pass out on the same CUDA device "
+                         "(or copy x to the host first)")
+    return TypeError(f"{op}: x is a host array but out is a CUDA array; pass both on the host or "
+                     "both on the GPU")
+
+
+def unsupported(op: str, hint: str) -> TypeError:
+    return TypeError(f"{op}: CUDA arrays are not supported by {op} yet; {hint}")
+
+
+def _empty(x: Any, count_shape: tuple) -> Any:
+    """A new uninitialised array like x (same library, dtype and device) with shape count_shape."""
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return torch.empty(count_shape, dtype=x.dtype, device=x.device)
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+        with cupy.cuda.Device(x.device.id):
+            return cupy.empty(count_shape, dtype=x.dtype)
+    raise TypeError(f"cannot allocate a result like {type(x).__name__}; pass out=")
+
+
+def _copy(dst: Any, src: Any, stream: Any) -> None:
+    """dst <- src on the GPU (same library), ordered on `stream` (else the current one)."""
+    if hasattr(dst, "copy_"):
+        import torch
+        if stream is None:
+            dst.copy_(src, non_blocking=True)
+            return
+        h = stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None)
+        with torch.cuda.stream(torch.cuda.ExternalStream(h, device=dst.device)):
+            dst.copy_(src, non_blocking=True)
+    else:
+        dst[...] = src
+
+
+def dispatch(comm, op: str, x: Any, *, out: Any = None, red: str = "sum", root: int = 0,
+             async_op: bool = False, dtype: Optional[str] = None, stream: Any = None) -> Any:
+    """Runs collective `op` of `comm` on CUDA array x through comm.cuda(); returns the result."""
+    if async_op:
+        raise TypeError(f"{op}: async_op=True is not available for CUDA arrays; GPU collectives are "
+                        "already asynchronous (enqueued on the stream), so call it without async_op "
+                        "and synchronise the stream (or record an event) when you need the result")
+    if dtype is not None:
+        raise TypeError(f"{op}: dtype= is for host arrays; a CUDA array carries its own dtype")
+    if out is not None and not is_cuda(out):
+        raise host_device_mix(op, True)
+    g = comm.cuda()
+    shape = tuple(getattr(x, "shape", ()))
+    if op == "all_reduce":
+        return g.all_reduce(x, op=red, out=out, stream=stream)
+    if op == "broadcast":
+        if out is None or out is x:
+            return g.broadcast(x, root=root, stream=stream)
+        if comm.rank == root:
+            _copy(out, x, stream)
+        return g.broadcast(out, root=root, stream=stream)
+    if op == "all_gather":
+        if out is None:
+            lead = shape[0] if shape else 1
+            out = _empty(x, (comm.size * lead,) + shape[1:])
+        return g.all_gather(x, out, stream=stream)
+    if op == "reduce_scatter":
+        n = 1
+        for d in shape:
+            n *= d
+        if n % comm.size:
+            raise ValueError(f"reduce_scatter: x has {n} elements, not a multiple of the "
+                             f"communicator size {comm.size}")
+        if out is None:
+            out = _empty(x, (n // comm.size,))
+        return g.reduce_scatter(x, out, op=red, stream=stream)
+    if op == "all_to_all":
+        if out is None or out is x:
+            tmp = _empty(x, shape)
+            _copy(tmp, x, stream)
+            g.all_to_all(tmp, x, stream=stream)
+            return x
+        return g.all_to_all(x, out, stream=stream)
+    raise unsupported(op, "use all_reduce / all_gather (every rank gets the result) or copy to the host")
+
+
+def stream_int(stream: Any) -> int:
+    """The cudaStream_t integer of a stream object (torch / cupy / int)."""
+    for attr in ("cuda_stream", "ptr", "handle"):
+        h = getattr(stream, attr, None)
+        if isinstance(h, int):
+            return h
+    raise TypeError(f"stream: expected an int cudaStream_t or a stream object, got {type(stream).__name__}")
