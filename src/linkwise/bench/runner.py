@@ -75,6 +75,37 @@ def _share_port(lw: LinkwiseBackend) -> int:
     return int(buf[0])
 
 
+def _measure_gpu(args, pl, systems, lw, out, show_progress) -> dict:
+    """--device cuda: linkwise's GPU data plane, then NCCL (torch.distributed) if asked."""
+    from . import gpu
+    order = []
+    if lw is not None and out["linkwise"]["status"] == "ok":
+        glw = gpu.LinkwiseGpuBackend(lw)
+        if pl.test not in ("sendrecv",) and not glw.available(pl.test):
+            out["linkwise"] = {"status": "not available", "reason": f"{pl.test} has no GPU path"}
+        else:
+            out["linkwise"]["how"] = "comm.<collective>(torch CUDA tensor); " + gpu.HOW_TIMING
+            order.append(("linkwise", glw))
+    if "nccl" in systems:
+        why = gpu.missing_nccl() if lw is not None else "nccl runs beside linkwise only"
+        if why:
+            out["nccl"] = {"status": "skipped", "reason": why}
+        else:
+            nccl = gpu.NcclBackend(lw, _share_port(lw), lw.comm.cuda().device)
+            out["nccl"] = {"status": "ok", "runs": [], "how": "torch.distributed nccl, same "
+                           "processes, right after linkwise; " + gpu.HOW_TIMING}
+            order.append(("nccl", nccl))
+    for _ in range(pl.reps):
+        for name, b in order:
+            out[name]["runs"].append(_sweep(b, pl, show_progress))
+    for name, b in order:
+        if name != "linkwise":
+            b.close()
+    out["_rank"] = lw.rank if lw else 0
+    out["_nranks"] = lw.size if lw else 1
+    return out
+
+
 def measure(args, systems: list[str], comm=None, show_progress: bool = True) -> dict:
     """Run the sweep for each system this process can run; results valid on rank 0."""
     pl = plan(args)
@@ -87,6 +118,8 @@ def measure(args, systems: list[str], comm=None, show_progress: bool = True) -> 
                                "reason": f"comm.{pl.test} is not available in this build yet"}
         else:
             out["linkwise"] = {"status": "ok", "runs": []}
+    if getattr(args, "device", "cpu") == "cuda":
+        return _measure_gpu(args, pl, systems, lw, out, show_progress)
     gloo = None
     if "gloo" in systems:
         why = compare.missing("gloo")

@@ -40,6 +40,9 @@ def _worker_env(args_json: str, systems: list[str], result: str) -> dict:
     env = dict(os.environ)
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                 ("NVSHMEM_DISABLE_NVLS", "1")):
+        env.setdefault(k, v)  # NVLink multicast stays off (GPU runs)
     env.update(LINKWISE_BENCH_ARGS=args_json, LINKWISE_BENCH_SYSTEMS=",".join(systems),
                LINKWISE_BENCH_RESULT=result)
     return env
