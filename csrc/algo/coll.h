@@ -87,6 +87,14 @@ class CollCtx {
   const CollParams& p_;
 };
 
+// Scratch memory reused across collectives. Fresh pages cost a page fault each (several us
+// on a VM, hundreds per MiB), so algorithms take their buffers from here instead of
+// allocating per call. Threading: one pool per thread, and a collective runs start to end
+// on one thread (the caller's or the communicator's worker), so a slot is never used by two
+// calls at once. Within one call each use takes its own slot (see ScratchSlot).
+enum ScratchSlot { kRingA, kRingB, kTreeChildren, kTreeAcc, kDoublingTmp, kDirectSlots, kDispatchCopy, kNumSlots };
+char* coll_scratch(ScratchSlot slot, size_t bytes);
+
 // Splits `count` elements into n nearly equal parts; part i is [off(i), off(i+1)).
 inline size_t part_off(size_t count, int n, int i) {
   size_t q = count / n, r = count % n;

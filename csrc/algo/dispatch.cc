@@ -1,6 +1,7 @@
 // run_collective: checks buffer sizes, does the local copies a collective needs, and hands
 // the work to one algorithm family. The algorithm choice (p.algo) and the shape (order,
 // parent, children, chunk) were made on the Python side; Auto falls back to the defaults.
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -16,6 +17,16 @@ void need(bool ok, const std::string& what) {
 }
 
 }  // namespace
+
+char* coll_scratch(ScratchSlot slot, size_t bytes) {
+  thread_local std::vector<char> pools[kNumSlots];
+  std::vector<char>& v = pools[slot];
+  if (v.size() < bytes) {
+    v = std::vector<char>();            // free first: no two copies at once
+    v.resize(std::max<size_t>(bytes, 4096));
+  }
+  return v.data();
+}
 
 void run_collective(Engine& engine, const CollParams& p, const void* send, size_t send_bytes, void* recv,
                     size_t recv_bytes) {
@@ -56,15 +67,17 @@ void run_collective(Engine& engine, const CollParams& p, const void* send, size_
         copy(recv, send, recv_bytes);
         return;
       }
-      std::vector<char> work(static_cast<const char*>(send), static_cast<const char*>(send) + send_bytes);
-      ring_reduce_scatter(c, work.data(), m, recv);
+      char* work = coll_scratch(kDispatchCopy, send_bytes);
+      std::memcpy(work, send, send_bytes);
+      ring_reduce_scatter(c, work, m, recv);
       return;
     }
     case CollKind::AllToAll: {
       need(send_bytes == recv_bytes && send_bytes % n == 0, "all_to_all: x and out need the same size, a multiple of the communicator size");
       if (send == recv && n > 1 && send_bytes) {
-        std::vector<char> tmp(static_cast<const char*>(send), static_cast<const char*>(send) + send_bytes);
-        pairwise_all_to_all(c, tmp.data(), recv, send_bytes / n);
+        char* tmp = coll_scratch(kDispatchCopy, send_bytes);
+        std::memcpy(tmp, send, send_bytes);
+        pairwise_all_to_all(c, tmp, recv, send_bytes / n);
       } else {
         pairwise_all_to_all(c, send, recv, send_bytes / n);
       }

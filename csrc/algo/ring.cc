@@ -60,9 +60,11 @@ void ring_run(CollCtx& c, const Ring& R, char* work, const std::vector<size_t>& 
   const size_t ce = std::max<size_t>(1, p.chunk_bytes / esize);
   size_t max_seg = 0;
   for (size_t l : seg_len) max_seg = std::max(max_seg, l);
-  std::vector<char> scratch[2];
-  if (do_rs)
-    for (auto& s : scratch) s.resize(std::max<size_t>(1, max_seg * esize));
+  char* scratch[2] = {nullptr, nullptr};
+  if (do_rs) {
+    scratch[0] = coll_scratch(kRingA, std::max<size_t>(1, max_seg * esize));
+    scratch[1] = coll_scratch(kRingB, std::max<size_t>(1, max_seg * esize));
+  }
 
   auto seg_send = [&](int t) { return t < nrs ? mod(R.pos - t, n) : mod(R.pos + 1 - (t - nrs), n); };
   auto seg_recv = [&](int t) { return t < nrs ? mod(R.pos - t - 1, n) : mod(R.pos - (t - nrs), n); };
@@ -78,7 +80,7 @@ void ring_run(CollCtx& c, const Ring& R, char* work, const std::vector<size_t>& 
     rs.clear();
     for (size_t k = 0; k < nchunks(j); ++k) {
       const size_t bytes = chunk_len(j, k) * esize;
-      char* dst = t < nrs ? scratch[t % 2].data() + k * ce * esize : work + (seg_off[j] + k * ce) * esize;
+      char* dst = t < nrs ? scratch[t % 2] + k * ce * esize : work + (seg_off[j] + k * ce) * esize;
       rs.push_back(c.irecv(R.left, dst, bytes, t));
     }
   };
@@ -98,7 +100,7 @@ void ring_run(CollCtx& c, const Ring& R, char* work, const std::vector<size_t>& 
         const size_t len = chunk_len(j, k);
         char* mine = work + (seg_off[j] + k * ce) * esize;
         if (t < nrs) {
-          reduce_into(mine, scratch[t % 2].data() + k * ce * esize, len, p.dtype, p.op);
+          reduce_into(mine, scratch[t % 2] + k * ce * esize, len, p.dtype, p.op);
           if (t == nrs - 1 && avg_div > 1) avg_finish(mine, len, p.dtype, avg_div);
         }
         if (t + 1 < T) sends.push_back(c.isend(R.right, mine, len * esize, t + 1));

@@ -50,21 +50,20 @@ void tree_reduce(CollCtx& c, const void* in, void* out, size_t count) {
   }
   const size_t ce = std::max<size_t>(1, p.chunk_bytes / es);
   const size_t K = (count + ce - 1) / ce;
-  std::vector<char> scratch(nch * bytes);
-  std::vector<char> acc_store(root || nch == 0 ? 0 : bytes);
-  char* acc = root ? static_cast<char*>(out) : acc_store.data();  // unused at a leaf
+  char* scratch = coll_scratch(kTreeChildren, nch * bytes);
+  char* acc = root ? static_cast<char*>(out) : coll_scratch(kTreeAcc, bytes);  // unused at a leaf
   const char* src = static_cast<const char*>(in);
   std::vector<std::shared_ptr<Request>> recvs(nch * K), sends;
   try {
     for (size_t k = 0; k < K; ++k)
       for (size_t i = 0; i < nch; ++i)
-        recvs[k * nch + i] = c.irecv(p.children[i], scratch.data() + i * bytes + k * ce * es,
+        recvs[k * nch + i] = c.irecv(p.children[i], scratch + i * bytes + k * ce * es,
                                      std::min(ce, count - k * ce) * es, 0);
     for (size_t k = 0; k < K; ++k) {
       const size_t off = k * ce * es, len = std::min(ce, count - k * ce);
       for (size_t i = 0; i < nch; ++i) {
         c.wait(recvs[k * nch + i]);
-        const char* theirs = scratch.data() + i * bytes + off;
+        const char* theirs = scratch + i * bytes + off;
         if (i == 0) reduce3(acc + off, src + off, theirs, len, p.dtype, p.op);
         else reduce_into(acc + off, theirs, len, p.dtype, p.op);
       }
@@ -90,7 +89,7 @@ void rd_all_reduce(CollCtx& c, void* buf, size_t count) {
   int pw = 1;
   while (pw * 2 <= n) pw *= 2;
   const int rem = n - pw;
-  std::vector<char> tmp(bytes);
+  char* tmp = coll_scratch(kDoublingTmp, bytes);
   try {
     if (r >= pw) {
       c.send(r - pw, buf, bytes, 0);
@@ -98,18 +97,18 @@ void rd_all_reduce(CollCtx& c, void* buf, size_t count) {
       return;
     }
     if (r < rem) {
-      c.recv(r + pw, tmp.data(), bytes, 0);
-      reduce_into(buf, tmp.data(), count, p.dtype, p.op);
+      c.recv(r + pw, tmp, bytes, 0);
+      reduce_into(buf, tmp, count, p.dtype, p.op);
     }
     int step = 2;
     for (int mask = 1; mask < pw; mask <<= 1, ++step) {
       const int peer = r ^ mask;
-      auto rq = c.irecv(peer, tmp.data(), bytes, step);
+      auto rq = c.irecv(peer, tmp, bytes, step);
       auto sq = c.isend(peer, buf, bytes, step);
       c.wait(rq);
       c.wait(sq);
-      if (r < peer) reduce3(buf, buf, tmp.data(), count, p.dtype, p.op);
-      else reduce3(buf, tmp.data(), buf, count, p.dtype, p.op);
+      if (r < peer) reduce3(buf, buf, tmp, count, p.dtype, p.op);
+      else reduce3(buf, tmp, buf, count, p.dtype, p.op);
     }
     if (p.op == RedOp::Avg) avg_finish(buf, count, p.dtype, n);
     if (r < rem) c.send(r + pw, buf, bytes, 1);
@@ -126,17 +125,17 @@ void direct_all_reduce(CollCtx& c, void* buf, size_t count) {
   const int n = c.size(), me = c.rank();
   const size_t es = dtype_size(p.dtype), bytes = count * es;
   if (count == 0 || n == 1) return;
-  std::vector<char> slots(static_cast<size_t>(n) * bytes);
+  char* slots = coll_scratch(kDirectSlots, static_cast<size_t>(n) * bytes);
   std::vector<std::shared_ptr<Request>> reqs;
   try {
     for (int i = 1; i < n; ++i) {
       const int from = (me - i + n) % n;
-      reqs.push_back(c.irecv(from, slots.data() + from * bytes, bytes, 0));
+      reqs.push_back(c.irecv(from, slots + from * bytes, bytes, 0));
     }
     for (int i = 1; i < n; ++i) reqs.push_back(c.isend((me + i) % n, buf, bytes, 0));
     c.wait_all(reqs);  // our sends are done too: buf may now be overwritten
-    auto val = [&](int i) { return i == me ? static_cast<char*>(buf) : slots.data() + i * bytes; };
-    char* acc = me == 0 ? static_cast<char*>(buf) : slots.data();
+    auto val = [&](int i) { return i == me ? static_cast<char*>(buf) : slots + i * bytes; };
+    char* acc = me == 0 ? static_cast<char*>(buf) : slots;
     for (int i = 1; i < n; ++i) reduce_into(acc, val(i), count, p.dtype, p.op);
     if (acc != buf) std::memcpy(buf, acc, bytes);
     if (p.op == RedOp::Avg) avg_finish(buf, count, p.dtype, n);

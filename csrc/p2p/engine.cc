@@ -53,6 +53,7 @@ struct Engine::Unexpected {
   std::unique_ptr<char[]> data;
   size_t got = 0;
   bool complete = false;
+  bool deferred = false;           // a pulled message not copied yet (data is empty)
   std::shared_ptr<Request> bound;  // a receive waiting for the rest of this message
 };
 
@@ -69,7 +70,7 @@ struct Engine::Peer {
   size_t stage_len = 0;  // > 0: header and payload were copied to `stage`
   char stage[kStage];
   std::list<std::shared_ptr<Request>> awaiting_ack;  // pulled sends the peer has not copied yet
-  uint64_t pulls_sent = 0;
+  uint32_t pulls_sent = 0;
   // Receiving.
   std::list<std::shared_ptr<Request>> posted;
   std::list<Unexpected> unexpected;
@@ -209,6 +210,9 @@ bool Engine::match_unexpected_locked(Peer& p, const std::shared_ptr<Request>& re
     std::string why = misfit(*req, it->hdr, rank_, &kind);
     if (!why.empty()) {
       fail_locked(*req, kind, why, -1);
+    } else if (it->deferred) {
+      deliver_deferred_locked(p, *it, req.get());
+      p.unexpected.erase(it);
     } else if (it->complete) {
       if (it->hdr.size) std::memcpy(req->buf, it->data.get(), it->hdr.size);
       size_t n = it->hdr.size;
@@ -241,8 +245,14 @@ bool Engine::progress_send(Peer& p) {
     Request& r = *p.send_queue.front();
     if (!p.front_started) {
       bool pull = r.bytes >= opt_.pull_threshold && link.can_pull();
+      if (pull && p.awaiting_ack.size() >= PeerLink::kMaxPullsInFlight) break;  // acks first
+      uint32_t seq = 0;
+      if (pull) {
+        seq = ++p.pulls_sent;
+        if (seq == 0) seq = ++p.pulls_sent;  // 0 marks an empty ack slot
+      }
       p.out_hdr = MsgHeader{kHeaderMagic, pull ? kPull : kEager, r.tag, r.bytes,
-                            pull ? reinterpret_cast<uint64_t>(r.buf) : 0, r.dtype, 0};
+                            pull ? reinterpret_cast<uint64_t>(r.buf) : 0, r.dtype, seq};
       p.front_started = true;
       p.wire_pos = 0;
       p.stage_len = 0;
@@ -271,21 +281,23 @@ bool Engine::progress_send(Peer& p) {
     p.send_queue.pop_front();
     p.front_started = false;
     if (pull) {
-      req->pull_seq = ++p.pulls_sent;
+      req->pull_seq = p.out_hdr.seq;
       p.awaiting_ack.push_back(std::move(req));
     } else {
       complete_locked(*req, req->bytes);
     }
   }
   if (moved) link.flush();
-  if (!p.awaiting_ack.empty()) {
-    uint64_t acked = link.acked();
-    while (!p.awaiting_ack.empty() && p.awaiting_ack.front()->pull_seq <= acked) {
-      std::shared_ptr<Request> req = std::move(p.awaiting_ack.front());
-      p.awaiting_ack.pop_front();
-      complete_locked(*req, req->bytes);
-      moved = true;
+  // Acks may come in any order (the receiver pulls when each receive is posted).
+  for (auto it = p.awaiting_ack.begin(); it != p.awaiting_ack.end();) {
+    if (!link.acked(static_cast<uint32_t>((*it)->pull_seq))) {
+      ++it;
+      continue;
     }
+    std::shared_ptr<Request> req = std::move(*it);
+    it = p.awaiting_ack.erase(it);
+    complete_locked(*req, req->bytes);
+    moved = true;
   }
   return moved;
 }
@@ -312,10 +324,14 @@ bool Engine::progress_recv(Peer& p) {
         start_incoming(p);
       }
       const MsgHeader& h = p.in_hdr;
-      char* dst = p.in_req ? static_cast<char*>(p.in_req->buf) : p.in_unexp->data.get();
+      char* dst = p.in_req ? static_cast<char*>(p.in_req->buf) : p.in_unexp->data.get();  // null if deferred
       if (h.kind == kPull) {
-        if (h.size) link.pull(dst, h.addr, h.size);
-        link.post_ack();
+        if (p.in_req) {
+          if (h.size) link.pull(dst, h.addr, h.size);
+          link.post_ack(h.seq);
+        } else {
+          p.in_unexp->deferred = true;  // pulled when its receive is posted, or before sleeping
+        }
         p.in_got = h.size;
         moved = true;
       } else {
@@ -357,7 +373,7 @@ void Engine::start_incoming(Peer& p) {
   p.unexpected.emplace_back();
   p.in_unexp = std::prev(p.unexpected.end());
   p.in_unexp->hdr = h;
-  p.in_unexp->data.reset(new char[h.size ? h.size : 1]);
+  if (h.kind != kPull) p.in_unexp->data.reset(new char[h.size ? h.size : 1]);
 }
 
 void Engine::finish_incoming(Peer& p) {
@@ -369,6 +385,7 @@ void Engine::finish_incoming(Peer& p) {
     return;
   }
   auto it = p.in_unexp;
+  if (it->deferred) return;  // stays in the list until a receive or a sleeper pulls it
   it->complete = true;
   it->got = n;
   if (it->bound) {
@@ -414,6 +431,45 @@ void Engine::fail_peer_locked(Peer& p, const std::string& why) {
     p.in_msg = false;
   }
   p.front_started = false;
+  p.unexpected.remove_if([](const Unexpected& u) { return u.deferred; });
+}
+
+// Pulls a deferred message into req's buffer (or, with req null, into a buffer of its own,
+// after which it is an ordinary complete unexpected message) and acknowledges it.
+void Engine::deliver_deferred_locked(Peer& p, Unexpected& u, Request* req) {
+  const size_t n = u.hdr.size;
+  try {
+    if (req) {
+      if (n) p.link->pull(req->buf, u.hdr.addr, n);
+    } else {
+      u.data.reset(new char[n ? n : 1]);
+      if (n) p.link->pull(u.data.get(), u.hdr.addr, n);
+    }
+    p.link->post_ack(u.hdr.seq);
+  } catch (const Error& e) {
+    if (req) fail_locked(*req, ErrorKind::Peer, e.what(), p.rank);
+    u.deferred = false;
+    fail_peer_locked(p, e.what());
+    return;
+  }
+  u.deferred = false;
+  if (req) {
+    complete_locked(*req, n);
+  } else {
+    u.complete = true;
+    u.got = n;
+  }
+}
+
+void Engine::materialize_deferred_locked() {
+  for (auto& pp : peers_) {
+    Peer& p = *pp;
+    if (p.dead) continue;
+    for (auto& u : p.unexpected) {
+      if (u.deferred) deliver_deferred_locked(p, u, nullptr);
+      if (p.dead) break;  // failing the peer dropped its other deferred entries
+    }
+  }
 }
 
 void Engine::reap_dead_peers_locked() {

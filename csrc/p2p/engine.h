@@ -3,8 +3,12 @@
 // Wire format on every link: a MsgHeader, then (eager) `size` payload bytes, or (pull) nothing:
 // the receiver copies the payload straight from the sender's memory and acknowledges.
 // Matching: a message goes to the oldest posted receive from its peer with its tag; one that
-// arrives before its receive is kept whole in an "unexpected" buffer (so senders never wait
-// on a receiver that is busy elsewhere). Messages of one (peer, tag) complete in order.
+// arrives before its receive is kept in an "unexpected" list. An eager one is kept whole; a
+// pulled one is only noted ("deferred"), so that a receive posted a little later still gets a
+// single copy. A thread about to sleep first pulls every deferred message into a buffer of
+// its own and acknowledges it, so a sender never waits on a receiver that is blocked
+// elsewhere (both ranks sending large messages before receiving cannot deadlock).
+// Messages of one (peer, tag) complete in order.
 //
 // Threading: one mutex guards all matching and link state. Any thread may post, test and
 // wait; a waiting thread progresses every link itself (spin briefly, then sleep on the
@@ -37,7 +41,7 @@ struct MsgHeader {
   uint64_t size;
   uint64_t addr;   // kPull: the payload's address in the sender
   uint32_t dtype;
-  uint32_t reserved;
+  uint32_t seq;    // kPull: the number the receiver acknowledges (PeerLink::post_ack)
 };
 
 struct EngineOptions {
@@ -81,6 +85,8 @@ class Engine {
   void start_incoming(Peer& p);
   void finish_incoming(Peer& p);
   void reap_dead_peers_locked();
+  void materialize_deferred_locked();
+  void deliver_deferred_locked(Peer& p, Unexpected& u, Request* req);
   void fail_peer_locked(Peer& p, const std::string& why);
   void complete_locked(Request& req, size_t transferred);
   void fail_locked(Request& req, ErrorKind kind, const std::string& msg, int peer);

@@ -25,6 +25,9 @@ void Engine::sleep_once(int64_t timeout_us, const std::function<bool()>& ready) 
   {
     std::lock_guard<std::mutex> g(mu_);
     moved = progress_locked();
+    // About to sleep: take every deferred single-copy message now, so that its sender, which
+    // may be what we are waiting for, can finish.
+    if (!moved) materialize_deferred_locked();
   }
   if (!moved && !ready()) {
     if (transports_.empty()) {

@@ -41,7 +41,7 @@ class Request {
   bool is_async = false; // counted in the Engine's async work (its progress thread)
 
   // Engine-private progress state (under the Engine's lock).
-  uint64_t pull_seq = 0;
+  uint64_t pull_seq = 0;  // the kPull header's seq of a send awaiting its ack
 
  private:
   friend class Engine;

@@ -31,13 +31,16 @@ class PeerLink {
   virtual bool alive() = 0;
   virtual std::string describe() const = 0;
 
-  // Single-copy path. When can_pull(), a sender may publish the address of its buffer and the
-  // receiver copies straight out of the sender's memory, then acknowledges. Acks are counted:
-  // the n-th pulled message of this link is complete when acked() >= n.
+  // Single-copy path. When can_pull(), a sender may publish the address of its buffer with a
+  // sequence number; the receiver copies straight out of the sender's memory (possibly much
+  // later, and out of order with other pulled messages) and acknowledges that number. The
+  // sender keeps at most kMaxPullsInFlight unacknowledged pulls per link (numbers are reused
+  // modulo that many slots).
+  static constexpr uint32_t kMaxPullsInFlight = 256;
   virtual bool can_pull() const { return false; }
   virtual void pull(void* dst, uint64_t remote_addr, size_t n) {}
-  virtual void post_ack() {}
-  virtual uint64_t acked() { return 0; }
+  virtual void post_ack(uint32_t seq) {}
+  virtual bool acked(uint32_t seq) { return false; }
 };
 
 class Transport {

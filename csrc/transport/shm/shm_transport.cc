@@ -38,7 +38,8 @@ struct InboxHeader {
 struct RingControl {
   alignas(kLine) std::atomic<uint64_t> tail;   // bytes ever written (sender)
   alignas(kLine) std::atomic<uint64_t> head;   // bytes ever read (receiver)
-  alignas(kLine) std::atomic<uint64_t> acked;  // single-copy messages pulled (receiver)
+  // ack_slots[seq % kMaxPullsInFlight] = seq once the receiver has pulled message seq.
+  alignas(kLine) std::atomic<uint32_t> ack_slots[PeerLink::kMaxPullsInFlight];
 };
 
 namespace {
@@ -173,12 +174,14 @@ class ShmLink : public PeerLink {
     }
   }
 
-  void post_ack() override {
-    in_->acked.fetch_add(1, std::memory_order_release);
+  void post_ack(uint32_t seq) override {
+    in_->ack_slots[seq % kMaxPullsInFlight].store(seq, std::memory_order_release);
     ring_doorbell(peer_.header);
   }
 
-  uint64_t acked() override { return out_->acked.load(std::memory_order_acquire); }
+  bool acked(uint32_t seq) override {
+    return out_->ack_slots[seq % kMaxPullsInFlight].load(std::memory_order_acquire) == seq;
+  }
 
  private:
   InboxView self_, peer_;
