@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _gpu_coll
+from . import _gpu_coll, config
 from .plan.schedule import default_schedule
 
 KINDS = {"all_reduce": 0, "broadcast": 1, "reduce": 2, "all_gather": 3, "reduce_scatter": 4,
@@ -91,12 +91,23 @@ def _dtype_name(a: np.ndarray, dtype: Optional[str]) -> str:
             raise TypeError(f"dtype={dtype!r} does not match the array's {a.itemsize}-byte elements")
         return dtype
     name = _NAMES.get(a.dtype)
-    return name if name is not None else a.dtype.name
+    return name if name is not None else _dtype_label(a.dtype)
+
+
+_LABELS: dict = {}
+
+
+def _dtype_label(dt: np.dtype) -> str:
+    """dt.name, cached: NumPy computes it through issubdtype on every access (~2 us)."""
+    label = _LABELS.get(dt)
+    if label is None:
+        label = _LABELS[dt] = dt.name
+    return label
 
 
 def _raw(a: np.ndarray) -> np.ndarray:
     """A view the native layer can take through the buffer protocol (bfloat16 as uint16)."""
-    if a.dtype.name == "bfloat16" or a.dtype.kind == "V":
+    if a.dtype.kind == "V":  # bfloat16 (ml_dtypes) and other records; dtype.name is slow
         return a.view(np.uint16 if a.itemsize == 2 else np.uint8)
     return a
 
@@ -151,7 +162,6 @@ class CollectivesMixin:
         cache = self.__dict__.setdefault("_sched_cache", {})
         hit = cache.get(key)
         if hit is None:
-            from . import config
             algo = config.get("LINKWISE_ALGO") or None
             chunk = config.get("LINKWISE_CHUNK_SIZE") or None
             s = default_schedule(kind, self.size, self.rank, root, nbytes, algo=algo, chunk=chunk)
@@ -185,7 +195,6 @@ class CollectivesMixin:
 
     def _run(self, kind: str, x: Optional[np.ndarray], out: Optional[np.ndarray], dtype: str, op: str,
              root: int, count: int, nbytes: int, async_op: bool, result: Any):
-        from . import config
         self._check_open(kind)
         if _env_set(b"LINKWISE_CHECK") and config.get("LINKWISE_CHECK"):
             self._check_agree(kind, count, dtype, op, root)
@@ -336,7 +345,7 @@ class CollectivesMixin:
             out = _host_out(out, "broadcast")
             self._same(x, out, "broadcast")
         self._writable(out, "broadcast")
-        return self._run("broadcast", x, out, x.dtype.name, "", root, x.size, x.nbytes, async_op, out)
+        return self._run("broadcast", x, out, _dtype_label(x.dtype), "", root, x.size, x.nbytes, async_op, out)
 
     def reduce(self, x: Any, root: int = 0, op: str = "sum", out: Any = None, async_op: bool = False,
                dtype: Optional[str] = None):
@@ -369,7 +378,7 @@ class CollectivesMixin:
             out = _host_out(out, "all_gather")
             self._same(x, out, "all_gather", self.size)
         self._writable(out, "all_gather")
-        return self._run("all_gather", x, out, x.dtype.name, "", 0, x.size, x.nbytes, async_op, out)
+        return self._run("all_gather", x, out, _dtype_label(x.dtype), "", 0, x.size, x.nbytes, async_op, out)
 
     def reduce_scatter(self, x: Any, op: str = "sum", out: Any = None, async_op: bool = False,
                        dtype: Optional[str] = None, stream: Any = None):
@@ -409,7 +418,7 @@ class CollectivesMixin:
             out = _host_out(out, "all_to_all")
             self._same(x, out, "all_to_all")
         self._writable(out, "all_to_all")
-        return self._run("all_to_all", x, out, x.dtype.name, "", 0, x.size, x.nbytes, async_op, out)
+        return self._run("all_to_all", x, out, _dtype_label(x.dtype), "", 0, x.size, x.nbytes, async_op, out)
 
     def gather(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
         """Concatenate every rank's x onto root; returns out on root and None elsewhere."""
@@ -426,7 +435,7 @@ class CollectivesMixin:
             self._writable(out, "gather")
         else:
             out = None
-        return self._run("gather", x, out, x.dtype.name, "", root, x.size, x.nbytes, async_op, out)
+        return self._run("gather", x, out, _dtype_label(x.dtype), "", root, x.size, x.nbytes, async_op, out)
 
     def scatter(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
         """Root's x, split into size blocks, goes block r to rank r (into out, returned).
@@ -450,7 +459,7 @@ class CollectivesMixin:
                 raise ValueError(f"scatter: out must be a {xa.dtype} array of {xa.size // self.size} elements")
         self._writable(out, "scatter")
         send = xa if self.rank == root else None
-        return self._run("scatter", send, out, out.dtype.name, "", root, out.size, out.nbytes, async_op, out)
+        return self._run("scatter", send, out, _dtype_label(out.dtype), "", root, out.size, out.nbytes, async_op, out)
 
     def barrier(self, async_op: bool = False, stream: Any = None):
         """Return once every rank has entered the barrier.
