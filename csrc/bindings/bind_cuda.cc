@@ -39,6 +39,27 @@ void bind_cuda(nb::module_& m) {
       .def("send", &GpuEngine::send, rel())
       .def("recv", &GpuEngine::recv, rel())
       .def("barrier", &GpuEngine::barrier, rel())
+      .def("reg_describe", [](const GpuEngine& e, uintptr_t p) {
+             std::string d;
+             { nb::gil_scoped_release r; d = e.reg_describe(p); }
+             return nb::bytes(d.data(), d.size());
+           })
+      .def("reg_map", [](GpuEngine& e, const std::vector<nb::bytes>& ds, int slot) {
+             std::vector<std::string> v;
+             for (const auto& d : ds) v.emplace_back(d.c_str(), d.size());
+             nb::gil_scoped_release r;
+             e.reg_map(v, slot);
+           })
+      .def("reg_cached", &GpuEngine::reg_cached)
+      .def("all_gather_reg", &GpuEngine::all_gather_reg, rel())
+      .def("broadcast_reg", &GpuEngine::broadcast_reg, rel())
+      .def("send_reg", &GpuEngine::send_reg, rel())
+      .def("recv_reg", &GpuEngine::recv_reg, rel())
+      .def_static("host_alloc", &GpuEngine::host_alloc, rel())
+      .def_static("host_free", &GpuEngine::host_free, rel())
+      .def("copy_async", &GpuEngine::copy_async, rel())
+      .def("event_record", &GpuEngine::event_record, rel())
+      .def("event_sync", &GpuEngine::event_sync, rel())
       .def("synchronize", &GpuEngine::synchronize, rel())
       .def("error_code", &GpuEngine::error_code, rel())
       .def_prop_ro("device", &GpuEngine::device)

@@ -36,7 +36,13 @@ struct Control {
   uint64_t p2p_data[kMaxRanks];
   uint64_t p2p_ack[kMaxRanks];
   uint64_t error;  // set to a nonzero code by a kernel that timed out waiting
+  // Registered-buffer paths (reg_engine.cu): sig[kind][src] is a counter that rank src bumps
+  // (red.release.sys.add, after __threadfence_system) and we wait on (ld.acquire.sys). Both
+  // sides know the cumulative totals on the host (issue order), as with p2p_data / p2p_ack.
+  uint64_t sig[6][kMaxRanks];
 };
+enum SigKind : int { kSigChain = 0, kSigChainDone = 1, kSigP2pReady = 2, kSigP2pDone = 3,
+                     kSigRendezvous = 4 };
 static_assert(sizeof(Control) <= kControlBytes, "Control must fit its reserved bytes");
 
 // What a kernel needs: every rank's scratch base (ours included) and the geometry.

@@ -7,35 +7,12 @@
 
 #include "core/status.h"
 #include "cuda/gpu_engine.h"
+#include "cuda/engine_impl.h"
 #include "cuda/launch.h"
 
 namespace linkwise::cuda {
 
-struct EngineImpl {
-  DevComm dev{};
-  char* own = nullptr;
-  bool opened[kMaxRanks] = {};
-  // Point-to-point bookkeeping per peer: pieces so far, cumulative block counts, and the
-  // cumulative total after each of the last two pieces sent (indexed by piece parity).
-  uint64_t send_pieces[kMaxRanks] = {}, send_cum[kMaxRanks] = {}, send_ring[kMaxRanks][2] = {};
-  uint64_t recv_pieces[kMaxRanks] = {}, recv_cum[kMaxRanks] = {};
-};
-
 namespace {
-// Makes `device` current for the scope and restores the caller's device (torch and cupy
-// keep their own notion of the current device).
-struct DeviceGuard {
-  int prev = -1;
-  explicit DeviceGuard(int device) {
-    cudaGetDevice(&prev);
-    if (prev != device) cudaSetDevice(device);
-  }
-  ~DeviceGuard() {
-    int now = -1;
-    cudaGetDevice(&now);
-    if (prev >= 0 && now != prev) cudaSetDevice(prev);
-  }
-};
 size_t round_up(size_t a, size_t b) { return (a + b - 1) / b * b; }
 }  // namespace
 
@@ -93,6 +70,7 @@ void GpuEngine::close() {
   cudaDeviceSynchronize();
   for (int r = 0; r < nranks_; ++r)
     if (impl_->opened[r]) cudaIpcCloseMemHandle(impl_->dev.base[r]);
+  reg_release();
   cudaFree(impl_->own);
   delete impl_;
   impl_ = nullptr;

@@ -47,6 +47,27 @@ class GpuEngine {
   void synchronize(uintptr_t stream);  // waits for the stream (GIL released by the binding)
   uint64_t error_code();  // nonzero after a kernel timed out waiting for a peer (synchronises)
 
+  // Registered user buffers (reg_engine.cu). reg_describe: what peers need to map the
+  // allocation holding ptr (IPC handle of its base, base, offset, allocation size), as bytes.
+  // reg_map: every rank's description (rank order) -> buffer `slot` (0 or 1) of every rank
+  // for the next *_reg call; peer allocations are opened once and cached per (peer, base),
+  // reopened when the handle changes. The *_reg calls copy with the copy engines
+  // (cudaMemcpyAsync between IPC-mapped pointers) and synchronise with sig counters.
+  std::string reg_describe(uintptr_t ptr) const;
+  void reg_map(const std::vector<std::string>& descs, int slot);
+  void all_gather_reg(uintptr_t out, size_t nbytes, uintptr_t stream);  // slot 0 = x
+  void broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece, uintptr_t stream);
+  void send_reg(size_t nbytes, int dst, uintptr_t stream);  // peer dst pulls our x
+  void recv_reg(uintptr_t x, size_t nbytes, int src, uintptr_t stream);  // slot 0 = src's x
+  size_t reg_cached() const;
+
+  // Host-staged path helpers (reg_engine.cu): pinned host memory and async copies.
+  static uintptr_t host_alloc(size_t nbytes);
+  static void host_free(uintptr_t p);
+  void copy_async(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream);
+  uintptr_t event_record(uintptr_t stream);  // a new event recorded on stream
+  void event_sync(uintptr_t ev);            // waits for it and destroys it
+
   int device() const { return device_; }
   size_t slot_bytes() const { return slot_bytes_; }
   size_t oneshot_max = 256 * 1024;  // all_reduce auto: one-shot up to this many bytes
@@ -57,6 +78,7 @@ class GpuEngine {
   int blocks_for(size_t bytes, size_t per_block) const;
   [[noreturn]] void fail(const char* op, int err) const;
   void check_launch(const char* op) const;
+  void reg_release();
 
   int rank_, nranks_, device_;
   size_t slot_bytes_;

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .backends import Backend, LinkwiseBackend, Unsupported, inplace_views
+from .backends import Backend, LinkwiseBackend, Unsupported
 
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
@@ -61,9 +61,16 @@ class GpuBackend(Backend):
     def _pair(self, coll, send, recv, inplace):
         s, r = self._dev(send), self._dev(recv)
         self._tensors = {"send": s, "recv": r}
-        if inplace:
-            si, ri = inplace_views(coll, s, r, self.rank, self.size)
-            return si, ri, s, r
+        if inplace:  # nccl-tests' in-place layout (inplace_views, on tensors)
+            if coll in ("all_reduce", "broadcast", "reduce"):
+                return r, r, s, r
+            if coll == "all_gather":
+                k = r.numel() // self.size
+                return r[self.rank * k:(self.rank + 1) * k], r, s, r
+            if coll == "reduce_scatter":
+                k = s.numel() // self.size
+                return s, s[self.rank * k:(self.rank + 1) * k], s, r
+            raise Unsupported(f"{coll} has no in-place form here")
         return s, r, s, r
 
     def timer(self, fn: Callable[[], Any], iters: int, warmup: int) -> float:

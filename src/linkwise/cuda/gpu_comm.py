@@ -4,6 +4,16 @@ Setup (collective over the communicator, in the constructor): pick the device
 (``LINKWISE_DEVICE``, else local_rank % device_count), allocate the scratch area, exchange CUDA
 IPC handles through the rendezvous store (``comm._store``), map every peer's area, barrier.
 
+Large messages (``LINKWISE_GPU_REG_MIN`` bytes and up, default 4 MiB; ``LINKWISE_GPU_REG=0``
+turns it off): all_gather, broadcast and send/recv register the user buffers instead of
+copying through the scratch area: each rank describes the allocation holding its buffer
+(IPC handle of its base, offset), the descriptions go over the CPU engine (collectives: a
+host all_gather; send/recv: a host message to the receiver), each peer allocation is mapped
+once and cached per (peer, base) (remapped when the handle changes), and the copy engines
+move the data between user buffers (reg_engine.cu). all_reduce and reduce_scatter still go
+through the scratch area. With ``LINKWISE_P2P_DISABLE=1`` everything is host-staged
+(staged.py).
+
 Semantics as NCCL's: every method enqueues on ``stream`` (an int cudaStream_t or a stream
 object), else on the current stream of the array's library (torch / cupy), and returns
 without waiting for the GPU. All ranks issue the same collectives in the same order, on one
@@ -19,6 +29,7 @@ from ..errors import TimeoutError as LwTimeoutError
 from .arrays import DTYPES, OPS, DevArray, stream_handle, view
 
 _DEFAULT_SLOT = 16 << 20
+_REG_TAG = (1 << 61) + 4243  # host messages carrying a send's buffer description
 _counter: dict = {}
 
 
@@ -66,7 +77,15 @@ class GpuComm:
             self._engine.oneshot_max = int(os.environ["LINKWISE_GPU_ONESHOT_MAX"])
         if "LINKWISE_GPU_MAX_BLOCKS" in os.environ:
             self._engine.max_blocks = int(os.environ["LINKWISE_GPU_MAX_BLOCKS"])
-        if self.size > 1:
+        self._reg_min = int(os.environ.get("LINKWISE_GPU_REG_MIN") or (4 << 20))
+        if os.environ.get("LINKWISE_GPU_REG", "1") == "0":
+            self._reg_min = 1 << 62
+        self._chain_piece = int(os.environ.get("LINKWISE_GPU_CHAIN_PIECE") or 0)
+        self._staged = None
+        if os.environ.get("LINKWISE_P2P_DISABLE", "") not in ("", "0"):
+            from .staged import Staged
+            self._staged = Staged(self)
+        if self.size > 1 and self._staged is None:
             store = comm._store
             cid = getattr(comm, "comm_id", "world")
             k = _counter[cid] = _counter.get(cid, 0) + 1
@@ -97,6 +116,19 @@ class GpuComm:
             raise ValueError(f"{what}: op must be one of {', '.join(OPS)}, not {op!r}")
         return DTYPES[v.dtype], OPS[op]
 
+    def _reg_all(self, ptr: int, slot: int = 0) -> None:
+        """Every rank's description of its buffer (host all_gather), mapped as `slot`."""
+        import numpy as np
+        mine = np.frombuffer(self._engine.reg_describe(ptr), np.uint8)
+        everyone = self.comm.all_gather(mine)
+        k = mine.size
+        self._engine.reg_map([everyone[r * k:(r + 1) * k].tobytes() for r in range(self.size)], slot)
+
+    def _piece(self, nbytes: int) -> int:
+        if self._chain_piece:
+            return self._chain_piece
+        return min(16 << 20, max(2 << 20, (nbytes // 16) >> 12 << 12))
+
     # -- collectives -----------------------------------------------------------------------
     def all_reduce(self, x: Any, op: str = "sum", out: Any = None, stream: Any = None,
                    algo: str = "auto") -> Any:
@@ -105,6 +137,9 @@ class GpuComm:
         if o.count != v.count or o.dtype != v.dtype:
             raise ValueError("all_reduce: out must have the same size and dtype as x")
         dt, opc = self._reduce_args(v, op, "all_reduce")
+        if self._staged is not None:
+            self._staged.all_reduce(v, o, op, stream_handle(stream, v))
+            return x if out is None else out
         a = {"auto": 0, "oneshot": 1, "twoshot": 2}[algo]
         self._engine.all_reduce(v.ptr, o.ptr, v.count, dt, opc, stream_handle(stream, v), a)
         return x if out is None else out
@@ -115,6 +150,9 @@ class GpuComm:
             raise ValueError(f"reduce_scatter: x must have size * len(out) elements "
                              f"({self.size} * {o.count}) of out's dtype, got {v.count} {v.dtype}")
         dt, opc = self._reduce_args(v, op, "reduce_scatter")
+        if self._staged is not None:
+            self._staged.reduce_scatter(v, o, op, stream_handle(stream, v))
+            return out
         self._engine.reduce_scatter(v.ptr, o.ptr, o.count, dt, opc, stream_handle(stream, v))
         return out
 
@@ -122,7 +160,14 @@ class GpuComm:
         v = self._view(x, "broadcast")
         if not 0 <= root < self.size:
             raise ValueError(f"broadcast: root {root} is out of range 0..{self.size - 1}")
-        self._engine.broadcast(v.ptr, v.nbytes, root, stream_handle(stream, v))
+        s = stream_handle(stream, v)
+        if self._staged is not None:
+            self._staged.broadcast(v, root, s)
+        elif self.size > 1 and v.nbytes >= self._reg_min:
+            self._reg_all(v.ptr)
+            self._engine.broadcast_reg(v.ptr, v.nbytes, root, self._piece(v.nbytes), s)
+        else:
+            self._engine.broadcast(v.ptr, v.nbytes, root, s)
         return x
 
     def all_gather(self, x: Any, out: Any, stream: Any = None) -> Any:
@@ -130,7 +175,14 @@ class GpuComm:
         if o.nbytes != v.nbytes * self.size:
             raise ValueError(f"all_gather: out must hold size * x.nbytes = {self.size * v.nbytes} "
                              f"bytes, has {o.nbytes}")
-        self._engine.all_gather(v.ptr, o.ptr, v.nbytes, stream_handle(stream, v))
+        s = stream_handle(stream, v)
+        if self._staged is not None:
+            self._staged.all_gather(v, o, s)
+        elif self.size > 1 and o.nbytes >= self._reg_min:
+            self._reg_all(v.ptr)
+            self._engine.all_gather_reg(o.ptr, v.nbytes, s)
+        else:
+            self._engine.all_gather(v.ptr, o.ptr, v.nbytes, s)
         return out
 
     def all_to_all(self, x: Any, out: Any, stream: Any = None) -> Any:
@@ -138,21 +190,48 @@ class GpuComm:
         if o.nbytes != v.nbytes or v.nbytes % self.size:
             raise ValueError("all_to_all: x and out must have the same size, divisible by the "
                              "number of ranks")
+        if self._staged is not None:
+            self._staged.all_to_all(v, o, stream_handle(stream, v))
+            return out
         self._engine.all_to_all(v.ptr, o.ptr, v.nbytes // self.size, stream_handle(stream, v))
         return out
 
     def send(self, x: Any, dst: int, tag: int = 0, stream: Any = None) -> None:
         v = self._view(x, "send")
-        self._engine.send(v.ptr, v.nbytes, dst, stream_handle(stream, v))
+        s = stream_handle(stream, v)
+        if self._staged is not None:
+            self._staged.send(v, dst, s)
+        elif v.nbytes >= self._reg_min:
+            import numpy as np
+            self.comm.send(np.frombuffer(self._engine.reg_describe(v.ptr), np.uint8), dst, _REG_TAG)
+            self._engine.send_reg(v.nbytes, dst, s)
+        else:
+            self._engine.send(v.ptr, v.nbytes, dst, s)
 
     def recv(self, x: Any, src: int, tag: int = 0, stream: Any = None) -> int:
         v = self._view(x, "recv")
-        self._engine.recv(v.ptr, v.nbytes, src, stream_handle(stream, v))
+        s = stream_handle(stream, v)
+        if self._staged is not None:
+            self._staged.recv(v, src, s)
+        elif v.nbytes >= self._reg_min:
+            import numpy as np
+            desc = np.empty(88, np.uint8)  # reg_engine.cu kDescBytes
+            self.comm.recv(desc, src, _REG_TAG)
+            descs = [b""] * self.size
+            descs[src] = desc.tobytes()
+            self._engine.reg_map(descs, 0)
+            self._engine.recv_reg(v.ptr, v.nbytes, src, s)
+        else:
+            self._engine.recv(v.ptr, v.nbytes, src, s)
         return v.nbytes
 
     def barrier(self, stream: Any = None) -> None:
         """Device-side barrier enqueued on `stream` (default: legacy stream), then waits for it."""
         h = stream if isinstance(stream, int) else 0
+        if self._staged is not None:
+            self.synchronize(h)
+            self.comm.barrier()
+            return
         self._engine.barrier(h)
         self.synchronize(h)
 
@@ -167,7 +246,9 @@ class GpuComm:
             return
         self._closed = True
         self._engine.synchronize(0)
-        if self.size > 1 and getattr(self.comm, "_store", None) is not None:
+        if self._staged is not None:
+            self._staged.close()
+        if self.size > 1 and self._staged is None and getattr(self.comm, "_store", None) is not None:
             self.comm._store.barrier(f"{self._key}/close", self.size)
         self._engine.close()
 

@@ -1,0 +1,283 @@
+// Registered user buffers: peers' allocations mapped through CUDA IPC (cached), data moved by
+// the copy engines (cudaMemcpyAsync between IPC-mapped pointers), no scratch copy.
+//
+// Synchronisation is one tiny kernel between copies, sig_kernel. Roles: one block of 32
+// threads; thread t < nranks (t != rank) serves peer t: first it posts (red.release.sys.add
+// of `add` into peer t's Control.sig[kind][rank], after __threadfence_system so that every
+// earlier write of this stream, copy-engine writes included, is visible first), then it
+// waits (ld.acquire.sys until our Control.sig[kind][t] >= want). The host keeps the
+// cumulative totals of each (kind, peer) in issue order (EngineImpl::posted / seen), so no
+// counter is ever reset. Pipelines:
+//  * all_gather: rendezvous (every peer's stream reached the op: its x is ready) -> pull
+//    every peer's x into out (rotated order, so no peer serves two pullers at once) ->
+//    rendezvous (every peer finished pulling from our x before our stream moves on).
+//  * broadcast: a chain root -> root+1 -> ... ; rank i pulls piece k from rank i-1's x once
+//    i-1 posted kSigChain for it, then posts it to i+1; at the end it posts kSigChainDone to
+//    i-1 and waits for i+1's, so nobody's x changes while its successor still reads it.
+//  * send/recv: the sender posts kSigP2pReady and waits kSigP2pDone; the receiver waits
+//    ready, pulls the sender's x, posts done.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <string>
+
+#include "core/status.h"
+#include "cuda/engine_impl.h"
+#include "cuda/gpu_engine.h"
+#include "cuda/launch.h"
+
+namespace linkwise::cuda {
+namespace {
+
+struct SigArgs {
+  int np = 0;            // posts: kind pk[i] += pa[i] on peer pp[i]
+  int pk[2], pp[2];
+  uint64_t pa[2];
+  int wk = -1, wp = -1;  // one wait: our sig[wk][wp] >= want
+  uint64_t want = 0;
+  int all_kind = -1;     // rendezvous: post +1 to every peer, wait all_want[p] from each
+  uint64_t all_want[kMaxRanks];
+};
+
+__global__ void sig_kernel(DevComm c, SigArgs a) {
+  const int t = threadIdx.x;
+  if (t < c.nranks && t != c.rank) {
+    for (int i = 0; i < a.np; ++i)
+      if (a.pp[i] == t) {
+        __threadfence_system();
+        red_release_sys_add(&c.ctrl(t)->sig[a.pk[i]][c.rank], a.pa[i]);
+      }
+    if (a.all_kind >= 0) {
+      __threadfence_system();
+      red_release_sys_add(&c.ctrl(t)->sig[a.all_kind][c.rank], 1);
+      wait_ge(c, &c.ctrl(c.rank)->sig[a.all_kind][t], a.all_want[t]);
+    }
+    if (a.wp == t) wait_ge(c, &c.ctrl(c.rank)->sig[a.wk][t], a.want);
+  }
+}
+
+using GetRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+
+GetRangeFn get_range_fn() {
+  static GetRangeFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault, &q) !=
+            cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<GetRangeFn>(p);
+  }();
+  return fn;
+}
+
+constexpr size_t kDescBytes = sizeof(cudaIpcMemHandle_t) + 3 * sizeof(uint64_t);
+
+}  // namespace
+
+#define LW_CUDA(call, op)                        \
+  do {                                           \
+    cudaError_t e_ = (call);                     \
+    if (e_ != cudaSuccess) fail((op), e_);       \
+  } while (0)
+
+std::string GpuEngine::reg_describe(uintptr_t ptr) const {
+  DeviceGuard g(device_);
+  GetRangeFn fn = get_range_fn();
+  if (!fn) throw Error(ErrorKind::Internal, "cuMemGetAddressRange is not available from the driver");
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  if (fn(&base, &size, static_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS)
+    throw Error(ErrorKind::Invalid, "rank " + std::to_string(rank_) +
+                                        ": the buffer is not in a cudaMalloc allocation (cannot register it)");
+  cudaIpcMemHandle_t h;
+  LW_CUDA(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)), "cudaIpcGetMemHandle (user buffer)");
+  uint64_t meta[3] = {static_cast<uint64_t>(base), static_cast<uint64_t>(ptr - base),
+                      static_cast<uint64_t>(size)};
+  std::string out(kDescBytes, '\0');
+  std::memcpy(&out[0], &h, sizeof(h));
+  std::memcpy(&out[sizeof(h)], meta, sizeof(meta));
+  return out;
+}
+
+void GpuEngine::reg_map(const std::vector<std::string>& descs, int slot) {
+  if (slot < 0 || slot > 1 || static_cast<int>(descs.size()) != nranks_)
+    throw Error(ErrorKind::Invalid, "reg_map: one description per rank, slot 0 or 1");
+  DeviceGuard g(device_);
+  EngineImpl& im = *impl_;
+  for (int r = 0; r < nranks_; ++r) {
+    im.reg[slot][r] = nullptr;
+    if (descs[r].empty()) continue;
+    if (descs[r].size() != kDescBytes)
+      throw Error(ErrorKind::Invalid, "reg_map: malformed description from rank " + std::to_string(r));
+    uint64_t meta[3];
+    std::memcpy(meta, descs[r].data() + sizeof(cudaIpcMemHandle_t), sizeof(meta));
+    if (r == rank_) {
+      im.reg[slot][r] = reinterpret_cast<char*>(meta[0] + meta[1]);
+      continue;
+    }
+    std::string handle = descs[r].substr(0, sizeof(cudaIpcMemHandle_t));
+    auto key = std::make_pair(r, meta[0]);
+    auto it = im.reg_cache.find(key);
+    if (it != im.reg_cache.end() && it->second.handle != handle) {  // reallocated: remap
+      cudaIpcCloseMemHandle(it->second.mapped);
+      im.reg_cache.erase(it);
+      it = im.reg_cache.end();
+    }
+    if (it == im.reg_cache.end()) {
+      cudaIpcMemHandle_t h;
+      std::memcpy(&h, handle.data(), sizeof(h));
+      void* p = nullptr;
+      cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+      if (e != cudaSuccess)
+        throw Error(ErrorKind::Peer, "rank " + std::to_string(rank_) + ": cannot map rank " +
+                                         std::to_string(r) + "'s buffer (cudaIpcOpenMemHandle: " +
+                                         cudaGetErrorString(e) + ")", r);
+      it = im.reg_cache.emplace(key, RegMapping{handle, static_cast<char*>(p)}).first;
+    }
+    im.reg[slot][r] = it->second.mapped + meta[1];
+  }
+}
+
+size_t GpuEngine::reg_cached() const { return impl_ ? impl_->reg_cache.size() : 0; }
+
+void GpuEngine::reg_release() {
+  for (auto& kv : impl_->reg_cache) cudaIpcCloseMemHandle(kv.second.mapped);
+  impl_->reg_cache.clear();
+}
+
+namespace {
+void launch_sig(const DevComm& c, const SigArgs& a, cudaStream_t s) {
+  sig_kernel<<<1, 32, 0, s>>>(c, a);
+}
+}  // namespace
+
+void GpuEngine::all_gather_reg(uintptr_t out, size_t nbytes, uintptr_t stream) {
+  if (nbytes == 0) return;
+  DeviceGuard g(device_);
+  EngineImpl& im = *impl_;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  char* o = reinterpret_cast<char*>(out);
+  for (int r = 0; r < nranks_; ++r)
+    if (!im.reg[0][r]) throw Error(ErrorKind::Invalid, "all_gather_reg: buffers not mapped");
+  SigArgs a;
+  a.all_kind = kSigRendezvous;
+  for (int p = 0; p < nranks_; ++p) a.all_want[p] = p == rank_ ? 0 : ++im.seen[kSigRendezvous][p];
+  launch_sig(im.dev, a, s);
+  check_launch("all_gather");
+  if (im.reg[0][rank_] != o + rank_ * nbytes)
+    LW_CUDA(cudaMemcpyAsync(o + rank_ * nbytes, im.reg[0][rank_], nbytes, cudaMemcpyDeviceToDevice, s),
+            "all_gather");
+  for (int i = 1; i < nranks_; ++i) {
+    int q = (rank_ + i) % nranks_;
+    LW_CUDA(cudaMemcpyAsync(o + q * nbytes, im.reg[0][q], nbytes, cudaMemcpyDefault, s), "all_gather");
+  }
+  for (int p = 0; p < nranks_; ++p) a.all_want[p] = p == rank_ ? 0 : ++im.seen[kSigRendezvous][p];
+  launch_sig(im.dev, a, s);
+  check_launch("all_gather");
+}
+
+void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece, uintptr_t stream) {
+  if (nbytes == 0 || nranks_ == 1) return;
+  DeviceGuard g(device_);
+  EngineImpl& im = *impl_;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  char* xp = reinterpret_cast<char*>(x);
+  const int pos = (rank_ - root + nranks_) % nranks_;
+  const int pred = (rank_ - 1 + nranks_) % nranks_, succ = (rank_ + 1) % nranks_;
+  const bool last = pos == nranks_ - 1;
+  if (piece == 0) piece = nbytes;
+  const size_t P = (nbytes + piece - 1) / piece;
+  if (pos == 0) {  // root: every piece is ready now; wait until the successor pulled them all
+    SigArgs a;
+    a.np = 1, a.pk[0] = kSigChain, a.pp[0] = succ, a.pa[0] = P;
+    a.wk = kSigChainDone, a.wp = succ, a.want = ++im.seen[kSigChainDone][succ];
+    launch_sig(im.dev, a, s);
+    check_launch("broadcast");
+    return;
+  }
+  const char* src = im.reg[0][pred];
+  if (!src) throw Error(ErrorKind::Invalid, "broadcast_reg: predecessor's buffer not mapped");
+  for (size_t k = 0; k < P; ++k) {
+    SigArgs a;
+    if (k > 0 && !last) a.np = 1, a.pk[0] = kSigChain, a.pp[0] = succ, a.pa[0] = 1;
+    a.wk = kSigChain, a.wp = pred, a.want = ++im.seen[kSigChain][pred];
+    launch_sig(im.dev, a, s);
+    check_launch("broadcast");
+    size_t off = k * piece, n = nbytes - off < piece ? nbytes - off : piece;
+    LW_CUDA(cudaMemcpyAsync(xp + off, src + off, n, cudaMemcpyDefault, s), "broadcast");
+  }
+  SigArgs a;
+  a.pk[a.np] = kSigChainDone, a.pp[a.np] = pred, a.pa[a.np] = 1, a.np++;
+  if (!last) {
+    a.pk[a.np] = kSigChain, a.pp[a.np] = succ, a.pa[a.np] = 1, a.np++;
+    a.wk = kSigChainDone, a.wp = succ, a.want = ++im.seen[kSigChainDone][succ];
+  }
+  launch_sig(im.dev, a, s);
+  check_launch("broadcast");
+}
+
+void GpuEngine::send_reg(size_t nbytes, int dst, uintptr_t stream) {
+  if (nbytes == 0) return;
+  DeviceGuard g(device_);
+  EngineImpl& im = *impl_;
+  SigArgs a;
+  a.np = 1, a.pk[0] = kSigP2pReady, a.pp[0] = dst, a.pa[0] = 1;
+  a.wk = kSigP2pDone, a.wp = dst, a.want = ++im.seen[kSigP2pDone][dst];
+  launch_sig(im.dev, a, reinterpret_cast<cudaStream_t>(stream));
+  check_launch("send");
+}
+
+void GpuEngine::recv_reg(uintptr_t x, size_t nbytes, int src, uintptr_t stream) {
+  if (nbytes == 0) return;
+  DeviceGuard g(device_);
+  EngineImpl& im = *impl_;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (!im.reg[0][src]) throw Error(ErrorKind::Invalid, "recv_reg: sender's buffer not mapped");
+  SigArgs a;
+  a.wk = kSigP2pReady, a.wp = src, a.want = ++im.seen[kSigP2pReady][src];
+  launch_sig(im.dev, a, s);
+  check_launch("recv");
+  LW_CUDA(cudaMemcpyAsync(reinterpret_cast<char*>(x), im.reg[0][src], nbytes, cudaMemcpyDefault, s), "recv");
+  SigArgs b;
+  b.np = 1, b.pk[0] = kSigP2pDone, b.pp[0] = src, b.pa[0] = 1;
+  launch_sig(im.dev, b, s);
+  check_launch("recv");
+}
+
+// -- host-staged path helpers ---------------------------------------------------------------
+uintptr_t GpuEngine::host_alloc(size_t nbytes) {
+  void* p = nullptr;
+  cudaError_t e = cudaHostAlloc(&p, nbytes ? nbytes : 1, cudaHostAllocPortable);
+  if (e != cudaSuccess)
+    throw Error(ErrorKind::Internal, std::string("cudaHostAlloc failed: ") + cudaGetErrorString(e));
+  return reinterpret_cast<uintptr_t>(p);
+}
+
+void GpuEngine::host_free(uintptr_t p) { cudaFreeHost(reinterpret_cast<void*>(p)); }
+
+void GpuEngine::copy_async(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream) {
+  if (nbytes == 0) return;
+  DeviceGuard g(device_);
+  LW_CUDA(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes,
+                          cudaMemcpyDefault, reinterpret_cast<cudaStream_t>(stream)), "staged copy");
+}
+
+uintptr_t GpuEngine::event_record(uintptr_t stream) {
+  DeviceGuard g(device_);
+  cudaEvent_t ev;
+  LW_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "event");
+  LW_CUDA(cudaEventRecord(ev, reinterpret_cast<cudaStream_t>(stream)), "event");
+  return reinterpret_cast<uintptr_t>(ev);
+}
+
+void GpuEngine::event_sync(uintptr_t ev) {
+  DeviceGuard g(device_);
+  auto e = reinterpret_cast<cudaEvent_t>(ev);
+  cudaError_t r = cudaEventSynchronize(e);
+  cudaEventDestroy(e);
+  if (r != cudaSuccess) fail("staged copy", r);
+}
+
+}  // namespace linkwise::cuda

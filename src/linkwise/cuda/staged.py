@@ -1,0 +1,135 @@
+"""Host-staged GPU path: device -> pinned host -> the CPU engine -> pinned host -> device.
+
+Used when the GPUs cannot map each other's memory (``LINKWISE_P2P_DISABLE=1``, peers on
+another host, a VM without P2P). Pipeline (all_reduce, broadcast, send/recv): the array is cut
+into chunks of ``LINKWISE_CHUNK_SIZE`` bytes (default 4 MiB here) staged through
+``LINKWISE_STAGED_BUFFERS`` (default 3) pinned buffers. Device->host copies of the next chunks
+are enqueued on the stream ahead, so they run while the CPU engine moves the current chunk;
+the host->device copy of a chunk is enqueued on the same stream right after, so stream order
+alone keeps a buffer from being refilled before it has been copied out. all_gather,
+reduce_scatter and all_to_all stage the whole array once (no pipelining).
+
+Unlike the NVLink path these calls block the host until the data has gone through the CPU
+engine (the last host->device copy is waited for too, so the pinned buffers are free).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+
+_HOST_DT = {"float32": (np.float32, None), "float16": (np.float16, None),
+            "bfloat16": (np.uint16, "bfloat16"), "int32": (np.int32, None),
+            "float64": (np.float64, None), "int64": (np.int64, None)}
+_TAG = (1 << 61) + 4242
+
+
+class Staged:
+    def __init__(self, g):
+        self.g, self.e, self.comm = g, g._engine, g.comm
+        self.chunk = int(os.environ.get("LINKWISE_CHUNK_SIZE") or (4 << 20))
+        self.chunk = max(4096, self.chunk // 256 * 256)
+        self.nbuf = max(2, int(os.environ.get("LINKWISE_STAGED_BUFFERS") or 3))
+        self._bufs: list = []  # [ptr, nbytes]
+
+    def close(self):
+        for ptr, _ in self._bufs:
+            self.e.host_free(ptr)
+        self._bufs = []
+
+    def _buf(self, i: int, nbytes: int):
+        while len(self._bufs) <= i:
+            self._bufs.append([0, 0])
+        if self._bufs[i][1] < nbytes:
+            if self._bufs[i][0]:
+                self.e.host_free(self._bufs[i][0])
+            self._bufs[i] = [self.e.host_alloc(nbytes), nbytes]
+        return self._bufs[i][0]
+
+    @staticmethod
+    def _np(ptr: int, nbytes: int, dtype=np.uint8):
+        raw = (ctypes.c_uint8 * nbytes).from_address(ptr) if nbytes else bytearray(0)
+        return np.frombuffer(raw, dtype=np.uint8, count=nbytes).view(dtype)
+
+    def _chunks(self, nbytes: int, itemsize: int):
+        step = max(itemsize, self.chunk // itemsize * itemsize)
+        return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
+
+    def _pipeline(self, src: int, dst: int, nbytes: int, itemsize: int, stream: int, body,
+                  down: bool = True, up: bool = True):
+        """For each chunk: [device src -> pinned] -> body(host view, k) -> [pinned -> device dst]."""
+        e, B = self.e, self.nbuf
+        chunks = self._chunks(nbytes, itemsize)
+        bufs = [self._buf(i, min(self.chunk, nbytes) + 256) for i in range(min(B, len(chunks)))]
+        ready, last = {}, []
+
+        def d2h(k):
+            off, n = chunks[k]
+            if down:
+                e.copy_async(bufs[k % B], src + off, n, stream)
+                ready[k] = e.event_record(stream)
+
+        for k in range(min(B, len(chunks))):
+            d2h(k)
+        up_evs: dict = {}
+        for k, (off, n) in enumerate(chunks):
+            if down:
+                e.event_sync(ready.pop(k))
+            elif k >= B:  # receiving into a buffer whose previous chunk may still be copying up
+                e.event_sync(up_evs.pop(k - B))
+            body(bufs[k % B], n, k)
+            if up:
+                e.copy_async(dst + off, bufs[k % B], n, stream)
+                if not down:
+                    up_evs[k] = e.event_record(stream)
+            if k + B < len(chunks):
+                d2h(k + B)
+        for ev in up_evs.values():
+            e.event_sync(ev)
+        if up and down:
+            e.event_sync(e.event_record(stream))
+
+    # -- operations -------------------------------------------------------------------------
+    def all_reduce(self, v, o, op: str, stream: int):
+        dt, name = _HOST_DT[v.dtype]
+
+        def body(ptr, n, k):
+            self.comm.all_reduce(self._np(ptr, n, dt), op=op, dtype=name)
+        self._pipeline(v.ptr, o.ptr, v.nbytes, v.itemsize, stream, body)
+
+    def broadcast(self, v, root: int, stream: int):
+        me = self.comm.rank == root
+
+        def body(ptr, n, k):
+            self.comm.broadcast(self._np(ptr, n), root=root)
+        self._pipeline(v.ptr, v.ptr, v.nbytes, 1, stream, body, down=me, up=not me)
+
+    def send(self, v, dst: int, stream: int):
+        def body(ptr, n, k):
+            self.comm.send(self._np(ptr, n), dst, _TAG)
+        self._pipeline(v.ptr, 0, v.nbytes, 1, stream, body, down=True, up=False)
+
+    def recv(self, v, src: int, stream: int):
+        def body(ptr, n, k):
+            self.comm.recv(self._np(ptr, n), src, _TAG)
+        self._pipeline(0, v.ptr, v.nbytes, 1, stream, body, down=False, up=True)
+
+    def _whole(self, v, o, stream: int, fn, dt=np.uint8):
+        e = self.e
+        a, b = self._buf(0, v.nbytes + 256), self._buf(1, o.nbytes + 256)
+        e.copy_async(a, v.ptr, v.nbytes, stream)
+        e.event_sync(e.event_record(stream))
+        fn(self._np(a, v.nbytes, dt), self._np(b, o.nbytes, dt))
+        e.copy_async(o.ptr, b, o.nbytes, stream)
+        e.event_sync(e.event_record(stream))
+
+    def all_gather(self, v, o, stream: int):
+        self._whole(v, o, stream, lambda a, b: self.comm.all_gather(a, out=b))
+
+    def all_to_all(self, v, o, stream: int):
+        self._whole(v, o, stream, lambda a, b: self.comm.all_to_all(a, out=b))
+
+    def reduce_scatter(self, v, o, op: str, stream: int):
+        dt, name = _HOST_DT[v.dtype]
+        self._whole(v, o, stream, lambda a, b: self.comm.reduce_scatter(a, op=op, out=b, dtype=name), dt)
