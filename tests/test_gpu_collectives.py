@@ -174,7 +174,8 @@ def test_errors():
 
 
 # -- registered user buffers (copy engines) and the host-staged path --------------------------
-REG_ENV = {**SAFE_ENV, "LINKWISE_GPU_REG_MIN": "1", "LINKWISE_GPU_CHAIN_PIECE": "4096"}
+REG_ENV = {**SAFE_ENV, "LINKWISE_GPU_REG_MIN": "1", "LINKWISE_GPU_BCAST_REG_MIN": "1",
+           "LINKWISE_GPU_CHAIN_PIECE": "4096"}
 STAGED_ENV = {**SAFE_ENV, "LINKWISE_P2P_DISABLE": "1", "LINKWISE_CHUNK_SIZE": "4096"}
 
 

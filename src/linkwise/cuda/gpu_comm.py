@@ -81,6 +81,8 @@ class GpuComm:
         if os.environ.get("LINKWISE_GPU_REG", "1") == "0":
             self._reg_min = 1 << 62
         self._chain_piece = int(os.environ.get("LINKWISE_GPU_CHAIN_PIECE") or 0)
+        # The chain beats the scratch broadcast kernel only from ~128 MiB (docs/benchmarks.md).
+        self._bcast_reg_min = max(self._reg_min, int(os.environ.get("LINKWISE_GPU_BCAST_REG_MIN") or (128 << 20)))
         self._staged = None
         if os.environ.get("LINKWISE_P2P_DISABLE", "") not in ("", "0"):
             from .staged import Staged
@@ -127,7 +129,7 @@ class GpuComm:
     def _piece(self, nbytes: int) -> int:
         if self._chain_piece:
             return self._chain_piece
-        return min(16 << 20, max(2 << 20, (nbytes // 16) >> 12 << 12))
+        return min(32 << 20, max(2 << 20, (nbytes // 8) >> 12 << 12))  # measured best of the two tried
 
     # -- collectives -----------------------------------------------------------------------
     def all_reduce(self, x: Any, op: str = "sum", out: Any = None, stream: Any = None,
@@ -163,7 +165,7 @@ class GpuComm:
         s = stream_handle(stream, v)
         if self._staged is not None:
             self._staged.broadcast(v, root, s)
-        elif self.size > 1 and v.nbytes >= self._reg_min:
+        elif self.size > 1 and v.nbytes >= self._bcast_reg_min:
             self._reg_all(v.ptr)
             self._engine.broadcast_reg(v.ptr, v.nbytes, root, self._piece(v.nbytes), s)
         else:
