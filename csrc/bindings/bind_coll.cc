@@ -263,6 +263,8 @@ void bind_coll(nb::module_& m) {
              void* o = const_cast<void*>(in);
              if (!out.is(x)) {
                acquire_buffer(out, true, "all_reduce", ho);
+               if (ho.bytes() != hx.bytes())
+                 throw nb::value_error("all_reduce: out must have as many bytes as x");
                o = ho.ptr();
              }
              const DType t = static_cast<DType>(dtype);

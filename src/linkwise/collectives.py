@@ -28,7 +28,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _gpu_coll, config
-from .plan.schedule import default_schedule
+from .plan.schedule import LARGE_PAIR_BCAST, default_schedule
 
 KINDS = {"all_reduce": 0, "broadcast": 1, "reduce": 2, "all_gather": 3, "reduce_scatter": 4,
          "all_to_all": 5, "gather": 6, "scatter": 7, "barrier": 8}
@@ -202,7 +202,7 @@ class CollectivesMixin:
         # Collectives run in issue order: inline when no async one is pending, else queued
         # behind them on the worker (and waited for, when blocking).
         inline = not async_op and (worker is None or worker.pending == 0)
-        shm = self._shm_for(kind)
+        shm = self._shm_for(kind, nbytes)
         if shm is not None:
             if kind == "broadcast" and self.rank == root and out is not x:
                 np.copyto(out, x)
@@ -231,7 +231,7 @@ class CollectivesMixin:
         req = CollectiveRequest(worker.submit(*args), self.timeout, result)
         return req if async_op else req.wait()
 
-    def _shm_for(self, kind: str):
+    def _shm_for(self, kind: str, nbytes: int):
         """The shared-memory executor for this call, or None for the point-to-point algorithms.
 
         Used for all_reduce and broadcast when every peer is on this host (shared-memory links)
@@ -240,6 +240,8 @@ class CollectivesMixin:
         first such call together and attach the segment there (a collective step)."""
         if kind not in ("all_reduce", "broadcast") or self.size == 1:
             return None
+        if kind == "broadcast" and self.size == 2 and nbytes >= LARGE_PAIR_BCAST:
+            return None  # one single-copy message beats two copies through shared memory
         algo = os.environ.get("LINKWISE_ALGO", "") if _env_set(b"LINKWISE_ALGO") else ""
         if algo and not (algo == "direct" and kind == "all_reduce"):
             return None
@@ -311,6 +313,14 @@ class CollectivesMixin:
                 # The latency path: straight to shared memory (buffer checks happen there).
                 fast.all_reduce_inplace(x, code)
                 return x
+        if (fast is not None and type(out) is np.ndarray and type(x) is np.ndarray and not async_op
+                and dtype is None and out.dtype == x.dtype and out.size == x.size and out.flags.c_contiguous
+                and out.flags.writeable and self._native is not None
+                and not (_ENV.get(b"LINKWISE_ALGO") or _ENV.get(b"LINKWISE_CHECK"))):
+            code = _FAST_CODES.get((x.dtype, op))
+            if code is not None:  # the same path out of place (x's own checks happen there)
+                fast.all_reduce(x, out, code >> 3, code & 7, self.timeout)
+                return out
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
             return _gpu_coll.dispatch(self, "all_reduce", x, out=out, red=op, async_op=async_op,
                                       dtype=dtype, stream=stream)
@@ -331,6 +341,7 @@ class CollectivesMixin:
         fast = self._fast_shm
         if (fast is not None and out is None and not async_op and type(x) is np.ndarray and self._native is not None
                 and x.dtype.kind in "biufc" and type(root) is int and 0 <= root < self.size
+                and (self.size != 2 or x.nbytes < LARGE_PAIR_BCAST)
                 and not (_ENV.get(b"LINKWISE_ALGO") or _ENV.get(b"LINKWISE_CHECK"))):
             fast.broadcast(x, root, self.timeout)  # the latency path (buffer checks happen there)
             return x

@@ -93,6 +93,11 @@ SMALL_BCAST = 64 << 10          # binomial tree below this, pipelined chain abov
 DEFAULT_CHUNK = 512 << 10
 
 
+# A broadcast between two ranks at least this large goes point-to-point as one message (one
+# copy) instead of through the shared-memory executor (two copies).
+LARGE_PAIR_BCAST = 8 << 20
+
+
 def default_schedule(kind: str, n: int, rank: int, root: int, nbytes: int,
                      algo: Optional[str] = None, chunk: Optional[int] = None,
                      order: Optional[Sequence[int]] = None) -> Schedule:
@@ -112,6 +117,10 @@ def default_schedule(kind: str, n: int, rank: int, root: int, nbytes: int,
     if kind in ("broadcast", "reduce"):
         if algo not in ("tree", "chain", "direct"):
             algo = "tree" if nbytes < SMALL_BCAST else "chain"
+        if kind == "broadcast" and n == 2 and chunk == DEFAULT_CHUNK and nbytes >= LARGE_PAIR_BCAST:
+            # Two ranks: the whole broadcast is one message, pulled in a single copy where the
+            # link allows it; cutting it into chunks only adds per-message costs.
+            chunk = max(chunk, nbytes)
         if algo == "chain":
             rot = tuple(order[(order.index(root) + i) % n] for i in range(n))
             # Reduce uses the same chain: data flows from the far end toward the root.

@@ -1,0 +1,51 @@
+"""Paths chosen by size: a large two-rank broadcast goes point-to-point as one message; the
+out-of-place all_reduce latency path; both against NumPy references."""
+import numpy as np
+import pytest
+
+from multirank import run_ranks
+
+
+def _large_pair_broadcast(comm):
+    n = (9 << 20) // 4 + 3  # above LARGE_PAIR_BCAST, odd
+    for root in (0, 1):
+        ref = (np.arange(n, dtype=np.float32) * (root + 2)) % 1013
+        x = ref.copy() if comm.rank == root else np.zeros(n, np.float32)
+        comm.broadcast(x, root=root)
+        np.testing.assert_array_equal(x, ref)
+        out = np.full(n, -1, np.float32)
+        src = ref if comm.rank == root else np.zeros(n, np.float32)
+        comm.broadcast(src, root=root, out=out)
+        np.testing.assert_array_equal(out, ref)
+    return "ok"
+
+
+def test_large_two_rank_broadcast(transport_env):
+    assert run_ranks(2, _large_pair_broadcast, env=transport_env) == ["ok", "ok"]
+
+
+def _out_of_place_all_reduce(comm):
+    rng = np.random.default_rng(comm.rank)
+    for dtype in (np.float32, np.int64, np.float64):
+        for n in (1, 7, 1000, 300_001):
+            x = (rng.integers(-50, 50, n)).astype(dtype)
+            keep = x.copy()
+            out = np.zeros(n, dtype)
+            comm.all_reduce(x, out=out)
+            everyone = [np.empty(n, dtype) for _ in range(comm.size)]
+            for r in range(comm.size):
+                buf = x.copy() if r == comm.rank else everyone[r]
+                comm.broadcast(buf, root=r)
+                everyone[r] = buf
+            np.testing.assert_array_equal(out, np.sum(everyone, axis=0, dtype=dtype))
+            np.testing.assert_array_equal(x, keep)  # the input is left alone
+    with pytest.raises(ValueError, match="out must"):
+        comm.all_reduce(np.ones(10, np.float32), out=np.zeros(9, np.float32))
+    with pytest.raises(ValueError, match="out must"):
+        comm.all_reduce(np.ones(10, np.float32), out=np.zeros(10, np.float64))
+    return "ok"
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_out_of_place_all_reduce(nranks):
+    assert run_ranks(nranks, _out_of_place_all_reduce) == ["ok"] * nranks
