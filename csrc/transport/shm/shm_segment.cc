@@ -22,7 +22,7 @@ ShmSegment ShmSegment::create(const std::string& name, size_t bytes) {
     errno = e;
     fail_errno("ftruncate of shared memory " + name + " (is /dev/shm large enough?)");
   }
-  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   close(fd);
   if (base == MAP_FAILED) {
     shm_unlink(name.c_str());
@@ -44,7 +44,7 @@ ShmSegment ShmSegment::open(const std::string& name) {
     close(fd);
     fail_errno("fstat of shared memory " + name);
   }
-  void* base = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* base = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   close(fd);
   if (base == MAP_FAILED) fail_errno("mmap of shared memory " + name);
   ShmSegment seg;
