@@ -1,0 +1,63 @@
+// Engine internals shared by engine.cc (posting, sending, failures) and engine_recv.cc
+// (receiving and matching). Not part of the interface; see engine.h for the contracts.
+#pragma once
+
+#include <cstring>
+#include <list>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "p2p/engine.h"
+
+namespace linkwise {
+namespace engine_detail {
+
+constexpr uint32_t kHeaderMagic = 0x314d574c;  // "LWM1"
+constexpr uint32_t kEager = 1;
+constexpr uint32_t kPull = 2;
+constexpr size_t kStage = 4096;          // header + payload up to this go out in one write
+constexpr int kMessagesPerPass = 16;     // incoming messages one progress pass may finish per peer
+inline std::string tag_text(uint64_t tag) { return "tag " + std::to_string(tag); }
+
+}  // namespace engine_detail
+
+struct Engine::Unexpected {
+  MsgHeader hdr{};
+  std::unique_ptr<char[]> data;
+  size_t got = 0;
+  bool complete = false;
+  bool deferred = false;           // a pulled message not copied yet (data is empty)
+  std::shared_ptr<Request> bound;  // a receive waiting for the rest of this message
+};
+
+struct Engine::Peer {
+  int rank = -1;
+  std::unique_ptr<PeerLink> link;
+  Transport* transport = nullptr;
+  bool dead = false;
+  // Sending: the front of send_queue is on the wire, `wire_pos` bytes of it written.
+  std::list<std::shared_ptr<Request>> send_queue;
+  bool front_started = false;
+  size_t wire_pos = 0;
+  MsgHeader out_hdr{};
+  size_t stage_len = 0;  // > 0: header and payload were copied to `stage`
+  char stage[engine_detail::kStage];
+  std::list<std::shared_ptr<Request>> awaiting_ack;  // pulled sends the peer has not copied yet
+  uint32_t pulls_sent = 0;
+  // Receiving.
+  std::list<std::shared_ptr<Request>> posted;
+  std::list<Unexpected> unexpected;
+  MsgHeader in_hdr{};
+  size_t in_hdr_got = 0;
+  bool in_msg = false;
+  std::shared_ptr<Request> in_req;               // the matched receive, or
+  std::list<Unexpected>::iterator in_unexp;      // where the message is buffered
+  size_t in_got = 0;
+
+  bool has_work() const {
+    return !send_queue.empty() || !awaiting_ack.empty() || !posted.empty() || in_msg;
+  }
+};
+
+}  // namespace linkwise

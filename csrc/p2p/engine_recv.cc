@@ -1,0 +1,184 @@
+// The receiving side of the engine: matching posted receives, unexpected and deferred
+// (not yet pulled) messages, reading message bodies. Called under the Engine's lock.
+#include <cstring>
+
+#include "p2p/engine_internal.h"
+
+namespace linkwise {
+
+using namespace engine_detail;
+
+// Why `h` cannot be received into `req`, or "" when it fits.
+static std::string misfit(const Request& req, const MsgHeader& h, int me, ErrorKind* kind) {
+  if (h.size > req.bytes) {
+    *kind = ErrorKind::Invalid;
+    return "rank " + std::to_string(me) + ": a message of " + std::to_string(h.size) + " bytes from rank " +
+           std::to_string(req.peer) + " (" + tag_text(h.tag) + ") does not fit the receive buffer of " +
+           std::to_string(req.bytes) + " bytes; receive into a buffer of at least " + std::to_string(h.size) +
+           " bytes (the message is kept for the next receive with this tag)";
+  }
+  if (!dtypes_compatible(h.dtype, req.dtype)) {
+    *kind = ErrorKind::Type;
+    return "rank " + std::to_string(me) + ": rank " + std::to_string(req.peer) + " sent " + dtype_name(h.dtype) +
+           " data (" + tag_text(h.tag) + ") but the receive buffer holds " + dtype_name(req.dtype) +
+           "; receive into an array of the sender's dtype (the message is kept)";
+  }
+  return "";
+}
+
+bool Engine::match_unexpected_locked(Peer& p, const std::shared_ptr<Request>& req) {
+  for (auto it = p.unexpected.begin(); it != p.unexpected.end(); ++it) {
+    if (it->hdr.tag != req->tag || it->bound) continue;
+    ErrorKind kind;
+    std::string why = misfit(*req, it->hdr, rank_, &kind);
+    if (!why.empty()) {
+      fail_locked(*req, kind, why, -1);
+    } else if (it->deferred) {
+      deliver_deferred_locked(p, *it, req.get());
+      p.unexpected.erase(it);
+    } else if (it->complete) {
+      if (it->hdr.size) std::memcpy(req->buf, it->data.get(), it->hdr.size);
+      size_t n = it->hdr.size;
+      p.unexpected.erase(it);
+      complete_locked(*req, n);
+    } else {
+      it->bound = req;
+    }
+    return true;
+  }
+  return false;
+}
+
+bool Engine::progress_recv(Peer& p) {
+  bool moved = false;
+  PeerLink& link = *p.link;
+  // Bounded work per pass: a peer that streams without pause must not keep this thread here
+  // (its caller waits for one particular request, and other peers need turns too).
+  int budget = kMessagesPerPass;
+  try {
+    while (budget-- > 0) {
+      if (!p.in_msg) {
+        size_t n = link.read_some(reinterpret_cast<char*>(&p.in_hdr) + p.in_hdr_got, sizeof(MsgHeader) - p.in_hdr_got);
+        p.in_hdr_got += n;
+        moved |= n > 0;
+        if (p.in_hdr_got < sizeof(MsgHeader)) break;
+        p.in_hdr_got = 0;
+        if (p.in_hdr.magic != kHeaderMagic) {
+          fail_peer_locked(p, "the byte stream from rank " + std::to_string(p.rank) +
+                                  " is corrupted (bad message header); were two jobs mixed up?");
+          return true;
+        }
+        start_incoming(p);
+      }
+      const MsgHeader& h = p.in_hdr;
+      char* dst = p.in_req ? static_cast<char*>(p.in_req->buf) : p.in_unexp->data.get();  // null if deferred
+      if (h.kind == kPull) {
+        if (p.in_req) {
+          if (h.size) link.pull(dst, h.addr, h.size);
+          link.post_ack(h.seq);
+        } else {
+          p.in_unexp->deferred = true;  // pulled when its receive is posted, or before sleeping
+        }
+        p.in_got = h.size;
+        moved = true;
+      } else {
+        while (p.in_got < h.size) {
+          size_t n = link.read_some(dst + p.in_got, h.size - p.in_got);
+          if (n == 0) break;
+          p.in_got += n;
+          moved = true;
+        }
+      }
+      if (p.in_got < h.size) break;
+      finish_incoming(p);
+    }
+  } catch (const Error& e) {
+    fail_peer_locked(p, e.what());
+    return true;
+  }
+  return moved;
+}
+
+void Engine::start_incoming(Peer& p) {
+  const MsgHeader& h = p.in_hdr;
+  p.in_msg = true;
+  p.in_got = 0;
+  p.in_req.reset();
+  for (auto it = p.posted.begin(); it != p.posted.end(); ++it) {
+    if ((*it)->tag != h.tag) continue;
+    std::shared_ptr<Request> req = *it;
+    p.posted.erase(it);
+    ErrorKind kind;
+    std::string why = misfit(*req, h, rank_, &kind);
+    if (why.empty()) {
+      p.in_req = std::move(req);
+      return;
+    }
+    fail_locked(*req, kind, why, -1);  // and keep the message for a receive that fits
+    break;
+  }
+  p.unexpected.emplace_back();
+  p.in_unexp = std::prev(p.unexpected.end());
+  p.in_unexp->hdr = h;
+  if (h.kind != kPull) p.in_unexp->data.reset(new char[h.size ? h.size : 1]);
+}
+
+void Engine::finish_incoming(Peer& p) {
+  p.in_msg = false;
+  const size_t n = p.in_hdr.size;
+  if (p.in_req) {
+    std::shared_ptr<Request> req = std::move(p.in_req);
+    complete_locked(*req, n);
+    return;
+  }
+  auto it = p.in_unexp;
+  if (it->deferred) return;  // stays in the list until a receive or a sleeper pulls it
+  it->complete = true;
+  it->got = n;
+  if (it->bound) {
+    std::shared_ptr<Request> req = std::move(it->bound);
+    if (n) std::memcpy(req->buf, it->data.get(), n);
+    p.unexpected.erase(it);
+    complete_locked(*req, n);
+  }
+}
+
+// Pulls a deferred message into req's buffer (or, with req null, into a buffer of its own,
+// after which it is an ordinary complete unexpected message) and acknowledges it.
+void Engine::deliver_deferred_locked(Peer& p, Unexpected& u, Request* req) {
+  const size_t n = u.hdr.size;
+  try {
+    if (req) {
+      if (n) p.link->pull(req->buf, u.hdr.addr, n);
+    } else {
+      u.data.reset(new char[n ? n : 1]);
+      if (n) p.link->pull(u.data.get(), u.hdr.addr, n);
+    }
+    p.link->post_ack(u.hdr.seq);
+  } catch (const Error& e) {
+    if (req) fail_locked(*req, ErrorKind::Peer, e.what(), p.rank);
+    u.deferred = false;
+    fail_peer_locked(p, e.what());
+    return;
+  }
+  u.deferred = false;
+  if (req) {
+    complete_locked(*req, n);
+  } else {
+    u.complete = true;
+    u.got = n;
+  }
+}
+
+void Engine::materialize_deferred_locked() {
+  for (auto& pp : peers_) {
+    Peer& p = *pp;
+    if (p.dead) continue;
+    for (auto& u : p.unexpected) {
+      if (u.deferred) deliver_deferred_locked(p, u, nullptr);
+      if (p.dead) break;  // failing the peer dropped its other deferred entries
+    }
+  }
+}
+
+}  // namespace linkwise
