@@ -11,6 +11,9 @@
 
 #include "bindings/bindings.h"
 #include "cuda/gpu_engine.h"
+#include "cuda/stage_channel.h"
+
+#include <cuda_runtime.h>
 
 namespace nb = nanobind;
 
@@ -20,6 +23,26 @@ void bind_cuda(nb::module_& m) {
   using linkwise::cuda::GpuEngine;
   using rel = nb::call_guard<nb::gil_scoped_release>;
   m.def("cuda_device_count", &linkwise::cuda::device_count, rel());
+  // True while `stream` (a cudaStream_t integer) is being captured into a CUDA graph.
+  m.def("cuda_stream_capturing", [](uintptr_t stream) {
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    cudaError_t e = cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &st);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return e == cudaErrorStreamCaptureImplicit;  // legacy stream touched during a capture
+    }
+    return st != cudaStreamCaptureStatusNone;
+  });
+  using linkwise::cuda::StageChannel;
+  nb::class_<StageChannel>(m, "_StageChannel")
+      .def(nb::init<const std::string&, bool, int, int, size_t, int, double>(), nb::arg("name"),
+           nb::arg("create"), nb::arg("readers"), nb::arg("slots"), nb::arg("slot_bytes"),
+           nb::arg("device"), nb::arg("timeout"), rel())
+      .def("unlink", &StageChannel::unlink, rel())
+      .def("write", &StageChannel::write, rel())
+      .def("read", &StageChannel::read, rel())
+      .def_prop_ro("slot_bytes", &StageChannel::slot_bytes)
+      .def_prop_ro("slots", &StageChannel::slots);
   nb::class_<GpuEngine>(m, "_GpuEngine")
       .def(nb::init<int, int, int, size_t, double>(), nb::arg("rank"), nb::arg("size"),
            nb::arg("device"), nb::arg("slot_bytes"), nb::arg("timeout"), rel())

@@ -10,7 +10,7 @@ namespace {
 // Broadcast. Roles: blocks alike, each owning one slice of x.
 // Root pipeline: start flags -> push slice into in_slot[root] of every peer -> signal ready[0].
 // Peer pipeline: wait ready[0][block][root] -> copy the slice from our in_slot[root] into x.
-__global__ void __launch_bounds__(kThreads) bcast_kernel(DevComm c, char* x, size_t n, int root,
+__device__ __forceinline__ void bcast_body(DevComm c, char* x, size_t n, int root,
                                                          uint64_t epoch) {
   announce_start(c, epoch);
   const int par = epoch & 1;
@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(kThreads) bcast_kernel(DevComm c, char* x, siz
 // -> copy its sub-slice from in_slot[root] into x and push it into gather_slot[p] of every
 // other non-root -> signal ready[1] to them -> wait their ready[1] -> copy their sub-slices
 // from our gather_slots into x.
-__global__ void __launch_bounds__(kThreads) bcast_sag_kernel(DevComm c, char* x, size_t n,
+__device__ __forceinline__ void bcast_sag_body(DevComm c, char* x, size_t n,
                                                              int root, uint64_t epoch) {
   announce_start(c, epoch);
   wait_peers_started(c, epoch);
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kThreads) bcast_sag_kernel(DevComm c, char* x,
 // Roles: blocks alike, each owning one slice. Pipeline: start flags -> push slice into
 // gather_slot[rank] of every peer and into our own out -> signal/wait ready[0] -> copy every
 // peer's slice from our gather_slots into out.
-__global__ void __launch_bounds__(kThreads) gather_kernel(DevComm c, const char* x, size_t n,
+__device__ __forceinline__ void gather_body(DevComm c, const char* x, size_t n,
                                                           char* out, size_t out_stride,
                                                           uint64_t epoch) {
   announce_start(c, epoch);
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(DevComm c, const char*
 
 // all_to_all of one piece: block p of x (x + p*x_stride, n bytes) goes to rank p, landing at
 // out + rank*out_stride there. Roles and pipeline as gather_kernel, through in_slots.
-__global__ void __launch_bounds__(kThreads) alltoall_kernel(DevComm c, const char* x,
+__device__ __forceinline__ void alltoall_body(DevComm c, const char* x,
                                                             size_t x_stride, char* out,
                                                             size_t out_stride, size_t n,
                                                             uint64_t epoch) {
@@ -179,30 +179,56 @@ __global__ void __launch_bounds__(kThreads) recv_kernel(DevComm c, char* x, size
 }
 
 // Barrier: one block; signal ready[0][0] to every peer, wait for every peer's.
-__global__ void barrier_kernel(DevComm c, uint64_t epoch) {
+__device__ __forceinline__ void barrier_body(DevComm c, uint64_t epoch) {
   announce_start(c, epoch);
   signal_all(c, 0, epoch);
   wait_all(c, 0, epoch);
 }
 
+// Kernels: each body above is one epoch, numbered on the device (gpu_device.cuh epoch_begin /
+// epoch_end) so that launches can be captured in a CUDA graph and replayed.
+__global__ void __launch_bounds__(kThreads) bcast_kernel(DevComm c, char* x, size_t n, int root) {
+  bcast_body(c, x, n, root, epoch_begin(c));
+  epoch_end(c);
+}
+__global__ void __launch_bounds__(kThreads) bcast_sag_kernel(DevComm c, char* x, size_t n, int root) {
+  bcast_sag_body(c, x, n, root, epoch_begin(c));
+  epoch_end(c);
+}
+__global__ void __launch_bounds__(kThreads) gather_kernel(DevComm c, const char* x, size_t n,
+                                                          char* out, size_t out_stride) {
+  gather_body(c, x, n, out, out_stride, epoch_begin(c));
+  epoch_end(c);
+}
+__global__ void __launch_bounds__(kThreads) alltoall_kernel(DevComm c, const char* x,
+                                                            size_t x_stride, char* out,
+                                                            size_t out_stride, size_t n) {
+  alltoall_body(c, x, x_stride, out, out_stride, n, epoch_begin(c));
+  epoch_end(c);
+}
+__global__ void barrier_kernel(DevComm c) {
+  barrier_body(c, epoch_begin(c));
+  epoch_end(c);
+}
+
 }  // namespace
 
-void launch_broadcast(const DevComm& c, void* x, size_t n, int root, uint64_t epoch, int blocks,
+void launch_broadcast(const DevComm& c, void* x, size_t n, int root, int blocks,
                       bool scatter_allgather, cudaStream_t s) {
   if (scatter_allgather)
-    bcast_sag_kernel<<<blocks, kThreads, 0, s>>>(c, static_cast<char*>(x), n, root, epoch);
+    bcast_sag_kernel<<<blocks, kThreads, 0, s>>>(c, static_cast<char*>(x), n, root);
   else
-    bcast_kernel<<<blocks, kThreads, 0, s>>>(c, static_cast<char*>(x), n, root, epoch);
+    bcast_kernel<<<blocks, kThreads, 0, s>>>(c, static_cast<char*>(x), n, root);
 }
 void launch_all_gather(const DevComm& c, const void* x, size_t n, void* out, size_t out_stride,
-                       uint64_t epoch, int blocks, cudaStream_t s) {
+                       int blocks, cudaStream_t s) {
   gather_kernel<<<blocks, kThreads, 0, s>>>(c, static_cast<const char*>(x), n,
-                                            static_cast<char*>(out), out_stride, epoch);
+                                            static_cast<char*>(out), out_stride);
 }
 void launch_all_to_all(const DevComm& c, const void* x, size_t x_stride, void* out,
-                       size_t out_stride, size_t n, uint64_t epoch, int blocks, cudaStream_t s) {
+                       size_t out_stride, size_t n, int blocks, cudaStream_t s) {
   alltoall_kernel<<<blocks, kThreads, 0, s>>>(c, static_cast<const char*>(x), x_stride,
-                                              static_cast<char*>(out), out_stride, n, epoch);
+                                              static_cast<char*>(out), out_stride, n);
 }
 void launch_send(const DevComm& c, const void* x, size_t n, int dst, int par, uint64_t ack_need,
                  int blocks, cudaStream_t s) {
@@ -212,8 +238,8 @@ void launch_recv(const DevComm& c, void* x, size_t n, int src, int par, uint64_t
                  int blocks, cudaStream_t s) {
   recv_kernel<<<blocks, kThreads, 0, s>>>(c, static_cast<char*>(x), n, src, par, data_need);
 }
-void launch_barrier(const DevComm& c, uint64_t epoch, cudaStream_t s) {
-  barrier_kernel<<<1, 32, 0, s>>>(c, epoch);
+void launch_barrier(const DevComm& c, cudaStream_t s) {
+  barrier_kernel<<<1, 32, 0, s>>>(c);
 }
 
 }  // namespace linkwise::cuda

@@ -40,6 +40,11 @@ struct Control {
   // (red.release.sys.add, after __threadfence_system) and we wait on (ld.acquire.sys). Both
   // sides know the cumulative totals on the host (issue order), as with p2p_data / p2p_ack.
   uint64_t sig[6][kMaxRanks];
+  // Device-side epoch numbering (epoch_begin / epoch_end below): the epoch of the last
+  // collective kernel that finished on this rank, and how many blocks of the running one are
+  // done. Written only by this rank's own kernels, never by peers.
+  uint64_t seq;
+  unsigned int done_blocks;
 };
 enum SigKind : int { kSigChain = 0, kSigChainDone = 1, kSigP2pReady = 2, kSigP2pDone = 3,
                      kSigRendezvous = 4 };
@@ -100,6 +105,32 @@ __device__ __forceinline__ bool wait_ge(const DevComm& c, const uint64_t* p, uin
     if (ns < 256) ns *= 2;
   }
   return true;
+}
+
+// Epochs live on the device so that a collective can be captured in a CUDA graph and replayed:
+// nothing the host passes changes from call to call. Every collective kernel (one launch = one
+// epoch) reads epoch = seq + 1 at its start (all blocks read the same value: seq only changes
+// once every block has finished, see epoch_end), and its last block to finish advances seq.
+// Ordering: kernels of one engine are stream-ordered, so the next kernel's read of seq comes
+// after the kernel boundary that publishes the increment. Ranks issue the same collectives in
+// the same order, so every rank numbers them alike, captured or not.
+__device__ __forceinline__ uint64_t epoch_begin(const DevComm& c) {
+  return *reinterpret_cast<volatile uint64_t*>(&c.ctrl(c.rank)->seq) + 1;
+}
+
+// Called by every thread of every block at the very end of a collective kernel.
+__device__ __forceinline__ void epoch_end(const DevComm& c) {
+  __syncthreads();  // every thread of this block has read seq (epoch_begin) before this point
+  if (threadIdx.x == 0) {
+    Control* k = c.ctrl(c.rank);
+    __threadfence();  // our reads of seq happen before our arrival is counted
+    unsigned int prev = atomicAdd(&k->done_blocks, 1u);
+    if (prev == gridDim.x - 1) {  // last block: every block has read seq
+      __threadfence();
+      k->done_blocks = 0;
+      *reinterpret_cast<volatile uint64_t*>(&k->seq) = k->seq + 1;
+    }
+  }
 }
 
 // Thread t < nranks (t != rank) of block 0 announces "epoch e started" to peer t.

@@ -1,5 +1,5 @@
 // GpuEngine: scratch registration through CUDA IPC, and the host half of every operation:
-// splitting into pieces that fit a slot, choosing blocks and algorithm, numbering epochs.
+// splitting into pieces that fit a slot, choosing blocks and algorithm (epochs are numbered on the device: gpu_device.cuh).
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -132,7 +132,7 @@ void GpuEngine::all_reduce(uintptr_t x, uintptr_t out, size_t count, int dtype, 
   if (algo == 1) {
     for (size_t off = 0; off < count; off += slot_elems) {
       size_t n = count - off < slot_elems ? count - off : slot_elems;
-      launch_oneshot(impl_->dev, dtype, op, xp + off * es, op_ + off * es, n, ++epoch_,
+      launch_oneshot(impl_->dev, dtype, op, xp + off * es, op_ + off * es, n,
                      blocks_for(n * es, 16 * 1024), s);
       check_launch("all_reduce");
     }
@@ -143,7 +143,7 @@ void GpuEngine::all_reduce(uintptr_t x, uintptr_t out, size_t count, int dtype, 
     size_t n = count - off < piece ? count - off : piece;
     size_t chunk = round_up((n + nranks_ - 1) / nranks_, V);
     launch_twoshot(impl_->dev, dtype, op, xp + off * es, chunk, op_ + off * es, chunk, n, chunk,
-                   true, ++epoch_, blocks_for(chunk * es, 16 * 1024), s);
+                   true, blocks_for(chunk * es, 16 * 1024), s);
     check_launch("all_reduce");
   }
 }
@@ -165,7 +165,7 @@ void GpuEngine::reduce_scatter(uintptr_t x, uintptr_t out, size_t m, int dtype, 
   for (size_t off = 0; off < m; off += slot_elems) {
     size_t n = m - off < slot_elems ? m - off : slot_elems;
     launch_twoshot(impl_->dev, dtype, op, xp + off * es, m, op_ + off * es, 0, n * nranks_, n,
-                   false, ++epoch_, blocks_for(n * es, 16 * 1024), s);
+                   false, blocks_for(n * es, 16 * 1024), s);
     check_launch("reduce_scatter");
   }
 }
@@ -180,7 +180,7 @@ void GpuEngine::broadcast(uintptr_t x, size_t nbytes, int root, uintptr_t stream
     size_t n = nbytes - off < slot_bytes_ ? nbytes - off : slot_bytes_;
     bool sag = nranks_ > 2 && nbytes >= bcast_sag_min;
     size_t per = sag ? (n + nranks_ - 2) / (nranks_ - 1) : n;  // bytes a block slices
-    launch_broadcast(impl_->dev, xp + off, n, root, ++epoch_, blocks_for(per, 16 * 1024), sag, s);
+    launch_broadcast(impl_->dev, xp + off, n, root, blocks_for(per, 16 * 1024), sag, s);
     check_launch("broadcast");
   }
 }
@@ -197,7 +197,7 @@ void GpuEngine::all_gather(uintptr_t x, uintptr_t out, size_t nbytes, uintptr_t 
       LW_CUDA(cudaMemcpyAsync(op_ + off, xp + off, n, cudaMemcpyDeviceToDevice, s), "all_gather");
       continue;
     }
-    launch_all_gather(impl_->dev, xp + off, n, op_ + off, nbytes, ++epoch_, blocks_for(n, 16 * 1024), s);
+    launch_all_gather(impl_->dev, xp + off, n, op_ + off, nbytes, blocks_for(n, 16 * 1024), s);
     check_launch("all_gather");
   }
 }
@@ -214,7 +214,7 @@ void GpuEngine::all_to_all(uintptr_t x, uintptr_t out, size_t m, uintptr_t strea
       LW_CUDA(cudaMemcpyAsync(op_ + off, xp + off, n, cudaMemcpyDeviceToDevice, s), "all_to_all");
       continue;
     }
-    launch_all_to_all(impl_->dev, xp + off, m, op_ + off, m, n, ++epoch_, blocks_for(n, 16 * 1024), s);
+    launch_all_to_all(impl_->dev, xp + off, m, op_ + off, m, n, blocks_for(n, 16 * 1024), s);
     check_launch("all_to_all");
   }
 }
@@ -258,7 +258,7 @@ void GpuEngine::recv(uintptr_t x, size_t nbytes, int src, uintptr_t stream) {
 void GpuEngine::barrier(uintptr_t stream) {
   if (nranks_ == 1) return;
   DeviceGuard g(device_);
-  launch_barrier(impl_->dev, ++epoch_, reinterpret_cast<cudaStream_t>(stream));
+  launch_barrier(impl_->dev, reinterpret_cast<cudaStream_t>(stream));
   check_launch("barrier");
 }
 

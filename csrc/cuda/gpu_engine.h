@@ -83,7 +83,6 @@ class GpuEngine {
   int rank_, nranks_, device_;
   size_t slot_bytes_;
   double timeout_s_;
-  uint64_t epoch_ = 0;
   EngineImpl* impl_ = nullptr;
 };
 

@@ -18,27 +18,30 @@ size_t dtype_size(int dtype);
 
 constexpr int kThreads = 512;
 
+// The collective launchers take no epoch: kernels number their epochs on the device
+// (gpu_device.cuh epoch_begin / epoch_end), so they can be captured in a CUDA graph.
+
 // all_reduce of `count` elements that fit one in_slot, every rank pushing all of x.
 void launch_oneshot(const DevComm& c, int dtype, int op, const void* x, void* out, size_t count,
-                    uint64_t epoch, int blocks, cudaStream_t s);
+                    int blocks, cudaStream_t s);
 
 // Reduce-scatter (+ all-gather when `allgather`) of one piece; see reduce_kernels.cu.
 void launch_twoshot(const DevComm& c, int dtype, int op, const void* x, size_t x_stride, void* out,
-                    size_t out_stride, size_t count, size_t chunk, bool allgather, uint64_t epoch,
+                    size_t out_stride, size_t count, size_t chunk, bool allgather,
                     int blocks, cudaStream_t s);
 
 // scatter_allgather: root scatters n-1 chunks, the non-roots all-gather them (large sizes);
 // else the root pushes everything to every peer (small sizes).
-void launch_broadcast(const DevComm& c, void* x, size_t n, int root, uint64_t epoch, int blocks,
+void launch_broadcast(const DevComm& c, void* x, size_t n, int root, int blocks,
                       bool scatter_allgather, cudaStream_t s);
 void launch_all_gather(const DevComm& c, const void* x, size_t n, void* out, size_t out_stride,
-                       uint64_t epoch, int blocks, cudaStream_t s);
+                       int blocks, cudaStream_t s);
 void launch_all_to_all(const DevComm& c, const void* x, size_t x_stride, void* out,
-                       size_t out_stride, size_t n, uint64_t epoch, int blocks, cudaStream_t s);
+                       size_t out_stride, size_t n, int blocks, cudaStream_t s);
 void launch_send(const DevComm& c, const void* x, size_t n, int dst, int par, uint64_t ack_need,
                  int blocks, cudaStream_t s);
 void launch_recv(const DevComm& c, void* x, size_t n, int src, int par, uint64_t data_need,
                  int blocks, cudaStream_t s);
-void launch_barrier(const DevComm& c, uint64_t epoch, cudaStream_t s);
+void launch_barrier(const DevComm& c, cudaStream_t s);
 
 }  // namespace linkwise::cuda

@@ -81,8 +81,8 @@ __device__ void reduce_range(const T* const* srcs, int nsrc, T* const* dsts, int
 // order, into out. In place (out == x) is safe: each element is read before it is written by
 // the same thread.
 template <typename T, class Op>
-__global__ void __launch_bounds__(kThreads) oneshot_kernel(DevComm c, const T* x, T* out,
-                                                           size_t count, uint64_t epoch, bool avg) {
+__device__ __forceinline__ void oneshot_body(DevComm c, const T* x, T* out, size_t count,
+                                             uint64_t epoch, bool avg) {
   announce_start(c, epoch);
   wait_peers_started(c, epoch);
   const int par = epoch & 1;
@@ -110,10 +110,9 @@ __global__ void __launch_bounds__(kThreads) oneshot_kernel(DevComm c, const T* x
 // chunk) and, for all_reduce, into gather_slot[rank] of every peer, (5) signal/wait ready[1],
 // (6) copy the peers' reduced sub-slices from our gather_slots into out.
 template <typename T, class Op>
-__global__ void __launch_bounds__(kThreads) twoshot_kernel(DevComm c, const T* x, size_t x_stride,
-                                                           T* out, size_t out_stride, size_t count,
-                                                           size_t chunk, bool allgather,
-                                                           uint64_t epoch, bool avg) {
+__device__ __forceinline__ void twoshot_body(DevComm c, const T* x, size_t x_stride, T* out,
+                                             size_t out_stride, size_t count, size_t chunk,
+                                             bool allgather, uint64_t epoch, bool avg) {
   announce_start(c, epoch);
   wait_peers_started(c, epoch);
   const int par = epoch & 1;
@@ -153,19 +152,35 @@ __global__ void __launch_bounds__(kThreads) twoshot_kernel(DevComm c, const T* x
   }
 }
 
+// Kernels: one epoch each, numbered on the device (gpu_device.cuh) so that launches can be
+// captured in a CUDA graph and replayed.
 template <typename T, class Op>
-void run_oneshot(const DevComm& c, const void* x, void* out, size_t count, uint64_t e, bool avg,
+__global__ void __launch_bounds__(kThreads) oneshot_kernel(DevComm c, const T* x, T* out,
+                                                           size_t count, bool avg) {
+  oneshot_body<T, Op>(c, x, out, count, epoch_begin(c), avg);
+  epoch_end(c);
+}
+template <typename T, class Op>
+__global__ void __launch_bounds__(kThreads) twoshot_kernel(DevComm c, const T* x, size_t x_stride,
+                                                           T* out, size_t out_stride, size_t count,
+                                                           size_t chunk, bool allgather, bool avg) {
+  twoshot_body<T, Op>(c, x, x_stride, out, out_stride, count, chunk, allgather, epoch_begin(c), avg);
+  epoch_end(c);
+}
+
+template <typename T, class Op>
+void run_oneshot(const DevComm& c, const void* x, void* out, size_t count, bool avg,
                  int blocks, cudaStream_t s) {
   oneshot_kernel<T, Op><<<blocks, kThreads, 0, s>>>(c, static_cast<const T*>(x),
-                                                     static_cast<T*>(out), count, e, avg);
+                                                     static_cast<T*>(out), count, avg);
 }
 
 template <typename T, class Op>
 void run_twoshot(const DevComm& c, const void* x, size_t xs, void* out, size_t os, size_t count,
-                 size_t chunk, bool ag, uint64_t e, bool avg, int blocks, cudaStream_t s) {
+                 size_t chunk, bool ag, bool avg, int blocks, cudaStream_t s) {
   twoshot_kernel<T, Op><<<blocks, kThreads, 0, s>>>(c, static_cast<const T*>(x), xs,
                                                      static_cast<T*>(out), os, count, chunk, ag,
-                                                     e, avg);
+                                                     avg);
 }
 
 // Calls F<T, Op>::run(args...) for the runtime dtype and op.
@@ -209,14 +224,14 @@ size_t dtype_size(int dtype) {
 }
 
 void launch_oneshot(const DevComm& c, int dtype, int op, const void* x, void* out, size_t count,
-                    uint64_t epoch, int blocks, cudaStream_t s) {
-  dispatch<OneShot>(dtype, op, c, x, out, count, epoch, op == kAvg, blocks, s);
+                    int blocks, cudaStream_t s) {
+  dispatch<OneShot>(dtype, op, c, x, out, count, op == kAvg, blocks, s);
 }
 
 void launch_twoshot(const DevComm& c, int dtype, int op, const void* x, size_t x_stride, void* out,
-                    size_t out_stride, size_t count, size_t chunk, bool allgather, uint64_t epoch,
+                    size_t out_stride, size_t count, size_t chunk, bool allgather,
                     int blocks, cudaStream_t s) {
-  dispatch<TwoShot>(dtype, op, c, x, x_stride, out, out_stride, count, chunk, allgather, epoch,
+  dispatch<TwoShot>(dtype, op, c, x, x_stride, out, out_stride, count, chunk, allgather,
                     op == kAvg, blocks, s);
 }
 

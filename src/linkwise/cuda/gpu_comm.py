@@ -14,6 +14,13 @@ move the data between user buffers (reg_engine.cu). all_reduce and reduce_scatte
 through the scratch area. With ``LINKWISE_P2P_DISABLE=1`` everything is host-staged
 (staged.py).
 
+CUDA graphs: all_reduce, reduce_scatter, all_to_all, broadcast below
+``LINKWISE_GPU_BCAST_REG_MIN`` and all_gather below ``LINKWISE_GPU_REG_MIN`` on the NVLink path
+can be captured (torch.cuda.graph, cudaStreamBeginCapture) and replayed: their kernels number
+epochs on the device, so nothing per call lives on the host. Registered-buffer paths,
+send/recv, barrier and the host-staged path cannot: called under capture they raise
+RuntimeError instead of hanging.
+
 Semantics as NCCL's: every method enqueues on ``stream`` (an int cudaStream_t or a stream
 object), else on the current stream of the array's library (torch / cupy), and returns
 without waiting for the GPU. All ranks issue the same collectives in the same order, on one
@@ -87,15 +94,16 @@ class GpuComm:
         if os.environ.get("LINKWISE_P2P_DISABLE", "") not in ("", "0"):
             from .staged import Staged
             self._staged = Staged(self)
-        if self.size > 1 and self._staged is None:
-            store = comm._store
+        if self.size > 1:
             cid = getattr(comm, "comm_id", "world")
             k = _counter[cid] = _counter.get(cid, 0) + 1
-            key = f"{cid}/gpu/{k}"
+            self._key = f"{cid}/gpu/{k}"
+        if self.size > 1 and self._staged is None:
+            store = comm._store
+            key = self._key
             handles = store.all_gather(f"{key}/ipc", self.rank, self.size, self._engine.ipc_handle())
             self._engine.open_peers(handles)
             store.barrier(f"{key}/open", self.size)
-            self._key = key
         self._closed = False
 
     @property
@@ -109,6 +117,15 @@ class GpuComm:
             raise ValueError(f"rank {self.rank}: {op}: the array is on cuda:{v.device} but this "
                              f"communicator uses cuda:{self.device} (set LINKWISE_DEVICE)")
         return v
+
+    def _no_capture(self, s: int, what: str) -> None:
+        """Raises when stream s is being captured: `what` has host-side state per call."""
+        if _native().cuda_stream_capturing(s):
+            raise RuntimeError(
+                f"rank {self.rank}: {what} cannot be captured in a CUDA graph (it synchronises "
+                "with the host or keeps per-call state there); capturable: all_reduce, "
+                "reduce_scatter, all_to_all, broadcast below LINKWISE_GPU_BCAST_REG_MIN and "
+                "all_gather below LINKWISE_GPU_REG_MIN, without LINKWISE_P2P_DISABLE")
 
     def _reduce_args(self, v: DevArray, op: str, what: str) -> tuple[int, int]:
         if v.dtype not in DTYPES:
@@ -140,6 +157,7 @@ class GpuComm:
             raise ValueError("all_reduce: out must have the same size and dtype as x")
         dt, opc = self._reduce_args(v, op, "all_reduce")
         if self._staged is not None:
+            self._no_capture(stream_handle(stream, v), "host-staged all_reduce")
             self._staged.all_reduce(v, o, op, stream_handle(stream, v))
             return x if out is None else out
         a = {"auto": 0, "oneshot": 1, "twoshot": 2}[algo]
@@ -153,6 +171,7 @@ class GpuComm:
                              f"({self.size} * {o.count}) of out's dtype, got {v.count} {v.dtype}")
         dt, opc = self._reduce_args(v, op, "reduce_scatter")
         if self._staged is not None:
+            self._no_capture(stream_handle(stream, v), "host-staged reduce_scatter")
             self._staged.reduce_scatter(v, o, op, stream_handle(stream, v))
             return out
         self._engine.reduce_scatter(v.ptr, o.ptr, o.count, dt, opc, stream_handle(stream, v))
@@ -164,8 +183,10 @@ class GpuComm:
             raise ValueError(f"broadcast: root {root} is out of range 0..{self.size - 1}")
         s = stream_handle(stream, v)
         if self._staged is not None:
+            self._no_capture(s, "host-staged broadcast")
             self._staged.broadcast(v, root, s)
         elif self.size > 1 and v.nbytes >= self._bcast_reg_min:
+            self._no_capture(s, "broadcast of registered buffers (LINKWISE_GPU_BCAST_REG_MIN)")
             self._reg_all(v.ptr)
             self._engine.broadcast_reg(v.ptr, v.nbytes, root, self._piece(v.nbytes), s)
         else:
@@ -179,8 +200,10 @@ class GpuComm:
                              f"bytes, has {o.nbytes}")
         s = stream_handle(stream, v)
         if self._staged is not None:
+            self._no_capture(s, "host-staged all_gather")
             self._staged.all_gather(v, o, s)
         elif self.size > 1 and o.nbytes >= self._reg_min:
+            self._no_capture(s, "all_gather of registered buffers (LINKWISE_GPU_REG_MIN)")
             self._reg_all(v.ptr)
             self._engine.all_gather_reg(o.ptr, v.nbytes, s)
         else:
@@ -193,6 +216,7 @@ class GpuComm:
             raise ValueError("all_to_all: x and out must have the same size, divisible by the "
                              "number of ranks")
         if self._staged is not None:
+            self._no_capture(stream_handle(stream, v), "host-staged all_to_all")
             self._staged.all_to_all(v, o, stream_handle(stream, v))
             return out
         self._engine.all_to_all(v.ptr, o.ptr, v.nbytes // self.size, stream_handle(stream, v))
@@ -201,6 +225,7 @@ class GpuComm:
     def send(self, x: Any, dst: int, tag: int = 0, stream: Any = None) -> None:
         v = self._view(x, "send")
         s = stream_handle(stream, v)
+        self._no_capture(s, "send")
         if self._staged is not None:
             self._staged.send(v, dst, s)
         elif v.nbytes >= self._reg_min:
@@ -213,6 +238,7 @@ class GpuComm:
     def recv(self, x: Any, src: int, tag: int = 0, stream: Any = None) -> int:
         v = self._view(x, "recv")
         s = stream_handle(stream, v)
+        self._no_capture(s, "recv")
         if self._staged is not None:
             self._staged.recv(v, src, s)
         elif v.nbytes >= self._reg_min:
@@ -230,6 +256,7 @@ class GpuComm:
     def barrier(self, stream: Any = None) -> None:
         """Device-side barrier enqueued on `stream` (default: legacy stream), then waits for it."""
         h = stream if isinstance(stream, int) else 0
+        self._no_capture(h, "barrier")
         if self._staged is not None:
             self.synchronize(h)
             self.comm.barrier()
@@ -250,7 +277,9 @@ class GpuComm:
         self._engine.synchronize(0)
         if self._staged is not None:
             self._staged.close()
-        if self.size > 1 and self._staged is None and getattr(self.comm, "_store", None) is not None:
+        # Collective close on both paths: no rank tears down (or exits, taking the rendezvous
+        # store with it) while a peer is still inside a call that needs it.
+        if self.size > 1 and getattr(self.comm, "_store", None) is not None:
             self.comm._store.barrier(f"{self._key}/close", self.size)
         self._engine.close()
 

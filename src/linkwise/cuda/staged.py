@@ -9,8 +9,18 @@ the host->device copy of a chunk is enqueued on the same stream right after, so 
 alone keeps a buffer from being refilled before it has been copied out. all_gather,
 reduce_scatter and all_to_all stage the whole array once (no pipelining).
 
+Peers on this host (the CPU engine links them through shared memory) skip the CPU engine for
+send/recv and broadcast: the bytes go through a StageChannel (csrc/cuda/stage_channel.h), a
+shared-memory segment pinned in every process, so the sender's device->host copy writes
+straight into the memory the receivers' host->device copies read, chunk by chunk through
+``LINKWISE_STAGED_BUFFERS`` slots of ``LINKWISE_CHUNK_SIZE`` bytes. Channels are made on first
+use: send/recv per ordered pair (the sender creates the segment and tells the receiver its
+name in a host message; the receiver unlinks it once mapped), broadcast per root (collective;
+the root unlinks after a barrier). ``LINKWISE_STAGED_SHM=0`` turns this off.
+
 Unlike the NVLink path these calls block the host until the data has gone through the CPU
-engine (the last host->device copy is waited for too, so the pinned buffers are free).
+engine (the last host->device copy is waited for too, so the pinned buffers are free). None
+of them can be captured in a CUDA graph (GpuComm raises under capture).
 """
 from __future__ import annotations
 
@@ -23,6 +33,9 @@ _HOST_DT = {"float32": (np.float32, None), "float16": (np.float16, None),
             "bfloat16": (np.uint16, "bfloat16"), "int32": (np.int32, None),
             "float64": (np.float64, None), "int64": (np.int64, None)}
 _TAG = (1 << 61) + 4242
+_NAME_TAG = (1 << 61) + 4244  # host message naming a send/recv StageChannel segment
+_NAME_BYTES = 160
+_seq = [0]  # StageChannel segments made by this process (names must be unique)
 
 
 class Staged:
@@ -30,10 +43,65 @@ class Staged:
         self.g, self.e, self.comm = g, g._engine, g.comm
         self.chunk = int(os.environ.get("LINKWISE_CHUNK_SIZE") or (4 << 20))
         self.chunk = max(4096, self.chunk // 256 * 256)
-        self.nbuf = max(2, int(os.environ.get("LINKWISE_STAGED_BUFFERS") or 3))
+        self.nbuf = min(16, max(2, int(os.environ.get("LINKWISE_STAGED_BUFFERS") or 3)))
         self._bufs: list = []  # [ptr, nbytes]
+        links = getattr(self.comm, "transports", None) or {}
+        on = os.environ.get("LINKWISE_STAGED_SHM", "1") != "0"
+        self._local = {p for p, k in links.items() if k == "shm"} if on else set()
+        self._out: dict = {}   # dst -> StageChannel we write
+        self._in: dict = {}    # src -> StageChannel we read
+        self._bc: dict = {}    # root -> broadcast StageChannel
+
+    # -- shared-memory channels (peers on this host) ----------------------------------------
+    def _new_name(self, what: str) -> str:
+        _seq[0] += 1
+        job = getattr(self.comm, "job_id", "") or "nojob"
+        return f"/linkwise-{job}-stg{os.getpid()}-{what}-{_seq[0]}"
+
+    def _channel(self, name: str, create: bool, readers: int = 1):
+        from .. import _native
+        return _native._StageChannel(name, create, readers, self.nbuf if create else 0,
+                                     self.chunk if create else 0, self.g.device,
+                                     float(self.comm.timeout))
+
+    def _chan_out(self, dst: int):
+        ch = self._out.get(dst)
+        if ch is None:
+            name = self._new_name(f"{self.comm.rank}to{dst}")
+            ch = self._out[dst] = self._channel(name, True)
+            msg = np.frombuffer(name.encode().ljust(_NAME_BYTES, b"\0"), np.uint8).copy()
+            self.comm.send(msg, dst, _NAME_TAG)
+        return ch
+
+    def _chan_in(self, src: int):
+        ch = self._in.get(src)
+        if ch is None:
+            msg = np.zeros(_NAME_BYTES, np.uint8)
+            self.comm.recv(msg, src, _NAME_TAG)
+            ch = self._in[src] = self._channel(msg.tobytes().rstrip(b"\0").decode(), False)
+            ch.unlink()  # the writer mapped it first: nobody else needs the name
+        return ch
+
+    def _chan_bcast(self, root: int):
+        ch = self._bc.get(root)
+        if ch is None:
+            me = self.comm.rank == root
+            msg = np.zeros(_NAME_BYTES, np.uint8)
+            if me:
+                name = self._new_name(f"bc{root}")
+                ch = self._channel(name, True, readers=self.comm.size - 1)
+                msg[:] = np.frombuffer(name.encode().ljust(_NAME_BYTES, b"\0"), np.uint8)
+            self.comm.broadcast(msg, root=root)
+            if not me:
+                ch = self._channel(msg.tobytes().rstrip(b"\0").decode(), False)
+            self.comm.barrier()  # every reader has mapped it
+            if me:
+                ch.unlink()
+            self._bc[root] = ch
+        return ch
 
     def close(self):
+        self._out, self._in, self._bc = {}, {}, {}  # unregisters and unmaps the channels
         for ptr, _ in self._bufs:
             self.e.host_free(ptr)
         self._bufs = []
@@ -100,17 +168,30 @@ class Staged:
 
     def broadcast(self, v, root: int, stream: int):
         me = self.comm.rank == root
+        if len(self._local) == self.comm.size - 1 and self.comm.size > 1:
+            if v.nbytes:
+                ch = self._chan_bcast(root)
+                (ch.write if me else ch.read)(v.ptr, v.nbytes, stream)
+            return
 
         def body(ptr, n, k):
             self.comm.broadcast(self._np(ptr, n), root=root)
         self._pipeline(v.ptr, v.ptr, v.nbytes, 1, stream, body, down=me, up=not me)
 
     def send(self, v, dst: int, stream: int):
+        if dst in self._local:
+            if v.nbytes:
+                self._chan_out(dst).write(v.ptr, v.nbytes, stream)
+            return
         def body(ptr, n, k):
             self.comm.send(self._np(ptr, n), dst, _TAG)
         self._pipeline(v.ptr, 0, v.nbytes, 1, stream, body, down=True, up=False)
 
     def recv(self, v, src: int, stream: int):
+        if src in self._local:
+            if v.nbytes:
+                self._chan_in(src).read(v.ptr, v.nbytes, stream)
+            return
         def body(ptr, n, k):
             self.comm.recv(self._np(ptr, n), src, _TAG)
         self._pipeline(0, v.ptr, v.nbytes, 1, stream, body, down=False, up=True)
