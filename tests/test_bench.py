@@ -12,7 +12,11 @@ import pytest
 
 from linkwise.bench import collective, common, compare, report
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+import linkwise
+
+# Where the linkwise under test was imported from (site-packages after `pip install .`, or a
+# source tree with the built extension on PYTHONPATH): child processes must use the same one.
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(linkwise.__file__)))
 TINY = ["-b", "8", "-e", "1024", "-f", "8", "-n", "2", "-w", "1", "--no-progress"]
 HEADER = ["size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong",
           "time", "algbw", "busbw", "#wrong"]

@@ -50,7 +50,7 @@ def test_mpirun(tmp_path):
 
 
 def test_torchrun(tmp_path):
-    if shutil.which("torchrun") is None:
-        pytest.skip("torchrun is not installed")
-    rows = _run(["torchrun", "--standalone", "--nproc-per-node", "2"], tmp_path, 2)
+    pytest.importorskip("torch.distributed.run")  # torchrun of this interpreter
+    rows = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+                tmp_path, 2)
     assert rows == [[str(r), "2", "torchrun", str((r - 1) % 2)] for r in range(2)]
