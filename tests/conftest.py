@@ -1,4 +1,3 @@
-import glob
 import os
 import sys
 
@@ -27,10 +26,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def shm_clean():
-    """Asserts the test leaves no linkwise segment in /dev/shm."""
-    before = set(glob.glob("/dev/shm/linkwise-*"))
+    """Asserts the test leaves no segment of its own jobs in /dev/shm (run_ranks names them)."""
+    from multirank import shm_of_this_process
+    before = set(shm_of_this_process())
     yield
-    after = set(glob.glob("/dev/shm/linkwise-*")) - before
+    after = set(shm_of_this_process()) - before
     assert not after, f"shared memory left behind: {sorted(after)}"
 
 

@@ -28,6 +28,19 @@ class RankFailure(AssertionError):
     pass
 
 
+# Every run_ranks call gets its own job id, so that its shared-memory segments are named
+# /dev/shm/linkwise-<JOB_PREFIX><n>-... and tests can check for leftovers of their own jobs
+# only, whatever else runs on the machine.
+JOB_PREFIX = f"t{os.getpid()}x"
+_jobs = [0]
+
+
+def shm_of_this_process() -> list:
+    """Segments left by jobs that run_ranks started from this process."""
+    import glob
+    return sorted(glob.glob(f"/dev/shm/linkwise-{JOB_PREFIX}*"))
+
+
 def _child(rank: int, n: int, port: int, fn, args, env: dict, wfd: int, init: bool) -> None:
     code = 0
     try:
@@ -63,6 +76,9 @@ def run_ranks(n: int, fn: Callable, *args: Any, env: Optional[dict] = None, time
     With expect_fail=True, returns [("ok", value) | ("error", traceback) | ("died", status)]
     for every rank instead of raising."""
     port = free_port()
+    _jobs[0] += 1
+    env = dict(env or {})
+    env.setdefault("LINKWISE_JOB_ID", f"{JOB_PREFIX}{_jobs[0]}")
     children = []
     for rank in range(n):
         rfd, wfd = os.pipe()

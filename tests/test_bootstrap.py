@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given, strategies as st
 
-from linkwise import bootstrap
 from linkwise.bootstrap import (LaunchEnv, Store, StoreClosedError, derive_port, detect,
                                 expand_hostlist, parse_tasks_per_node)
 from linkwise.errors import BootstrapError, PeerError, TimeoutError

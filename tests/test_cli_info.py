@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import linkwise
-from linkwise import cli, config, info
+from linkwise import cli, config
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

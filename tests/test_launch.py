@@ -13,7 +13,9 @@ import pytest
 
 from linkwise import launch
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+import linkwise
+
+SRC = str(Path(linkwise.__file__).resolve().parents[1])  # the linkwise under test
 
 
 def run_launch(tmp_path, body: str, *opts: str, timeout: float = 20, script_args=()):
@@ -108,9 +110,11 @@ def test_failing_rank_stops_the_others(tmp_path, how, message, code):
 
 def test_rank_ignoring_sigterm_gets_killed(tmp_path):
     (tmp_path / "pids").mkdir()
-    body = (PIDS.format(d=str(tmp_path / "pids")) + _wait_others(tmp_path, 2)
-            + "if RANK == 0:\n    sys.exit(1)\n"
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n")
+    # rank 1 ignores SIGTERM before it announces itself, so the launcher's SIGTERM always
+    # finds it ignoring (and must escalate to SIGKILL after the grace period)
+    body = ("if RANK != 0:\n    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            + PIDS.format(d=str(tmp_path / "pids")) + _wait_others(tmp_path, 2)
+            + "if RANK == 0:\n    sys.exit(1)\ntime.sleep(60)\n")
     p, elapsed = run_launch(tmp_path, body, "-n", "2")
     assert p.returncode == 1 and "rank 0 exited with status 1" in p.stderr
     assert launch.TERM_GRACE - 0.5 < elapsed < launch.TERM_GRACE + 5

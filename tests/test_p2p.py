@@ -1,6 +1,5 @@
 """Point-to-point over shared memory and forced TCP, 1-5 ranks, checked byte for byte."""
 import asyncio
-import glob
 import os
 import signal
 import time
@@ -8,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from multirank import run_ranks
+from multirank import run_ranks, shm_of_this_process
 
 SIZES = [0, 1, 7, 1000, 70_000, 3_000_001]  # 70 KB and 3 MB pass the single-copy threshold
 DTYPES = [np.uint8, np.int32, np.float64, np.float16]
@@ -241,7 +240,7 @@ def test_sigkilled_peer_raises_peer_error(mode, transport_env, shm_clean):
     out = run_ranks(2, _killed_peer, mode, env=transport_env, expect_fail=True)
     assert out[0] == ("ok", "raised"), out[0]
     assert out[1][0] == "died"
-    assert not glob.glob("/dev/shm/linkwise-*")
+    assert not shm_of_this_process()
 
 
 def _oversubscribed_pingpong(comm):

@@ -5,7 +5,7 @@ multiplied by ``-f`` when it is above 1, else stepped by ``-i`` bytes.
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Optional
 
 import numpy as np
 
