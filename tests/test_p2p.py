@@ -261,3 +261,30 @@ def _oversubscribed_pingpong(comm):
 def test_eight_ranks_on_two_cores_pingpong():
     times = run_ranks(8, _oversubscribed_pingpong, timeout=60)
     assert max(times) < 30, times
+
+
+def _large_messages_copied_by_both(comm, sender_idle):
+    """Messages of 1 MiB and more are copied in pieces by the receiver and, while it waits for
+    the ack, the sender: every piece must land in the right place of the right message."""
+    peer = 1 - comm.rank
+    n = (5 << 19) + 7  # 2.5 MiB + 7: five 512 KiB pieces and a short sixth
+    count = 12
+    if comm.rank == 0:
+        msgs = [np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8) for i in range(count)]
+        reqs = [comm.isend(m, peer, tag=7) for m in msgs]
+        if sender_idle:
+            time.sleep(0.5)  # not in a linkwise call: the receiver copies everything itself
+        for r in reqs:
+            r.wait()
+        return None
+    out = []
+    y = np.empty(n, np.uint8)
+    for i in range(count):
+        assert comm.recv(y, peer, tag=7) == n
+        out.append(bool((y == np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8)).all()))
+    return out
+
+
+@pytest.mark.parametrize("sender_idle", [False, True])
+def test_large_messages_copied_by_both_sides(sender_idle):
+    assert run_ranks(2, _large_messages_copied_by_both, sender_idle)[1] == [True] * 12

@@ -205,9 +205,20 @@ bool Engine::progress_send(Peer& p) {
     }
   }
   if (moved) link.flush();
-  // Acks may come in any order (the receiver pulls when each receive is posted).
+  // Acks may come in any order (the receiver pulls when each receive is posted). While one
+  // is outstanding, this side may help copy it (two cores copy faster than one).
   for (auto it = p.awaiting_ack.begin(); it != p.awaiting_ack.end();) {
-    if (!link.acked(static_cast<uint32_t>((*it)->pull_seq))) {
+    Request& r = **it;
+    const uint32_t seq = static_cast<uint32_t>(r.pull_seq);
+    if (!r.helped) {
+      try {
+        r.helped = link.help_pull(seq, r.buf, r.bytes);
+      } catch (const Error&) {
+        r.helped = true;  // the receiver is gone; its death is noticed where it is waited for
+      }
+      moved |= r.helped;
+    }
+    if (!link.acked(seq)) {
       ++it;
       continue;
     }

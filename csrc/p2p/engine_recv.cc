@@ -74,7 +74,7 @@ bool Engine::progress_recv(Peer& p) {
       char* dst = p.in_req ? static_cast<char*>(p.in_req->buf) : p.in_unexp->data.get();  // null if deferred
       if (h.kind == kPull) {
         if (p.in_req) {
-          if (h.size) link.pull(dst, h.addr, h.size);
+          if (h.size) link.pull(dst, h.addr, h.size, h.seq);
           link.post_ack(h.seq);
         } else {
           p.in_unexp->deferred = true;  // pulled when its receive is posted, or before sleeping
@@ -149,10 +149,10 @@ void Engine::deliver_deferred_locked(Peer& p, Unexpected& u, Request* req) {
   const size_t n = u.hdr.size;
   try {
     if (req) {
-      if (n) p.link->pull(req->buf, u.hdr.addr, n);
+      if (n) p.link->pull(req->buf, u.hdr.addr, n, u.hdr.seq);
     } else {
       u.data.reset(new char[n ? n : 1]);
-      if (n) p.link->pull(u.data.get(), u.hdr.addr, n);
+      if (n) p.link->pull(u.data.get(), u.hdr.addr, n, u.hdr.seq);
     }
     p.link->post_ack(u.hdr.seq);
   } catch (const Error& e) {

@@ -42,6 +42,7 @@ class Request {
 
   // Engine-private progress state (under the Engine's lock).
   uint64_t pull_seq = 0;  // the kPull header's seq of a send awaiting its ack
+  bool helped = false;    // this sender has done its share of the receiver's copy
 
  private:
   friend class Engine;

@@ -38,7 +38,12 @@ class PeerLink {
   // modulo that many slots).
   static constexpr uint32_t kMaxPullsInFlight = 256;
   virtual bool can_pull() const { return false; }
-  virtual void pull(void* dst, uint64_t remote_addr, size_t n) {}
+  // `seq` names the message; a link may let the sender help with the copy (help_pull).
+  virtual void pull(void* dst, uint64_t remote_addr, size_t n, uint32_t seq) {}
+  // Sender side, called while a pulled message `seq` waits for its ack: copy part of it into
+  // the receiver's buffer if the receiver has asked for help. True once this side is done
+  // helping (nothing more to take), false if the receiver has not asked yet.
+  virtual bool help_pull(uint32_t seq, const void* src, size_t n) { return true; }
   virtual void post_ack(uint32_t seq) {}
   virtual bool acked(uint32_t seq) { return false; }
 };

@@ -7,6 +7,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -19,6 +20,8 @@ namespace linkwise {
 namespace {
 constexpr uint64_t kMagic = 0x6c696e6b77697365ull;  // "linkwise"
 constexpr size_t kLine = 64;
+constexpr size_t kCoopMin = 1 << 20;     // messages this large are copied by both sides
+constexpr size_t kCoopPiece = 512 << 10; // in pieces of this size
 }  // namespace
 
 struct InboxHeader {
@@ -35,11 +38,28 @@ struct InboxHeader {
   alignas(kLine) std::atomic<uint8_t> can_pull_from[1];  // really [nranks]
 };
 
+// Cooperative copy of one large pulled message: the receiver publishes where the bytes go,
+// then receiver and sender both take pieces (fetch_add on `next`) and count finished ones in
+// `done`; the receiver acknowledges the message once done == pieces. The sender helps only
+// while it waits for that ack, so an idle sender costs the receiver nothing.
+// Ordering: dst/src/bytes/pieces/next/done are written before `seq` (release); a helper reads
+// `seq` (acquire) and helps only when it names its own message.
+struct CoopSlot {
+  std::atomic<uint32_t> seq;
+  std::atomic<uint32_t> next;
+  std::atomic<uint32_t> done;
+  uint32_t pieces;
+  uint64_t dst;    // in the receiver's address space
+  uint64_t src;    // in the sender's address space
+  uint64_t bytes;
+};
+
 struct RingControl {
   alignas(kLine) std::atomic<uint64_t> tail;   // bytes ever written (sender)
   alignas(kLine) std::atomic<uint64_t> head;   // bytes ever read (receiver)
   // ack_slots[seq % kMaxPullsInFlight] = seq once the receiver has pulled message seq.
   alignas(kLine) std::atomic<uint32_t> ack_slots[PeerLink::kMaxPullsInFlight];
+  alignas(kLine) CoopSlot coop[PeerLink::kMaxPullsInFlight];
 };
 
 namespace {
@@ -157,21 +177,41 @@ class ShmLink : public PeerLink {
     return peer_.header->can_pull_from[rank_].load(std::memory_order_relaxed) != 0;
   }
 
-  void pull(void* dst, uint64_t remote_addr, size_t n) override {
-    char* out = static_cast<char*>(dst);
-    size_t done = 0;
-    while (done < n) {
-      struct iovec local = {out + done, n - done};
-      struct iovec remote = {reinterpret_cast<void*>(remote_addr + done), n - done};
-      ssize_t got = process_vm_readv(static_cast<pid_t>(peer_pid_), &local, 1, &remote, 1, 0);
-      if (got < 0) {
-        if (errno == EINTR) continue;
-        if (errno == ESRCH) throw Error(ErrorKind::Peer, "rank " + std::to_string(peer_rank_) + " died", peer_rank_);
-        fail_errno("process_vm_readv from rank " + std::to_string(peer_rank_));
-      }
-      if (got == 0) throw Error(ErrorKind::Peer, "rank " + std::to_string(peer_rank_) + " memory vanished", peer_rank_);
-      done += static_cast<size_t>(got);
+  void pull(void* dst, uint64_t remote_addr, size_t n, uint32_t seq) override {
+    // Cooperative only if the sender may write into us (it probed our memory at connect).
+    if (n < kCoopMin || !peer_.header->can_pull_from[rank_].load(std::memory_order_relaxed)) {
+      copy_from_peer(static_cast<char*>(dst), remote_addr, n);
+      return;
     }
+    CoopSlot& c = in_->coop[seq % kMaxPullsInFlight];
+    c.pieces = static_cast<uint32_t>((n + kCoopPiece - 1) / kCoopPiece);
+    c.dst = reinterpret_cast<uint64_t>(dst);
+    c.src = remote_addr;
+    c.bytes = n;
+    c.next.store(0, std::memory_order_relaxed);
+    c.done.store(0, std::memory_order_relaxed);
+    c.seq.store(seq, std::memory_order_release);
+    ring_doorbell(peer_.header);  // a sender asleep waiting for this ack can come and help
+    take_pieces(c, /*as_sender=*/false);
+    // The sender is finishing a piece it took: at most one piece of copying, unless it was
+    // descheduled, so spin a little and then yield the core to it.
+    for (unsigned spins = 0; c.done.load(std::memory_order_acquire) < c.pieces; ++spins) {
+      if (spins < 4096) {
+        cpu_relax();
+        continue;
+      }
+      usleep(20);
+      if ((spins & 0xff) == 0 && watch_.exited())
+        throw Error(ErrorKind::Peer, "rank " + std::to_string(peer_rank_) + " died during a copy", peer_rank_);
+    }
+  }
+
+  bool help_pull(uint32_t seq, const void* src, size_t n) override {
+    if (n < kCoopMin) return true;
+    CoopSlot& c = out_->coop[seq % kMaxPullsInFlight];
+    if (c.seq.load(std::memory_order_acquire) != seq) return false;  // not asked (yet)
+    take_pieces(c, /*as_sender=*/true);
+    return true;
   }
 
   void post_ack(uint32_t seq) override {
@@ -184,6 +224,53 @@ class ShmLink : public PeerLink {
   }
 
  private:
+  // Takes pieces of a cooperative copy until none is left. The receiver reads them from the
+  // sender; the sender writes them into the receiver (both are one copy).
+  void take_pieces(CoopSlot& c, bool as_sender) {
+    for (;;) {
+      const uint32_t i = c.next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= c.pieces) return;
+      const size_t off = static_cast<size_t>(i) * kCoopPiece;
+      const size_t len = std::min<size_t>(kCoopPiece, c.bytes - off);
+      if (as_sender)
+        copy_to_peer(c.dst + off, reinterpret_cast<const char*>(c.src) + off, len);
+      else
+        copy_from_peer(reinterpret_cast<char*>(c.dst) + off, c.src + off, len);
+      c.done.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  void copy_from_peer(char* out, uint64_t remote_addr, size_t n) {
+    size_t done = 0;
+    while (done < n) {
+      struct iovec local = {out + done, n - done};
+      struct iovec remote = {reinterpret_cast<void*>(remote_addr + done), n - done};
+      ssize_t got = process_vm_readv(static_cast<pid_t>(peer_pid_), &local, 1, &remote, 1, 0);
+      if (got < 0 && errno == EINTR) continue;
+      check_copy(got, "process_vm_readv from");
+      done += static_cast<size_t>(got);
+    }
+  }
+
+  void copy_to_peer(uint64_t remote_addr, const char* in, size_t n) {
+    size_t done = 0;
+    while (done < n) {
+      struct iovec local = {const_cast<char*>(in) + done, n - done};
+      struct iovec remote = {reinterpret_cast<void*>(remote_addr + done), n - done};
+      ssize_t got = process_vm_writev(static_cast<pid_t>(peer_pid_), &local, 1, &remote, 1, 0);
+      if (got < 0 && errno == EINTR) continue;
+      check_copy(got, "process_vm_writev to");
+      done += static_cast<size_t>(got);
+    }
+  }
+
+  void check_copy(ssize_t got, const char* what) {
+    if (got > 0) return;
+    if (got < 0 && errno == ESRCH) throw Error(ErrorKind::Peer, "rank " + std::to_string(peer_rank_) + " died", peer_rank_);
+    if (got == 0) throw Error(ErrorKind::Peer, "rank " + std::to_string(peer_rank_) + " memory vanished", peer_rank_);
+    fail_errno(std::string(what) + " rank " + std::to_string(peer_rank_));
+  }
+
   InboxView self_, peer_;
   int rank_, peer_rank_;
   int64_t peer_pid_;
