@@ -78,6 +78,8 @@ void bind_cuda(nb::module_& m) {
       .def("broadcast_reg", &GpuEngine::broadcast_reg, rel())
       .def("send_reg", &GpuEngine::send_reg, rel())
       .def("recv_reg", &GpuEngine::recv_reg, rel())
+      .def("all_reduce_reg", &GpuEngine::all_reduce_reg, rel())
+      .def("reduce_scatter_reg", &GpuEngine::reduce_scatter_reg, rel())
       .def_static("host_alloc", &GpuEngine::host_alloc, rel())
       .def_static("host_free", &GpuEngine::host_free, rel())
       .def("copy_async", &GpuEngine::copy_async, rel())
@@ -89,7 +91,8 @@ void bind_cuda(nb::module_& m) {
       .def_prop_ro("slot_bytes", &GpuEngine::slot_bytes)
       .def_rw("oneshot_max", &GpuEngine::oneshot_max)
       .def_rw("bcast_sag_min", &GpuEngine::bcast_sag_min)
-      .def_rw("max_blocks", &GpuEngine::max_blocks);
+      .def_rw("max_blocks", &GpuEngine::max_blocks)
+      .def_rw("reg_blocks", &GpuEngine::reg_blocks);
 }
 
 }  // namespace linkwise

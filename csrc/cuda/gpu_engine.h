@@ -59,6 +59,11 @@ class GpuEngine {
   void broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece, uintptr_t stream);
   void send_reg(size_t nbytes, int dst, uintptr_t stream);  // peer dst pulls our x
   void recv_reg(uintptr_t x, size_t nbytes, int src, uintptr_t stream);  // slot 0 = src's x
+  // Large reductions read peers' registered inputs directly (reg_engine.cu, reg_reduce.cu):
+  // all_reduce_reg: slot 0 = every rank's x, slot 1 = every rank's out (may equal x);
+  // reduce_scatter_reg: slot 0 = every rank's x (count_per_rank * nranks elements), out local.
+  void all_reduce_reg(size_t count, int dtype, int op, uintptr_t stream);
+  void reduce_scatter_reg(uintptr_t out, size_t count_per_rank, int dtype, int op, uintptr_t stream);
   size_t reg_cached() const;
 
   // Host-staged path helpers (reg_engine.cu): pinned host memory and async copies.
@@ -73,12 +78,16 @@ class GpuEngine {
   size_t oneshot_max = 256 * 1024;  // all_reduce auto: one-shot up to this many bytes
   size_t bcast_sag_min = 1 << 20;  // broadcast: scatter + all-gather from this many bytes
   int max_blocks = 64;              // blocks for bandwidth-bound launches
+  int reg_blocks = 0;               // blocks of reg_reduce_kernel; 0 = one per SM
 
  private:
   int blocks_for(size_t bytes, size_t per_block) const;
   [[noreturn]] void fail(const char* op, int err) const;
   void check_launch(const char* op) const;
   void reg_release();
+  void reduce_reg(uintptr_t own_dst, size_t offset, size_t len, bool push, int dtype, int op,
+                  uintptr_t stream, const char* what);
+  int sm_count_ = 0;
 
   int rank_, nranks_, device_;
   size_t slot_bytes_;

@@ -44,4 +44,16 @@ void launch_recv(const DevComm& c, void* x, size_t n, int src, int par, uint64_t
                  int blocks, cudaStream_t s);
 void launch_barrier(const DevComm& c, cudaStream_t s);
 
+// One slice reduced from registered user buffers (reg_reduce.cu): elements [0, len) of
+// src[0..nsrc) (rank order) reduced into every dst[0..ndst). Not an epoch kernel: the caller
+// brackets it with rendezvous (reg_engine.cu).
+struct RegReduceArgs {
+  const void* src[kMaxRanks];
+  void* dst[kMaxRanks];
+  int nsrc = 0, ndst = 0, nranks = 0;
+  bool avg = false;
+  size_t len = 0;
+};
+void launch_reg_reduce(int dtype, int op, const RegReduceArgs& a, int blocks, cudaStream_t s);
+
 }  // namespace linkwise::cuda

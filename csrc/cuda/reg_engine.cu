@@ -16,6 +16,8 @@
 //    i-1 and waits for i+1's, so nobody's x changes while its successor still reads it.
 //  * send/recv: the sender posts kSigP2pReady and waits kSigP2pDone; the receiver waits
 //    ready, pulls the sender's x, posts done.
+//  * all_reduce / reduce_scatter (large): rendezvous -> reg_reduce_kernel -> rendezvous; the
+//    ordering contract is stated at reduce_reg below.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -92,7 +94,11 @@ std::string GpuEngine::reg_describe(uintptr_t ptr) const {
     throw Error(ErrorKind::Invalid, "rank " + std::to_string(rank_) +
                                         ": the buffer is not in a cudaMalloc allocation (cannot register it)");
   cudaIpcMemHandle_t h;
-  LW_CUDA(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)), "cudaIpcGetMemHandle (user buffer)");
+  cudaError_t e = cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base));
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it, or the next launch check would report it
+    fail("cudaIpcGetMemHandle (user buffer)", e);
+  }
   uint64_t meta[3] = {static_cast<uint64_t>(base), static_cast<uint64_t>(ptr - base),
                       static_cast<uint64_t>(size)};
   std::string out(kDescBytes, '\0');
@@ -176,6 +182,81 @@ void GpuEngine::all_gather_reg(uintptr_t out, size_t nbytes, uintptr_t stream) {
   for (int p = 0; p < nranks_; ++p) a.all_want[p] = p == rank_ ? 0 : ++im.seen[kSigRendezvous][p];
   launch_sig(im.dev, a, s);
   check_launch("all_gather");
+}
+
+namespace {
+// Every rank posts +1 to every peer and waits for each peer's matching post (kSigRendezvous):
+// on return (on the GPU) every peer's stream has reached this point.
+void rendezvous(EngineImpl& im, int rank, int nranks, cudaStream_t s) {
+  SigArgs a;
+  a.all_kind = kSigRendezvous;
+  for (int p = 0; p < nranks; ++p) a.all_want[p] = p == rank ? 0 : ++im.seen[kSigRendezvous][p];
+  launch_sig(im.dev, a, s);
+}
+}  // namespace
+
+// Large all_reduce / reduce_scatter from registered user buffers. Ordering contract, per call
+// (every rank issues the same calls in the same order; the buffers were mapped by reg_map):
+//  (1) entry rendezvous: no rank's reg_reduce_kernel starts before every rank's stream has
+//      reached the call, so every x is final (its producer ran earlier on its owner's stream)
+//      and no out is still in use by an earlier operation of its owner;
+//  (2) reg_reduce_kernel: rank r reads chunk r of every rank's x (NVLink loads) and writes the
+//      reduced chunk into its own out and, for all_reduce, into chunk r of every peer's out;
+//      chunks are disjoint, so nobody reads what another rank writes (out == x included);
+//      every thread fences at system scope after its stores;
+//  (3) exit rendezvous (sig_kernel fences, then red.release.sys; the waiter ld.acquire.sys):
+//      no rank's stream moves past the call (to reuse or free x or out, or read out) before
+//      every rank has finished reading its x and writing its out.
+void GpuEngine::reduce_reg(uintptr_t own_dst, size_t offset, size_t len, bool push, int dtype,
+                           int op, uintptr_t stream, const char* what) {
+  DeviceGuard g(device_);
+  EngineImpl& im = *impl_;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const size_t es = dtype_size(dtype);
+  for (int r = 0; r < nranks_; ++r)
+    if (!im.reg[0][r] || (push && !im.reg[1][r]))
+      throw Error(ErrorKind::Invalid, std::string(what) + ": buffers not mapped");
+  RegReduceArgs a;
+  a.nsrc = nranks_, a.nranks = nranks_, a.avg = op == kAvg, a.len = len;
+  for (int q = 0; q < nranks_; ++q) a.src[q] = im.reg[0][q] + offset * es;
+  a.dst[a.ndst++] = reinterpret_cast<char*>(own_dst);
+  if (push)
+    for (int p = 0; p < nranks_; ++p)
+      if (p != rank_) a.dst[a.ndst++] = im.reg[1][p] + offset * es;
+  if (sm_count_ == 0) LW_CUDA(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_), what);
+  size_t per_block = static_cast<size_t>(kThreads) * 2 * (16 / es);  // elements one block covers per step
+  size_t want = (len + per_block - 1) / per_block;
+  size_t cap = static_cast<size_t>(reg_blocks > 0 ? reg_blocks : sm_count_);
+  int blocks = static_cast<int>(want < 1 ? 1 : want < cap ? want : cap);
+  rendezvous(im, rank_, nranks_, s);
+  check_launch(what);
+  if (len > 0) {
+    launch_reg_reduce(dtype, op, a, blocks, s);
+    check_launch(what);
+  }
+  rendezvous(im, rank_, nranks_, s);
+  check_launch(what);
+}
+
+void GpuEngine::all_reduce_reg(size_t count, int dtype, int op, uintptr_t stream) {
+  const size_t es = dtype_size(dtype);
+  if (es == 0) throw Error(ErrorKind::Type, "all_reduce: unsupported dtype code");
+  if (count == 0 || nranks_ == 1) throw Error(ErrorKind::Invalid, "all_reduce_reg: needs count > 0 and 2+ ranks");
+  const size_t V = 16 / es;
+  size_t chunk = ((count + nranks_ - 1) / nranks_ + V - 1) / V * V;  // chunk r starts 16-byte aligned
+  size_t lo = chunk * rank_ < count ? chunk * rank_ : count;
+  size_t hi = lo + chunk < count ? lo + chunk : count;
+  // Our own out is slot 1 of our rank (our own pointer, not a mapping).
+  reduce_reg(reinterpret_cast<uintptr_t>(impl_->reg[1][rank_] + lo * es), lo, hi - lo, true,
+             dtype, op, stream, "all_reduce");
+}
+
+void GpuEngine::reduce_scatter_reg(uintptr_t out, size_t m, int dtype, int op, uintptr_t stream) {
+  const size_t es = dtype_size(dtype);
+  if (es == 0) throw Error(ErrorKind::Type, "reduce_scatter: unsupported dtype code");
+  if (m == 0 || nranks_ == 1) throw Error(ErrorKind::Invalid, "reduce_scatter_reg: needs count > 0 and 2+ ranks");
+  // Sources: block `rank` of every rank's x; the one destination is out itself.
+  reduce_reg(out, rank_ * m, m, false, dtype, op, stream, "reduce_scatter");
 }
 
 void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece, uintptr_t stream) {

@@ -10,9 +10,15 @@ copying through the scratch area: each rank describes the allocation holding its
 (IPC handle of its base, offset), the descriptions go over the CPU engine (collectives: a
 host all_gather; send/recv: a host message to the receiver), each peer allocation is mapped
 once and cached per (peer, base) (remapped when the handle changes), and the copy engines
-move the data between user buffers (reg_engine.cu). all_reduce and reduce_scatter still go
-through the scratch area. With ``LINKWISE_P2P_DISABLE=1`` everything is host-staged
-(staged.py).
+move the data between user buffers (reg_engine.cu). all_reduce (algo "auto") and
+reduce_scatter of ``LINKWISE_GPU_REG_REDUCE_MIN`` bytes and up (the whole buffer; default 64
+MiB) read the peers' registered inputs directly: rank r reduces chunk r from every rank's x
+with NVLink loads and writes it into its own out and (all_reduce) every peer's out, between
+two device-side rendezvous (reg_reduce.cu, reg_engine.cu). The ranks agree on it in the same
+host all_gather that carries the descriptions: if any rank's buffer cannot be registered, all
+of them take the scratch path. Below the threshold, and on a capturing stream, they go through
+the scratch area (so they stay capturable; every rank must then capture alike, as always).
+With ``LINKWISE_P2P_DISABLE=1`` everything is host-staged (staged.py).
 
 CUDA graphs: all_reduce, reduce_scatter, all_to_all, broadcast below
 ``LINKWISE_GPU_BCAST_REG_MIN`` and all_gather below ``LINKWISE_GPU_REG_MIN`` on the NVLink path
@@ -36,6 +42,7 @@ from ..errors import TimeoutError as LwTimeoutError
 from .arrays import DTYPES, OPS, DevArray, stream_handle, view
 
 _DEFAULT_SLOT = 16 << 20
+_RED_REG_MIN = 64 << 20  # LINKWISE_GPU_REG_REDUCE_MIN default
 _REG_TAG = (1 << 61) + 4243  # host messages carrying a send's buffer description
 _counter: dict = {}
 
@@ -88,6 +95,11 @@ class GpuComm:
         if os.environ.get("LINKWISE_GPU_REG", "1") == "0":
             self._reg_min = 1 << 62
         self._chain_piece = int(os.environ.get("LINKWISE_GPU_CHAIN_PIECE") or 0)
+        # Registered-buffer all_reduce / reduce_scatter from this many bytes (whole buffer).
+        self._red_reg_min = int(os.environ.get("LINKWISE_GPU_REG_REDUCE_MIN") or _RED_REG_MIN)
+        if os.environ.get("LINKWISE_GPU_REG", "1") == "0":
+            self._red_reg_min = 1 << 62
+        self._engine.reg_blocks = int(os.environ.get("LINKWISE_GPU_REG_REDUCE_BLOCKS") or 0)  # 0: one per SM
         # The chain beats the scratch broadcast kernel only from ~128 MiB (docs/benchmarks.md).
         self._bcast_reg_min = max(self._reg_min, int(os.environ.get("LINKWISE_GPU_BCAST_REG_MIN") or (128 << 20)))
         self._staged = None
@@ -143,6 +155,28 @@ class GpuComm:
         k = mine.size
         self._engine.reg_map([everyone[r * k:(r + 1) * k].tobytes() for r in range(self.size)], slot)
 
+    def _reg_reduce_ok(self, nbytes: int, s: int) -> bool:
+        """Whether a reduction of nbytes takes the registered path (same answer on every rank)."""
+        return (self.size > 1 and self._staged is None and nbytes >= self._red_reg_min
+                and not _native().cuda_stream_capturing(s))
+
+    def _reg_many(self, ptrs: list) -> bool:
+        """Maps every rank's buffers ptrs[i] as slot i, in one host all_gather. False (nothing
+        mapped) on every rank when any rank could not describe its buffers."""
+        import numpy as np
+        k = 88 * len(ptrs)  # reg_engine.cu kDescBytes each
+        try:
+            mine = b"\x01" + b"".join(self._engine.reg_describe(p) for p in ptrs)
+        except Exception:  # noqa: BLE001 - not a cudaMalloc allocation, IPC refused, ...
+            mine = b"\x00" * (1 + k)
+        everyone = self.comm.all_gather(np.frombuffer(mine, np.uint8))
+        rows = [everyone[r * (1 + k):(r + 1) * (1 + k)].tobytes() for r in range(self.size)]
+        if any(row[0] != 1 for row in rows):
+            return False
+        for i in range(len(ptrs)):
+            self._engine.reg_map([row[1 + 88 * i:1 + 88 * (i + 1)] for row in rows], i)
+        return True
+
     def _piece(self, nbytes: int) -> int:
         if self._chain_piece:
             return self._chain_piece
@@ -161,7 +195,11 @@ class GpuComm:
             self._staged.all_reduce(v, o, op, stream_handle(stream, v))
             return x if out is None else out
         a = {"auto": 0, "oneshot": 1, "twoshot": 2}[algo]
-        self._engine.all_reduce(v.ptr, o.ptr, v.count, dt, opc, stream_handle(stream, v), a)
+        s = stream_handle(stream, v)
+        if a == 0 and self._reg_reduce_ok(v.nbytes, s) and self._reg_many([v.ptr, o.ptr]):
+            self._engine.all_reduce_reg(v.count, dt, opc, s)
+            return x if out is None else out
+        self._engine.all_reduce(v.ptr, o.ptr, v.count, dt, opc, s, a)
         return x if out is None else out
 
     def reduce_scatter(self, x: Any, out: Any, op: str = "sum", stream: Any = None) -> Any:
@@ -174,7 +212,11 @@ class GpuComm:
             self._no_capture(stream_handle(stream, v), "host-staged reduce_scatter")
             self._staged.reduce_scatter(v, o, op, stream_handle(stream, v))
             return out
-        self._engine.reduce_scatter(v.ptr, o.ptr, o.count, dt, opc, stream_handle(stream, v))
+        s = stream_handle(stream, v)
+        if o.count and self._reg_reduce_ok(v.nbytes, s) and self._reg_many([v.ptr]):
+            self._engine.reduce_scatter_reg(o.ptr, o.count, dt, opc, s)
+            return out
+        self._engine.reduce_scatter(v.ptr, o.ptr, o.count, dt, opc, s)
         return out
 
     def broadcast(self, x: Any, root: int = 0, stream: Any = None) -> Any:

@@ -1,0 +1,126 @@
+"""Large all_reduce / reduce_scatter reading peers' registered user buffers directly
+(reg_reduce.cu, ``LINKWISE_GPU_REG_REDUCE_MIN``), against NumPy references.
+
+With ``LINKWISE_GPU_REG_REDUCE_MIN=1`` every size takes the registered path, so odd and tiny
+sizes (chunks of 0 elements on some ranks), every dtype and op, misaligned buffers, in place
+and out= are checked cheaply; one test uses the default threshold at 64 MiB and above. Results
+must equal the rank-order reference bitwise and be identical on every rank. Capture of a
+reduction on the registered path's sizes falls back to the scratch kernels (still capturable).
+"""
+from __future__ import annotations
+
+import pytest
+
+from multirank import run_ranks
+from test_gpu_collectives import DTYPES, OPS, SAFE_ENV, _check, _nranks, _same_everywhere, _setup
+
+pytestmark = pytest.mark.gpu
+
+REG_RED_ENV = {**SAFE_ENV, "LINKWISE_GPU_REG_REDUCE_MIN": "1"}
+
+
+def _body(comm, cases):
+    """cases: ("ar" | "rs", count, dtype, op, offset, inplace)."""
+    from gpu_util import host_input, mismatch, reference
+    g, torch = _setup(comm)
+    n, r = comm.size, comm.rank
+    errors = []
+    for i, (kind, count, dtype, op, offset, inplace) in enumerate(cases):
+        tdt = getattr(torch, dtype)
+        total = count if kind == "ar" else count * n
+        ins = [host_input(q, total, dtype, op, seed=700 + i) for q in range(n)]
+        want = reference(ins, dtype, op)
+        buf = torch.empty(total + offset, dtype=tdt, device="cuda")
+        x = buf[offset:]
+        x.copy_(ins[r])
+        if kind == "ar":
+            out = None if inplace else torch.full_like(x, 7)
+            g.all_reduce(x, op=op, out=out)
+            got = (x if out is None else out).cpu()
+        else:
+            want = want[r * count:(r + 1) * count]
+            out = x[r * count:(r + 1) * count] if inplace else torch.full((count,), 3, dtype=tdt, device="cuda")
+            g.reduce_scatter(x, out, op=op)
+            got = out.cpu()
+        tag = f"{kind} {count} {dtype} {op} +{offset} {'in place' if inplace else 'out='}"
+        bad = mismatch(got, want)
+        if bad:
+            errors.append(f"rank {r} {tag}: {bad}")
+        if kind == "ar" and not _same_everywhere(comm, f"large{i}", got):
+            errors.append(f"{tag}: ranks differ")
+    if cases and g._engine.reg_cached() == 0 and n > 1:
+        errors.append(f"rank {r}: no peer buffer mapped: the registered path was not taken")
+    g.close()
+    return errors
+
+
+SMALL = [1, 7, 1000, 65537, 300001]
+
+
+def test_reg_all_reduce_dtypes_ops_sizes():
+    cases = [("ar", c, d, o, 0, j % 2 == 0) for d in DTYPES for o in OPS
+             for j, c in enumerate(SMALL)]
+    cases += [("ar", c, "float32", "sum", 1, ip) for c in (5, 300001) for ip in (True, False)]
+    _check(run_ranks(_nranks(), _body, cases, env=REG_RED_ENV, timeout=300))
+
+
+def test_reg_reduce_scatter_dtypes_ops_sizes():
+    cases = [("rs", c, d, o, 0, False) for d in DTYPES for o in OPS for c in (1, 7, 65537)]
+    cases += [("rs", c, "bfloat16", "sum", o, ip) for c in (3, 40001) for o in (0, 1) for ip in (True, False)]
+    _check(run_ranks(_nranks(), _body, cases, env=REG_RED_ENV, timeout=300))
+    if _nranks() >= 3:  # chunking for a rank count that is not a power of two
+        mixed = [("ar", c, "float16", "sum", 0, True) for c in (1, 7, 300001)]
+        mixed += [("rs", 1001, "int64", "prod", 0, False), ("rs", 5, "float32", "avg", 0, False)]
+        _check(run_ranks(3, _body, mixed, env=REG_RED_ENV, timeout=300))
+
+
+def test_reg_default_threshold_large():
+    """At and above the default 64 MiB threshold, in place and out=, float32 and bfloat16."""
+    cases = [("ar", (16 << 20) + 3, "float32", "sum", 0, True),
+             ("ar", (32 << 20) + 5, "bfloat16", "sum", 0, False),
+             ("rs", (4 << 20) + 1, "float32", "sum", 0, False),
+             ("ar", 1 << 20, "float32", "max", 0, True)]  # below: scratch path
+    _check(run_ranks(_nranks(), _body, cases, env=SAFE_ENV, timeout=300))
+
+
+def _capture_body(comm, _):
+    """On a capturing stream the registered path is not taken: the scratch kernels are captured
+    and replay correctly; eager registered calls interleave with replays."""
+    g, torch = _setup(comm)
+    n, r = comm.size, comm.rank
+    errors = []
+    x = torch.zeros(40001, device="cuda")
+    y = torch.zeros(20000 * n, device="cuda")
+    yo = torch.zeros(20000, device="cuda")
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside capture
+        g.all_reduce(x)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g.all_reduce(x)
+        g.reduce_scatter(y, yo)
+    for it in range(3):
+        x.copy_(torch.arange(x.numel(), device="cuda") % 7 + r + it)
+        y.copy_(torch.arange(y.numel(), device="cuda") % 5 * (r + 1))
+        graph.replay()
+        e = torch.full((50000,), float(r + it), device="cuda")
+        g.all_reduce(e)  # eager: registered path
+        torch.cuda.synchronize()
+        a = torch.arange(x.numel()) % 7
+        if not torch.equal(x.cpu(), sum(a + q + it for q in range(n)).float()):
+            errors.append(f"rank {r} it {it}: captured all_reduce wrong")
+        b = torch.arange(y.numel()) % 5
+        want = sum(b * (q + 1) for q in range(n)).float()[r * 20000:(r + 1) * 20000]
+        if not torch.equal(yo.cpu(), want):
+            errors.append(f"rank {r} it {it}: captured reduce_scatter wrong")
+        if not torch.equal(e.cpu(), torch.full((50000,), float(sum(q + it for q in range(n))))):
+            errors.append(f"rank {r} it {it}: eager registered all_reduce wrong")
+    g.close()
+    return errors
+
+
+def test_reg_path_capture_falls_back():
+    _check(run_ranks(_nranks(), _capture_body, None, env=REG_RED_ENV, timeout=300))
