@@ -100,3 +100,21 @@ declare("LINKWISE_ALGO", "", _choice("", "ring", "tree", "chain", "direct"),
 declare("LINKWISE_CHUNK_SIZE", 0, _size, "pipelining chunk of ring/chain collectives in bytes; 0 = default (512K)")
 declare("LINKWISE_CHECK", False, _bool,
         "verify before each collective that all ranks agree on size/dtype/op/root (raise ValueError if not)")
+# GPU data plane (linkwise.cuda), read when a communicator's GpuComm is built.
+declare("LINKWISE_P2P_DISABLE", False, _bool,
+        "never map peers' GPU memory: stage every GPU transfer through pinned host memory")
+declare("LINKWISE_GPU_SLOT_BYTES", 16 << 20, _size, "bytes of each rank's GPU scratch slot")
+declare("LINKWISE_GPU_ONESHOT_MAX", 0, _size, "largest GPU all_reduce done one-shot; 0 = built-in default")
+declare("LINKWISE_GPU_MAX_BLOCKS", 0, int, "thread blocks of the GPU collective kernels; 0 = built-in default")
+declare("LINKWISE_GPU_REG", True, _bool, "register user GPU buffers (CUDA IPC) for large transfers")
+declare("LINKWISE_GPU_REG_MIN", 4 << 20, _size,
+        "GPU send/recv and all_gather this large move between registered user buffers")
+declare("LINKWISE_GPU_BCAST_REG_MIN", 128 << 20, _size,
+        "GPU broadcasts this large go as a chain of copies between registered buffers")
+declare("LINKWISE_GPU_CHAIN_PIECE", 0, _size, "piece of the GPU broadcast chain; 0 = size/8")
+declare("LINKWISE_GPU_REG_REDUCE_MIN", 64 << 20, _size,
+        "GPU all_reduce/reduce_scatter this large read peers' registered buffers directly")
+declare("LINKWISE_GPU_REG_REDUCE_BLOCKS", 0, int, "blocks of that kernel; 0 = one per SM")
+declare("LINKWISE_STAGED_BUFFERS", 3, int, "pinned chunks in flight on the host-staged GPU path (2-16)")
+declare("LINKWISE_STAGED_SHM", True, _bool,
+        "host-staged GPU transfers within a host go through shared pinned memory (no CPU copy)")

@@ -113,7 +113,9 @@ def _print_rich(data: dict) -> None:
     console.print(summary)
 
     tun = Table(title="tunables (LINKWISE_*)")
-    for col in ("name", "default", "current", "help"):
+    # Names are never wrapped (users copy them); the help column takes what width is left.
+    tun.add_column("name", no_wrap=True, min_width=max(len(t["name"]) for t in data["tunables"]))
+    for col in ("default", "current", "help"):
         tun.add_column(col, overflow="fold")
     for t in data["tunables"]:
         cur = t["current"]

@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from .. import config
 from ..errors import TimeoutError as LwTimeoutError
 from .arrays import DTYPES, OPS, DevArray, stream_handle, view
 
@@ -85,25 +86,25 @@ class GpuComm:
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
         self.device = select_device(comm) if device is None else int(device)
-        slot = int(slot_bytes or os.environ.get("LINKWISE_GPU_SLOT_BYTES", _DEFAULT_SLOT))
+        slot = int(slot_bytes or config.get("LINKWISE_GPU_SLOT_BYTES") or _DEFAULT_SLOT)
         self._engine = n._GpuEngine(self.rank, self.size, self.device, slot, float(comm.timeout))
-        if "LINKWISE_GPU_ONESHOT_MAX" in os.environ:
-            self._engine.oneshot_max = int(os.environ["LINKWISE_GPU_ONESHOT_MAX"])
-        if "LINKWISE_GPU_MAX_BLOCKS" in os.environ:
-            self._engine.max_blocks = int(os.environ["LINKWISE_GPU_MAX_BLOCKS"])
-        self._reg_min = int(os.environ.get("LINKWISE_GPU_REG_MIN") or (4 << 20))
-        if os.environ.get("LINKWISE_GPU_REG", "1") == "0":
+        if config.get("LINKWISE_GPU_ONESHOT_MAX"):
+            self._engine.oneshot_max = config.get("LINKWISE_GPU_ONESHOT_MAX")
+        if config.get("LINKWISE_GPU_MAX_BLOCKS"):
+            self._engine.max_blocks = config.get("LINKWISE_GPU_MAX_BLOCKS")
+        self._reg_min = config.get("LINKWISE_GPU_REG_MIN")
+        if not config.get("LINKWISE_GPU_REG"):
             self._reg_min = 1 << 62
-        self._chain_piece = int(os.environ.get("LINKWISE_GPU_CHAIN_PIECE") or 0)
+        self._chain_piece = config.get("LINKWISE_GPU_CHAIN_PIECE")
         # Registered-buffer all_reduce / reduce_scatter from this many bytes (whole buffer).
-        self._red_reg_min = int(os.environ.get("LINKWISE_GPU_REG_REDUCE_MIN") or _RED_REG_MIN)
-        if os.environ.get("LINKWISE_GPU_REG", "1") == "0":
+        self._red_reg_min = config.get("LINKWISE_GPU_REG_REDUCE_MIN")
+        if not config.get("LINKWISE_GPU_REG"):
             self._red_reg_min = 1 << 62
-        self._engine.reg_blocks = int(os.environ.get("LINKWISE_GPU_REG_REDUCE_BLOCKS") or 0)  # 0: one per SM
+        self._engine.reg_blocks = config.get("LINKWISE_GPU_REG_REDUCE_BLOCKS")  # 0: one per SM
         # The chain beats the scratch broadcast kernel only from ~128 MiB (docs/benchmarks.md).
-        self._bcast_reg_min = max(self._reg_min, int(os.environ.get("LINKWISE_GPU_BCAST_REG_MIN") or (128 << 20)))
+        self._bcast_reg_min = max(self._reg_min, config.get("LINKWISE_GPU_BCAST_REG_MIN"))
         self._staged = None
-        if os.environ.get("LINKWISE_P2P_DISABLE", "") not in ("", "0"):
+        if config.get("LINKWISE_P2P_DISABLE"):
             from .staged import Staged
             self._staged = Staged(self)
         if self.size > 1:

@@ -29,6 +29,8 @@ import os
 
 import numpy as np
 
+from .. import config
+
 _HOST_DT = {"float32": (np.float32, None), "float16": (np.float16, None),
             "bfloat16": (np.uint16, "bfloat16"), "int32": (np.int32, None),
             "float64": (np.float64, None), "int64": (np.int64, None)}
@@ -43,10 +45,10 @@ class Staged:
         self.g, self.e, self.comm = g, g._engine, g.comm
         self.chunk = int(os.environ.get("LINKWISE_CHUNK_SIZE") or (4 << 20))
         self.chunk = max(4096, self.chunk // 256 * 256)
-        self.nbuf = min(16, max(2, int(os.environ.get("LINKWISE_STAGED_BUFFERS") or 3)))
+        self.nbuf = min(16, max(2, config.get("LINKWISE_STAGED_BUFFERS")))
         self._bufs: list = []  # [ptr, nbytes]
         links = getattr(self.comm, "transports", None) or {}
-        on = os.environ.get("LINKWISE_STAGED_SHM", "1") != "0"
+        on = config.get("LINKWISE_STAGED_SHM")
         self._local = {p for p, k in links.items() if k == "shm"} if on else set()
         self._out: dict = {}   # dst -> StageChannel we write
         self._in: dict = {}    # src -> StageChannel we read
