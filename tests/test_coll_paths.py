@@ -49,3 +49,24 @@ def _out_of_place_all_reduce(comm):
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_out_of_place_all_reduce(nranks):
     assert run_ranks(nranks, _out_of_place_all_reduce) == ["ok"] * nranks
+
+
+def _barrier_waits_for_the_last(comm):
+    import time
+    waits = []
+    for late in range(comm.size):  # each rank in turn arrives 0.2 s after the others
+        if comm.rank == late:
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        comm.barrier()
+        waits.append(time.monotonic() - t0)
+    return waits
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_barrier_waits_for_the_last_rank(nranks, transport_env):
+    waits = run_ranks(nranks, _barrier_waits_for_the_last, env=transport_env)
+    for rank, row in enumerate(waits):
+        for late, waited in enumerate(row):
+            if rank != late:
+                assert waited > 0.15, (rank, late, waited)
