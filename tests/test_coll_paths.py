@@ -51,21 +51,29 @@ def test_out_of_place_all_reduce(nranks):
     assert run_ranks(nranks, _out_of_place_all_reduce) == ["ok"] * nranks
 
 
-def _barrier_waits_for_the_last(comm):
+def _barrier_waits_for_the_last(comm, mixed_forms):
     import time
+    if mixed_forms and comm.rank == 0:  # rank 0 alone uses the async form (allowed)
+        comm.all_reduce(np.ones(4, np.float32), async_op=True).wait()
+    elif mixed_forms:
+        comm.all_reduce(np.ones(4, np.float32))
     waits = []
     for late in range(comm.size):  # each rank in turn arrives 0.2 s after the others
         if comm.rank == late:
             time.sleep(0.2)
         t0 = time.monotonic()
-        comm.barrier()
+        if mixed_forms and comm.rank == 0 and late % 2:
+            comm.barrier(async_op=True).wait()
+        else:
+            comm.barrier()
         waits.append(time.monotonic() - t0)
     return waits
 
 
+@pytest.mark.parametrize("mixed_forms", [False, True])
 @pytest.mark.parametrize("nranks", [2, 3])
-def test_barrier_waits_for_the_last_rank(nranks, transport_env):
-    waits = run_ranks(nranks, _barrier_waits_for_the_last, env=transport_env)
+def test_barrier_waits_for_the_last_rank(nranks, mixed_forms, transport_env):
+    waits = run_ranks(nranks, _barrier_waits_for_the_last, mixed_forms, env=transport_env)
     for rank, row in enumerate(waits):
         for late, waited in enumerate(row):
             if rank != late:

@@ -377,20 +377,21 @@ class CollectivesMixin:
                 raise TypeError("barrier: async_op=True cannot be combined with stream=")
             return self.cuda().barrier(stream=stream if isinstance(stream, int)
                                        else _gpu_coll.stream_int(stream))
-        if (not async_op and self.size > 1 and self._native is not None
-                and not (_ENV.get(b"LINKWISE_ALGO") or _ENV.get(b"LINKWISE_CHECK"))):
+        if (self.size > 1 and self._native is not None
+                and not (_ENV.get(b"LINKWISE_ALGO") or _ENV.get(b"LINKWISE_CHECK"))
+                and self._shm_for("all_reduce", 1) is not None):
+            # On one host: a one-byte all_reduce through the shared-memory executor (no rank
+            # leaves before every rank has arrived; ~1 us instead of a dissemination over
+            # messages). The choice depends only on what every rank shares (the host, the
+            # environment), so all ranks take the same path whatever forms they call.
+            token = self.__dict__.get("_barrier_token")
+            if token is None:
+                token = self._barrier_token = np.zeros(1, np.uint8)
             fast = self._fast_shm
-            if fast is None and self.__dict__.get("_coll_worker") is None:
-                self._shm_for("all_reduce", 1)  # attach (collective, as this call is) if on one host
-                fast = self._fast_shm
-            if fast is not None:
-                # A one-byte all_reduce through shared memory: no rank leaves before every rank
-                # has arrived, and it costs ~1 us instead of a dissemination over messages.
-                token = self.__dict__.get("_barrier_token")
-                if token is None:
-                    token = self._barrier_token = np.zeros(1, np.uint8)
+            if fast is not None and not async_op:
                 fast.all_reduce_inplace(token, _BARRIER_CODE)
                 return None
+            return self._run("all_reduce", token, token, "uint8", "sum", 0, 1, 1, async_op, None)
         return self._run("barrier", None, None, "uint8", "", 0, 0, 0, async_op, None)
 
     # -- coroutines ----------------------------------------------------------------------
