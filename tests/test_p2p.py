@@ -1,5 +1,6 @@
 """Point-to-point over shared memory and forced TCP, 1-5 ranks, checked byte for byte."""
 import asyncio
+import glob
 import os
 import signal
 import time
@@ -288,3 +289,41 @@ def _large_messages_copied_by_both(comm, sender_idle):
 @pytest.mark.parametrize("sender_idle", [False, True])
 def test_large_messages_copied_by_both_sides(sender_idle):
     assert run_ranks(2, _large_messages_copied_by_both, sender_idle)[1] == [True] * 12
+
+
+def test_ranks_killed_during_setup_leave_nothing_in_dev_shm(tmp_path):
+    """Ranks 0 and 1 of a three-rank job map their inboxes and wait for rank 2, which stalls
+    right after the exchange of cards; SIGKILL them all there. Shared memory lives only as long as its mappings: nothing of
+    the job may remain in /dev/shm (containers often have only 64 MiB of it)."""
+    import subprocess
+    import sys
+    from multirank import free_port
+
+    job = f"setupkill{os.getpid()}"
+    env = dict(os.environ, LINKWISE_SIZE="3", LINKWISE_LOCAL_SIZE="3", LINKWISE_JOB_ID=job,
+               LINKWISE_MASTER_ADDR="127.0.0.1", LINKWISE_MASTER_PORT=str(free_port()),
+               LINKWISE_TIMEOUT="60")
+    if env.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep))
+    stall = ("import time, linkwise, linkwise._setup as s\n"
+             "cards = s.exchange_cards\n"
+             "def stalled(*a, **k):\n    out = cards(*a, **k)\n    time.sleep(120)\n    return out\n"
+             "s.exchange_cards = stalled\nlinkwise.init()\n")
+    procs = [subprocess.Popen([sys.executable, "-c", "import linkwise; linkwise.init()" if r < 2 else stall],
+                              env=dict(env, LINKWISE_RANK=str(r), LINKWISE_LOCAL_RANK=str(r)))
+             for r in (0, 1, 2)]
+    try:
+        deadline = time.monotonic() + 30
+        mapped = set()
+        while len(mapped) < 2 and time.monotonic() < deadline:  # both inboxes exist
+            for p in procs[:2]:
+                with open(f"/proc/{p.pid}/maps") as f:
+                    if f"linkwise-{job}-" in f.read():
+                        mapped.add(p.pid)
+            time.sleep(0.02)
+        assert len(mapped) == 2, "the ranks never created their shared memory"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert not glob.glob(f"/dev/shm/linkwise-{job}-*")

@@ -78,7 +78,7 @@ size_t ShmColl::segment_bytes(int n) { return static_cast<size_t>(n) * Slot::byt
 
 ShmColl::ShmColl(const std::string& name, bool create, int rank, int n, double spin_us)
     : rank_(rank), n_(n), spin_us_(spin_us) {
-  seg_ = create ? ShmSegment::create(name, segment_bytes(n)) : ShmSegment::open(name);
+  seg_ = create ? ShmSegment::create_private(name, segment_bytes(n)) : ShmSegment::open(name);
   LW_CHECK(seg_.size() >= segment_bytes(n), "collective segment has room for every rank");
   slot(rank_)->h().pid = static_cast<int64_t>(getpid());
 }

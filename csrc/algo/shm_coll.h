@@ -53,6 +53,7 @@ class ShmColl {
   // After every rank has constructed its ShmColl (a barrier): learn the peers' pids.
   void connect();
   void unlink() { seg_.unlink(); }
+  const std::string& segment_name() const { return seg_.name(); }  // what the others open
 
   void all_reduce(const void* in, void* out, size_t count, DType t, RedOp op, double timeout);
   void broadcast(void* buf, size_t bytes, int root, double timeout);

@@ -255,6 +255,7 @@ void bind_coll(nb::module_& m) {
            },
            nb::arg("x"), nb::arg("code"))
       .def("unlink", [](PyShmColl& s) { s.shm_.unlink(); })
+      .def_prop_ro("segment_name", [](PyShmColl& s) { return s.shm_.segment_name(); })
       .def("all_reduce",
            [](PyShmColl& s, nb::handle x, nb::handle out, int dtype, int op, double timeout) {
              HeldBuffer hx, ho;

@@ -63,6 +63,7 @@ void bind_p2p(nb::module_& m) {
       .def("connect_shm", &NativeComm::connect_shm, nb::arg("peer"), nb::arg("name"), nb::arg("pid"),
            nb::call_guard<nb::gil_scoped_release>())
       .def("unlink_shm", &NativeComm::unlink_shm)
+      .def("shm_inbox_name", &NativeComm::shm_inbox_name)
       .def("adopt_tcp", &NativeComm::adopt_tcp, nb::arg("peer"), nb::arg("fd"))
       .def("send", [](NativeComm& c, nb::handle obj, int peer, uint64_t tag, double timeout) {
              return c.blocking(obj, peer, tag, true, timeout);

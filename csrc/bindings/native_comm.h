@@ -53,6 +53,7 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
     LW_CHECK(shm_, "create_shm_inbox before connect_shm");
     engine_.set_link(peer, shm_->connect(peer, name, pid), shm_.get());
   }
+  std::string shm_inbox_name() const { return shm_ ? shm_->inbox_name() : std::string(); }
   void unlink_shm() {
     if (shm_) shm_->unlink_name();
   }

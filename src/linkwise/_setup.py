@@ -2,9 +2,10 @@
 TCP sockets. Runs once per communicator, through the rendezvous store; nothing here is on the
 data path.
 
-Contract: on return every peer has exactly one link in the native engine, and this rank's
-shared-memory segment is already unlinked from /dev/shm (only mappings remain), so nothing is
-left behind whatever happens to the process afterwards.
+Contract: on return every peer has exactly one link in the native engine. Shared-memory
+inboxes are private segments (memfd) that peers open through the creator's /proc/<pid>/fd
+while setup lasts; they never appear in /dev/shm, so nothing is left behind whatever happens
+to the processes, and a container's small /dev/shm does not limit them.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ SHM_PREFIX = "linkwise-"
 
 
 def shm_name(job_id: str, rank: int, comm_id: str = "") -> str:
-    """POSIX name of a rank's inbox; the launcher removes leftovers by this prefix."""
+    """Label of a rank's inbox (the memfd's name, seen in /proc/<pid>/maps)."""
     suffix = f"-{comm_id}" if comm_id else ""
     return f"/{SHM_PREFIX}{job_id}-{rank}{suffix}"
 
@@ -149,12 +150,14 @@ def setup_links(native, store, tag: str, rank: int, size: int, job_id: str, time
     shm_peers = [p for p, k in kinds.items() if k == "shm"]
     tcp_peers = [p for p, k in kinds.items() if k == "tcp"]
     if shm_peers:
-        name = shm_name(job_id, rank, comm_id)
-        native.create_shm_inbox(name, config.get("LINKWISE_SHM_RING_SIZE"))
+        # A private segment (memfd): peers open it through /proc/<pid>/fd, so it never
+        # appears in /dev/shm and cannot be left behind, whatever happens to the processes.
+        native.create_shm_inbox(shm_name(job_id, rank, comm_id), config.get("LINKWISE_SHM_RING_SIZE"))
         try:
+            store.set(f"{tag}/shm-name/{rank}", native.shm_inbox_name().encode())
             store.barrier(f"{tag}/shm-created", size, timeout)
             for p in shm_peers:
-                native.connect_shm(p, shm_name(job_id, p, comm_id), cards[p].pid)
+                native.connect_shm(p, store.get(f"{tag}/shm-name/{p}", timeout).decode(), cards[p].pid)
             store.barrier(f"{tag}/shm-connected", size, timeout)
         finally:
             native.unlink_shm()

@@ -155,15 +155,18 @@ class CollectivesMixin:
         spin = _default_spin_us(self.local_size)
         shm = None
         try:
+            # Rank 0 makes a private segment (memfd, never in /dev/shm) and says where it is.
             if self.rank == 0:
                 shm = _native_module().ShmColl(self._native, name, True, spin)
+                self._store.set(f"{tag}/name", shm.segment_name.encode())
             self._store.barrier(f"{tag}/created", self.size, self.timeout)
             if self.rank != 0:
-                shm = _native_module().ShmColl(self._native, name, False, spin)
+                where = self._store.get(f"{tag}/name", self.timeout).decode()
+                shm = _native_module().ShmColl(self._native, where, False, spin)
             self._store.barrier(f"{tag}/mapped", self.size, self.timeout)
         finally:
             if self.rank == 0 and shm is not None:
-                shm.unlink()  # every rank has mapped it (or setup failed): leave nothing in /dev/shm
+                shm.unlink()  # every rank has mapped it (or setup failed): no one else may open it
         shm.connect(self.timeout)
         if self.__dict__.get("_coll_worker") is None and _ENV is not None:
             self._fast_shm = shm

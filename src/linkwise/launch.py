@@ -12,7 +12,8 @@ Contract:
     and returns non-zero (S, or 128 + the signal number).
   * SIGINT/SIGTERM received by the launcher are forwarded to every rank; a second one escalates
     to SIGKILL.
-  * Whatever happens, /dev/shm/linkwise-<job_id>-* (the data plane's segments) are removed at
+  * Whatever happens, /dev/shm/linkwise-<job_id>-* (named segments: the GPU host-staging
+    channels; the CPU transports' memory is anonymous and never named) are removed at
     the end, so ranks killed by SIGKILL leave nothing behind.
 
 Threading: the main thread spawns, waits and signals; one daemon thread per child pipe forwards

@@ -301,7 +301,7 @@ ShmTransport::ShmTransport(const std::string& name, int rank, int nranks, size_t
   prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
   ring_bytes = round_pow2(ring_bytes);
   size_t total = header_bytes(nranks) + sizeof(RingControl) * nranks + ring_bytes * nranks;
-  own_ = ShmSegment::create(name, total);  // ftruncate zero-fills
+  own_ = ShmSegment::create_private(name, total);  // zero-filled; no name in /dev/shm
   own_view_ = view_of(own_.data(), nranks, ring_bytes);
   InboxHeader* h = own_view_.header;
   h->owner_rank = rank;

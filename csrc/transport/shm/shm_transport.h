@@ -37,8 +37,8 @@ struct InboxView {
 
 class ShmTransport : public Transport {
  public:
-  // Creates this rank's inbox named `name` with a ring of ring_bytes (rounded up to a power of
-  // two) for each of nranks senders.
+  // Creates this rank's inbox (a private segment labelled `name`) with a ring of ring_bytes
+  // (rounded up to a power of two) for each of nranks senders.
   ShmTransport(const std::string& name, int rank, int nranks, size_t ring_bytes);
   ~ShmTransport() override;
 
@@ -46,6 +46,8 @@ class ShmTransport : public Transport {
   // the peer's memory (process_vm_readv), which the peer reads before sending large messages.
   std::unique_ptr<PeerLink> connect(int peer, const std::string& peer_name, int64_t peer_pid);
   void unlink_name() { own_.unlink(); }
+  // What peers pass to connect() to map this inbox (valid until unlink_name()).
+  const std::string& inbox_name() const { return own_.name(); }
 
   uint32_t begin_sleep() override;
   void sleep(uint32_t token, int64_t timeout_us) override;
