@@ -1,5 +1,6 @@
-// Waiting without burning the CPU: a deadline clock, futex on shared memory, and the spin
-// policy. Ranks spin briefly (latency) and then sleep in the kernel (2 cores, 8 ranks).
+// Waiting without burning the CPU: a deadline clock and a futex on shared memory. Ranks spin
+// briefly (latency) and then sleep in the kernel; how long they spin is chosen in Python
+// (comm._default_spin_us) and passed in EngineOptions.
 #pragma once
 
 #include <atomic>
@@ -26,8 +27,5 @@ inline void cpu_relax() {
   asm volatile("yield" ::: "memory");
 #endif
 }
-
-// Microseconds to spin before sleeping, given how many ranks share this host's cores.
-double default_spin_us(int local_ranks);
 
 }  // namespace linkwise

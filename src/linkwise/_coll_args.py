@@ -12,6 +12,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _gpu_coll
+from ._request import CollectiveRequest  # noqa: F401 - used by collectives.py
 
 KINDS = {"all_reduce": 0, "broadcast": 1, "reduce": 2, "all_gather": 3, "reduce_scatter": 4,
          "all_to_all": 5, "gather": 6, "scatter": 7, "barrier": 8}
@@ -93,33 +94,3 @@ def _raw(a: np.ndarray) -> np.ndarray:
     if a.dtype.kind == "V":  # bfloat16 (ml_dtypes) and other records; dtype.name is slow
         return a.view(np.uint16 if a.itemsize == 2 else np.uint8)
     return a
-
-
-class CollectiveRequest:
-    """An async collective. ``wait()`` (or ``await req``) returns its result array."""
-
-    __slots__ = ("_native", "_timeout", "_result")
-
-    def __init__(self, native_request, timeout: float, result: Any):
-        self._native = native_request
-        self._timeout = timeout
-        self._result = result
-
-    def wait(self, timeout: Optional[float] = None) -> Any:
-        self._native.wait(self._timeout if timeout is None else float(timeout))
-        return self._result
-
-    def test(self) -> bool:
-        return self._native.test()
-
-    @property
-    def done(self) -> bool:
-        return self._native.done
-
-    def __await__(self):
-        from .comm import _await_native
-
-        async def run():
-            await _await_native(self._native, self._timeout)
-            return self._result
-        return run().__await__()

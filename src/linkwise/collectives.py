@@ -204,19 +204,15 @@ class CollectivesMixin:
 
         A CUDA array runs on the GPU data plane, enqueued on `stream` (else its current stream)."""
         fast = self._fast_shm
-        if (fast is not None and out is None and self._native is not None and not async_op and dtype is None and type(x) is np.ndarray
-                and not (_ENV.get(b"LINKWISE_ALGO") or _ENV.get(b"LINKWISE_CHECK"))):
+        if (fast is not None and not async_op and dtype is None and type(x) is np.ndarray
+                and self._native is not None and not (_ENV.get(b"LINKWISE_ALGO") or _ENV.get(b"LINKWISE_CHECK"))):
+            # The latency paths: straight to shared memory (x's buffer checks happen there).
             code = _FAST_CODES.get((x.dtype, op))
-            if code is not None:
-                # The latency path: straight to shared memory (buffer checks happen there).
+            if code is not None and out is None:
                 fast.all_reduce_inplace(x, code)
                 return x
-        if (fast is not None and type(out) is np.ndarray and type(x) is np.ndarray and not async_op
-                and dtype is None and out.dtype == x.dtype and out.size == x.size and out.flags.c_contiguous
-                and out.flags.writeable and self._native is not None
-                and not (_ENV.get(b"LINKWISE_ALGO") or _ENV.get(b"LINKWISE_CHECK"))):
-            code = _FAST_CODES.get((x.dtype, op))
-            if code is not None:  # the same path out of place (x's own checks happen there)
+            if (code is not None and type(out) is np.ndarray and out.dtype == x.dtype and out.size == x.size
+                    and out.flags.c_contiguous and out.flags.writeable):
                 fast.all_reduce(x, out, code >> 3, code & 7, self.timeout)
                 return out
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):

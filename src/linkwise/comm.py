@@ -10,7 +10,6 @@ NumPy without a copy. A receive writes into the array it is given.
 """
 from __future__ import annotations
 
-import asyncio
 import atexit
 import os
 import weakref
@@ -18,8 +17,9 @@ from typing import Any, Optional
 
 from . import bootstrap, config
 from ._setup import new_job_id, setup_links
+from ._request import Request
 from .collectives import CollectivesMixin
-from .errors import CommAbortedError, TimeoutError
+from .errors import CommAbortedError
 
 MAX_TAG = (1 << 62) - 1
 
@@ -62,55 +62,6 @@ def _default_spin_us(local_size: int) -> float:
     # A core per local rank: spinning a while saves a futex wake-up. More ranks than cores:
     # a spinning rank steals the core its peer needs, so go to sleep almost at once.
     return 50.0 if local_size <= cores else 1.0
-
-
-class Request:
-    """A non-blocking send or receive. Keep the array alive and untouched until done."""
-
-    __slots__ = ("_native", "_timeout", "_array")
-
-    def __init__(self, native_request, timeout: float, array: Any):
-        self._native = native_request
-        self._timeout = timeout
-        self._array = array
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        """Block until done; returns the bytes moved. Raises the operation's error."""
-        self._native.wait(self._timeout if timeout is None else float(timeout))
-        return self._native.nbytes
-
-    def test(self) -> bool:
-        """True when done (raises the operation's error if it failed)."""
-        return self._native.test()
-
-    @property
-    def nbytes(self) -> int:
-        return self._native.nbytes
-
-    def __await__(self):
-        return _await_native(self._native, self._timeout).__await__()
-
-
-async def _await_native(native_request, timeout: float) -> int:
-    if not native_request.done:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        fd = native_request.fileno()
-
-        def ready() -> None:
-            if not fut.done():
-                fut.set_result(None)
-
-        loop.add_reader(fd, ready)
-        try:
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"async operation did not complete within {timeout} s; raise "
-                               "LINKWISE_TIMEOUT or pass timeout=") from None
-        finally:
-            loop.remove_reader(fd)
-    native_request.wait(0.0)  # done: returns at once, or raises the operation's error
-    return native_request.nbytes
 
 
 class Communicator(CollectivesMixin):
@@ -218,13 +169,11 @@ class Communicator(CollectivesMixin):
 
     async def asend(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None) -> None:
         """Coroutine send: ``await comm.asend(x, dst)``."""
-        req = self._post(x, dst, tag, True, True, timeout)
-        await _await_native(req._native, req._timeout)
+        await self._post(x, dst, tag, True, True, timeout)
 
     async def arecv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None) -> int:
         """Coroutine receive: ``n = await comm.arecv(x, src)``; returns bytes received."""
-        req = self._post(x, src, tag, False, True, timeout)
-        return await _await_native(req._native, req._timeout)
+        return await self._post(x, src, tag, False, True, timeout)
 
     # -- information and lifetime ---------------------------------------------------------
     def link(self, peer: int) -> str:

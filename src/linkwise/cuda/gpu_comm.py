@@ -43,7 +43,6 @@ from ..errors import TimeoutError as LwTimeoutError
 from .arrays import DTYPES, OPS, DevArray, stream_handle, view
 
 _DEFAULT_SLOT = 16 << 20
-_RED_REG_MIN = 64 << 20  # LINKWISE_GPU_REG_REDUCE_MIN default
 _REG_TAG = (1 << 61) + 4243  # host messages carrying a send's buffer description
 _counter: dict = {}
 

@@ -132,7 +132,7 @@ class Staged:
         e, B = self.e, self.nbuf
         chunks = self._chunks(nbytes, itemsize)
         bufs = [self._buf(i, min(self.chunk, nbytes) + 256) for i in range(min(B, len(chunks)))]
-        ready, last = {}, []
+        ready = {}
 
         def d2h(k):
             off, n = chunks[k]
