@@ -35,9 +35,11 @@ void bind_cuda(nb::module_& m) {
   });
   using linkwise::cuda::StageChannel;
   nb::class_<StageChannel>(m, "_StageChannel")
-      .def(nb::init<const std::string&, bool, int, int, size_t, int, double>(), nb::arg("name"),
-           nb::arg("create"), nb::arg("readers"), nb::arg("slots"), nb::arg("slot_bytes"),
-           nb::arg("device"), nb::arg("timeout"), rel())
+      .def(nb::init<const std::string&, bool, int, int, size_t, int, double, const GpuEngine*>(),
+           nb::arg("name"), nb::arg("create"), nb::arg("readers"), nb::arg("slots"),
+           nb::arg("slot_bytes"), nb::arg("device"), nb::arg("timeout"),
+           nb::arg("engine").none() = nb::none(), nb::keep_alive<1, 9>(), rel())
+      .def_prop_ro("name", &StageChannel::name)
       .def("unlink", &StageChannel::unlink, rel())
       .def("write", &StageChannel::write, rel())
       .def("read", &StageChannel::read, rel())
@@ -86,7 +88,13 @@ void bind_cuda(nb::module_& m) {
       .def("event_record", &GpuEngine::event_record, rel())
       .def("event_sync", &GpuEngine::event_sync, rel())
       .def("synchronize", &GpuEngine::synchronize, rel())
-      .def("error_code", &GpuEngine::error_code, rel())
+      .def("error_code", &GpuEngine::error_code)
+      .def("check", &GpuEngine::check)
+      .def("watch_peers", &GpuEngine::watch_peers, rel())
+      .def("abort", &GpuEngine::abort, nb::arg("peer") = -1)
+      .def("event_query", &GpuEngine::event_query, rel())
+      .def("event_wait", &GpuEngine::event_wait, rel())
+      .def_static("event_destroy", &GpuEngine::event_destroy)
       .def_prop_ro("device", &GpuEngine::device)
       .def_prop_ro("slot_bytes", &GpuEngine::slot_bytes)
       .def_rw("oneshot_max", &GpuEngine::oneshot_max)

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "cuda/gpu_device.cuh"
+#include "cuda/peer_watch.h"
 
 namespace linkwise::cuda {
 
@@ -22,6 +23,8 @@ struct RegMapping {
 struct EngineImpl {
   DevComm dev{};
   char* own = nullptr;
+  HostFlags* flags = nullptr;  // pinned, mapped (dev.host is its device view); see gpu_device.cuh
+  PeerWatch watch;             // sets flags->abort when a watched peer process dies
   bool opened[kMaxRanks] = {};
   // Point-to-point bookkeeping per peer: pieces so far, cumulative block counts, and the
   // cumulative total after each of the last two pieces sent (indexed by piece parity).

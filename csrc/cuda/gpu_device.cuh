@@ -19,6 +19,16 @@
 //                       __threadfence_system(); read with ld.acquire.sys, then __syncthreads().
 //  * p2p_data[src], p2p_ack[dst] : counters bumped with red.release.sys.add by every block of a
 //                       point-to-point piece; the host knows the cumulative totals to wait for.
+//
+// Failure contract (wait_ge): every device-side wait is bounded. It gives up when
+//  * our Control.error is nonzero (latched: once a wait of this engine failed, every later
+//    wait gives up within ~kLocalPollTicks, so a queue of kernels drains fast),
+//  * the host set HostFlags::abort (a peer process died: GpuEngine's watchdog, gpu_engine.h),
+//    polled every ~kHostPollTicks since the host word is a PCIe read, or
+//  * it spun spin_limit ticks (the communicator's timeout): then it also sets
+//    HostFlags::timed_out so the host can report it without synchronising.
+// A wait that gives up returns false; kernels carry on without the data (results undefined),
+// so the stream drains and the host raises (PeerError / TimeoutError) at its next call.
 #pragma once
 
 #include <cstdint>
@@ -35,7 +45,7 @@ struct Control {
   uint64_t ready[kPhases][kMaxBlocks][kMaxRanks];
   uint64_t p2p_data[kMaxRanks];
   uint64_t p2p_ack[kMaxRanks];
-  uint64_t error;  // set to a nonzero code by a kernel that timed out waiting
+  uint64_t error;  // kErrTimeout / kErrAborted once a wait of this engine gave up (latched)
   // Registered-buffer paths (reg_engine.cu): sig[kind][src] is a counter that rank src bumps
   // (red.release.sys.add, after __threadfence_system) and we wait on (ld.acquire.sys). Both
   // sides know the cumulative totals on the host (issue order), as with p2p_data / p2p_ack.
@@ -49,6 +59,16 @@ struct Control {
 enum SigKind : int { kSigChain = 0, kSigChainDone = 1, kSigP2pReady = 2, kSigP2pDone = 3,
                      kSigRendezvous = 4 };
 static_assert(sizeof(Control) <= kControlBytes, "Control must fit its reserved bytes");
+constexpr uint64_t kErrTimeout = 1, kErrAborted = 2;
+
+// Pinned host memory mapped into the device (cudaHostAllocMapped), one per engine. `abort` is
+// written only by the host (watchdog thread or GpuEngine::abort; a release store after the
+// reason is recorded), read by waits with volatile loads. `timed_out` is written only by
+// device waits (volatile store + __threadfence_system), read by the host without a sync.
+struct HostFlags {
+  uint32_t abort;
+  uint32_t timed_out;
+};
 
 // What a kernel needs: every rank's scratch base (ours included) and the geometry.
 struct DevComm {
@@ -57,6 +77,7 @@ struct DevComm {
   int nranks;
   size_t slot_bytes;
   uint64_t spin_limit;  // clock64 ticks a wait may take before the kernel reports a timeout
+  HostFlags* host;      // device view of the engine's HostFlags (never null once constructed)
 
   __host__ __device__ Control* ctrl(int r) const { return reinterpret_cast<Control*>(base[r]); }
   // Region of parity `par` in rank r's scratch.
@@ -91,15 +112,36 @@ __device__ __forceinline__ void red_release_sys_add(uint64_t* p, uint64_t v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// Spins until *p >= want. On timeout records the error in our Control and returns false.
+// Poll periods of wait_ge's failure checks, in clock64 ticks (~2 GHz): the local error word
+// (an L2 hit) every ~8 us of waiting, the host abort word (a PCIe read) every ~130 us. Short
+// waits, the latency-critical case, never pay for either.
+constexpr uint64_t kLocalPollTicks = 1ull << 14, kHostPollTicks = 1ull << 18;
+
+// Spins until *p >= want (true). False when the wait gave up (failure contract above).
 __device__ __forceinline__ bool wait_ge(const DevComm& c, const uint64_t* p, uint64_t want) {
   if (ld_acquire_sys(p) >= want) return true;
-  uint64_t t0 = clock64();
+  const uint64_t t0 = clock64();
+  uint64_t local_at = kLocalPollTicks, host_at = 4 * kLocalPollTicks;
   unsigned ns = 32;
+  auto* err = reinterpret_cast<unsigned long long*>(&c.ctrl(c.rank)->error);
   while (ld_acquire_sys(p) < want) {
-    if (static_cast<uint64_t>(clock64() - t0) > c.spin_limit) {
-      atomicExch(reinterpret_cast<unsigned long long*>(&c.ctrl(c.rank)->error), 1ull);
-      return false;
+    const uint64_t dt = static_cast<uint64_t>(clock64() - t0);
+    if (dt > local_at) {
+      local_at = dt + kLocalPollTicks;
+      if (*reinterpret_cast<volatile unsigned long long*>(err)) return false;
+      if (dt > host_at) {
+        host_at = dt + kHostPollTicks;
+        if (*reinterpret_cast<volatile uint32_t*>(&c.host->abort)) {
+          atomicCAS(err, 0ull, static_cast<unsigned long long>(kErrAborted));
+          return false;
+        }
+      }
+      if (dt > c.spin_limit) {
+        atomicCAS(err, 0ull, static_cast<unsigned long long>(kErrTimeout));
+        *reinterpret_cast<volatile uint32_t*>(&c.host->timed_out) = 1;
+        __threadfence_system();
+        return false;
+      }
     }
     __nanosleep(ns);
     if (ns < 256) ns *= 2;

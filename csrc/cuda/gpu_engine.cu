@@ -2,6 +2,9 @@
 // splitting into pieces that fit a slot, choosing blocks and algorithm (epochs are numbered on the device: gpu_device.cuh).
 #include <cuda_runtime.h>
 
+#include <time.h>
+
+#include <chrono>
 #include <cstring>
 #include <string>
 
@@ -51,6 +54,18 @@ GpuEngine::GpuEngine(int rank, int nranks, int device, size_t slot_bytes, double
     fail("scratch allocation", e);
   }
   impl_->own = static_cast<char*>(p);
+  void* hf = nullptr;
+  e = cudaHostAlloc(&hf, sizeof(HostFlags), cudaHostAllocMapped | cudaHostAllocPortable);
+  if (e != cudaSuccess) {
+    cudaFree(p);
+    delete impl_;
+    impl_ = nullptr;
+    fail("abort flag allocation (cudaHostAlloc mapped)", e);
+  }
+  impl_->flags = static_cast<HostFlags*>(hf);
+  std::memset(hf, 0, sizeof(HostFlags));
+  impl_->watch.attach(impl_->flags);
+  LW_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&impl_->dev.host), hf, 0), "scratch setup");
   LW_CUDA(cudaMemset(p, 0, kControlBytes), "scratch setup");
   LW_CUDA(cudaDeviceSynchronize(), "scratch setup");
   DevComm& d = impl_->dev;
@@ -67,11 +82,13 @@ GpuEngine::~GpuEngine() { close(); }
 void GpuEngine::close() {
   if (!impl_) return;
   DeviceGuard g(device_);
-  cudaDeviceSynchronize();
+  cudaDeviceSynchronize();  // waits are bounded (timeout or abort), so this returns
+  impl_->watch.stop();
   for (int r = 0; r < nranks_; ++r)
     if (impl_->opened[r]) cudaIpcCloseMemHandle(impl_->dev.base[r]);
   reg_release();
   cudaFree(impl_->own);
+  cudaFreeHost(impl_->flags);
   delete impl_;
   impl_ = nullptr;
 }
@@ -273,15 +290,80 @@ int device_count() {
 
 void GpuEngine::synchronize(uintptr_t stream) {
   DeviceGuard g(device_);
-  LW_CUDA(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream)), "synchronize");
+  cudaError_t e = cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream));
+  if (e != cudaSuccess) {
+    if (impl_ && impl_->watch.tripped()) check();  // the peer's death is the cause
+    fail("synchronize", e);
+  }
 }
 
-uint64_t GpuEngine::error_code() {
-  DeviceGuard g(device_);
-  uint64_t v = 0;
-  LW_CUDA(cudaMemcpy(&v, &reinterpret_cast<Control*>(impl_->own)->error, sizeof(v),
-                     cudaMemcpyDeviceToHost), "error check");
-  return v;
+// -- failures: see gpu_device.cuh (device side) and peer_watch.h (host side) ------------------
+void GpuEngine::watch_peers(const std::vector<int64_t>& pids) {
+  if (static_cast<int>(pids.size()) != nranks_)
+    throw Error(ErrorKind::Invalid, "watch_peers: expected one pid per rank");
+  std::vector<int64_t> p(pids);
+  p[rank_] = 0;
+  impl_->watch.start(p);
 }
+
+void GpuEngine::abort(int peer) {
+  if (impl_) impl_->watch.trip(peer);
+}
+
+uint64_t GpuEngine::error_code() const {
+  if (!impl_) return 0;
+  if (impl_->watch.tripped() || __atomic_load_n(&impl_->flags->abort, __ATOMIC_ACQUIRE))
+    return kErrAborted;
+  return __atomic_load_n(&impl_->flags->timed_out, __ATOMIC_ACQUIRE) ? kErrTimeout : 0;
+}
+
+void GpuEngine::check() const {
+  uint64_t code = error_code();
+  if (code == kErrAborted) {
+    int peer = impl_->watch.dead_peer();
+    int64_t pid = impl_->watch.dead_pid();
+    throw Error(ErrorKind::Peer,
+                "rank " + std::to_string(rank_) + ": " +
+                    (peer >= 0 ? "peer rank " + std::to_string(peer) : std::string("a peer")) +
+                    (pid > 0 ? " (pid " + std::to_string(pid) + ")" : std::string()) +
+                    " died or failed; GPU operations of this communicator were aborted (data of "
+                    "operations in flight is undefined; make a new communicator)",
+                peer);
+  }
+  if (code == kErrTimeout)
+    throw Error(ErrorKind::Timeout,
+                "rank " + std::to_string(rank_) + ": a GPU operation timed out waiting for a peer "
+                "(after " + std::to_string(timeout_s_) + " s); results are invalid and this "
+                "communicator cannot be used any more");
+}
+
+// -- events for requests (GpuRequest in _request.py) -----------------------------------------
+bool GpuEngine::event_query(uintptr_t ev) {
+  DeviceGuard g(device_);
+  cudaError_t e = cudaEventQuery(reinterpret_cast<cudaEvent_t>(ev));
+  if (e == cudaErrorNotReady) return false;
+  if (e != cudaSuccess) {
+    if (impl_ && impl_->watch.tripped()) check();
+    fail("request", e);
+  }
+  return true;
+}
+
+bool GpuEngine::event_wait(uintptr_t ev, double timeout_s) {
+  // Polls with a growing nap (2..500 us) rather than cudaEventSynchronize so that the timeout
+  // holds; device waits are bounded anyway (gpu_device.cuh), so this rarely runs long.
+  auto t0 = std::chrono::steady_clock::now();
+  long nap_ns = 0;
+  for (;;) {
+    if (event_query(ev)) return true;
+    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (waited >= timeout_s) return false;
+    nap_ns = nap_ns ? (nap_ns < 500000 ? nap_ns * 2 : 500000) : 2000;
+    timespec ts{0, nap_ns};
+    nanosleep(&ts, nullptr);
+  }
+}
+
+void GpuEngine::event_destroy(uintptr_t ev) { cudaEventDestroy(reinterpret_cast<cudaEvent_t>(ev)); }
 
 }  // namespace linkwise::cuda

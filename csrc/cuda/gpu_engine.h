@@ -45,7 +45,24 @@ class GpuEngine {
   void recv(uintptr_t x, size_t nbytes, int src, uintptr_t stream);
   void barrier(uintptr_t stream);
   void synchronize(uintptr_t stream);  // waits for the stream (GIL released by the binding)
-  uint64_t error_code();  // nonzero after a kernel timed out waiting for a peer (synchronises)
+
+  // Failures (contracts: gpu_device.cuh "Failure contract", peer_watch.h). watch_peers: the
+  // pid of every rank (0 = do not watch; ours is ignored); a watched peer's death aborts every
+  // device wait of this engine. abort(peer): the same by hand (peer = the rank to blame).
+  // error_code: 0, kErrTimeout (a device wait timed out) or kErrAborted; no synchronisation,
+  // so it reports what the device or the watchdog recorded so far. check: throws PeerError
+  // (aborted) or TimeoutError (timed out) once either happened, for good.
+  void watch_peers(const std::vector<int64_t>& pids);
+  void abort(int peer);
+  uint64_t error_code() const;
+  void check() const;
+
+  // Events of async requests: event_record (below) makes one; event_query: done? (throws the
+  // CUDA error, or PeerError when a dead peer caused it); event_wait: polls until done (true)
+  // or timeout_s passed (false); event_destroy releases it (pending or not).
+  bool event_query(uintptr_t ev);
+  bool event_wait(uintptr_t ev, double timeout_s);
+  static void event_destroy(uintptr_t ev);
 
   // Registered user buffers (reg_engine.cu). reg_describe: what peers need to map the
   // allocation holding ptr (IPC handle of its base, base, offset, allocation size), as bytes.

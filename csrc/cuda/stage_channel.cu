@@ -45,14 +45,15 @@ void StageChannel::fail(const char* what, cudaError_t e) const {
 }
 
 StageChannel::StageChannel(const std::string& name, bool create, int readers, int slots,
-                           size_t slot_bytes, int device, double timeout_s)
-    : device_(device), timeout_s_(timeout_s) {
+                           size_t slot_bytes, int device, double timeout_s,
+                           const GpuEngine* engine)
+    : engine_(engine), device_(device), timeout_s_(timeout_s) {
   if (create) {
     if (slots < 2 || slots > kMaxSlots || readers < 1 || slot_bytes == 0)
       throw Error(ErrorKind::Invalid, "StageChannel: bad geometry");
     slot_bytes = (slot_bytes + 4095) / 4096 * 4096;
-    seg_ = ShmSegment::create(name, kDataOffset + static_cast<size_t>(slots) * slot_bytes);
-    hdr_ = static_cast<StageHeader*>(seg_.data());  // zero-filled by ftruncate
+    seg_ = ShmSegment::create_private(name, kDataOffset + static_cast<size_t>(slots) * slot_bytes);
+    hdr_ = static_cast<StageHeader*>(seg_.data());  // a new memfd reads as zeros
     hdr_->slots = slots;
     hdr_->slot_bytes = slot_bytes;
     hdr_->readers = readers;
@@ -90,9 +91,7 @@ StageChannel::~StageChannel() {
   if (registered_) cudaHostUnregister(seg_.data());
 }
 
-void StageChannel::unlink() {
-  if (!seg_.name().empty()) ::shm_unlink(seg_.name().c_str());  // ENOENT once done: ignored
-}
+void StageChannel::unlink() { seg_.unlink(); }  // writer: closes the memfd; reader: no-op
 
 void StageChannel::write(uintptr_t src, size_t nbytes, uintptr_t stream) {
   run(true, reinterpret_cast<char*>(src), nbytes, reinterpret_cast<cudaStream_t>(stream));
@@ -162,6 +161,7 @@ void StageChannel::run(bool writer, char* dev, size_t nbytes, cudaStream_t s) {
                       std::to_string(done) + " of " + std::to_string(nch) + ")");
     // Spin ~50 us (a chunk of a few MiB takes ~100 us), then nap, doubling up to 200 us.
     if (idle < std::chrono::microseconds(50)) continue;
+    if (engine_) engine_->check();  // a peer died (watchdog): PeerError rather than the timeout
     nap_ns = nap_ns ? (nap_ns < 200000 ? nap_ns * 2 : 200000) : 2000;
     timespec ts{0, nap_ns};
     nanosleep(&ts, nullptr);

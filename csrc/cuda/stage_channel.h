@@ -1,13 +1,16 @@
-// StageChannel: host-staged GPU transfers between processes of one host through a POSIX
-// shared-memory segment that every side maps and pins (cudaHostRegister, portable). The
-// writer's device->host copy lands straight in memory the readers' host->device copies read:
-// no CPU copy in between (the path for LINKWISE_P2P_DISABLE=1 when peers share a host).
+// StageChannel: host-staged GPU transfers between processes of one host through shared memory
+// that every side maps and pins (cudaHostRegister, portable). The writer's device->host copy
+// lands straight in memory the readers' host->device copies read: no CPU copy in between (the
+// path for LINKWISE_P2P_DISABLE=1 when peers share a host).
 //
-// Segment "/linkwise-<job>-stg...": [Header | SlotFlags[slots] | pad to 4 KiB | slots x
-// slot_bytes]. One writer, `readers` readers (1 for send/recv, n-1 for a broadcast).
-// Ownership: the writer creates the segment; whoever knows that every side has mapped it
-// unlinks it (unlink(), idempotent), so nothing stays in /dev/shm. The mapping lives until the
-// channel is destroyed (host unregistered first).
+// Segment: a private ShmSegment (anonymous memfd, transport/shm/shm_segment.h): [Header |
+// SlotFlags[slots] | pad to 4 KiB | slots x slot_bytes]. One writer, `readers` readers (1 for
+// send/recv, n-1 for a broadcast). Ownership: the writer creates it; readers open it through
+// name() = /proc/<writer pid>/fd/<fd>, which the writer sends them in a host message. The
+// writer's unlink() closes that fd once every reader has mapped it (or the channel is
+// destroyed); readers' unlink() does nothing. Nothing ever appears in /dev/shm, so a crash
+// leaves nothing behind and a container's small /dev/shm does not limit the size. The
+// mapping lives until the channel is destroyed (host unregistered first).
 //
 // Protocol: both sides number chunks k = 0, 1, ... over the channel's life (messages are cut
 // into slot_bytes chunks identically on every side). Chunk k uses slot s = k % slots.
@@ -18,7 +21,8 @@
 //    has completed (event) it does acks[s] += 1 (release RMW).
 // Up to `slots` chunks are in flight per side, so the writer's D2H of chunk k+1 overlaps the
 // readers' H2D of chunk k. Waiting polls flags and events, spinning briefly and then sleeping
-// with a growing nap (2..200 us), and throws a timeout after `timeout_s`.
+// with a growing nap (2..200 us), and throws a timeout after `timeout_s`; while napping it
+// also asks `engine` (if given) whether a peer died (GpuEngine::check: PeerError).
 //
 // Threading: one thread uses a channel at a time; calls block the host until this side's
 // copies of the message have completed (the GIL is released by the binding).
@@ -31,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/gpu_engine.h"
 #include "transport/shm/shm_segment.h"
 
 namespace linkwise::cuda {
@@ -39,14 +44,17 @@ struct StageHeader;  // lives in the segment (stage_channel.cu)
 
 class StageChannel {
  public:
-  // create=true: make the segment (writer side); else open an existing one (reader side; the
-  // geometry is read from the header). device: the CUDA device whose stream is used.
+  // create=true: make the segment (writer side; `name` is only a label for /proc/<pid>/maps);
+  // else open the writer's name() (reader side; the geometry is read from the header).
+  // device: the CUDA device whose stream is used. engine: the communicator's GpuEngine for
+  // peer-death checks (may be null; must outlive the channel).
   StageChannel(const std::string& name, bool create, int readers, int slots, size_t slot_bytes,
-               int device, double timeout_s);
+               int device, double timeout_s, const GpuEngine* engine = nullptr);
   ~StageChannel();
   StageChannel(const StageChannel&) = delete;
   StageChannel& operator=(const StageChannel&) = delete;
 
+  const std::string& name() const { return seg_.name(); }
   void unlink();
   // Sends nbytes from device pointer src (enqueued on stream after the work already there).
   void write(uintptr_t src, size_t nbytes, uintptr_t stream);
@@ -60,6 +68,7 @@ class StageChannel {
   [[noreturn]] void fail(const char* what, cudaError_t e) const;
 
   ShmSegment seg_;
+  const GpuEngine* engine_ = nullptr;
   StageHeader* hdr_ = nullptr;
   char* data_ = nullptr;
   int readers_ = 1, slots_ = 2, device_ = 0;

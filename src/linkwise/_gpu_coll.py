@@ -3,7 +3,8 @@
 The CPU collectives (collectives.py) call :func:`dispatch` only after their NumPy fast checks
 failed (``type(x) is not np.ndarray``) and :func:`is_cuda` said yes, so the CPU path pays
 nothing. Semantics are GpuComm's (NCCL's): the operation is enqueued on ``stream`` (else the
-array's current stream) and the call returns before the GPU has finished.
+array's current stream) and the call returns before the GPU has finished; with async_op=True
+(and the a* coroutines) it returns a GpuRequest holding a CUDA event recorded after it.
 """
 from __future__ import annotations
 
@@ -59,11 +60,16 @@ def _copy(dst: Any, src: Any, stream: Any) -> None:
 
 def dispatch(comm, op: str, x: Any, *, out: Any = None, red: str = "sum", root: int = 0,
              async_op: bool = False, dtype: Optional[str] = None, stream: Any = None) -> Any:
-    """Runs collective `op` of `comm` on CUDA array x through comm.cuda(); returns the result."""
-    if async_op:
-        raise TypeError(f"{op}: async_op=True is not available for CUDA arrays; GPU collectives are "
-                        "already asynchronous (enqueued on the stream), so call it without async_op "
-                        "and synchronise the stream (or record an event) when you need the result")
+    """Runs collective `op` of `comm` on CUDA array x through comm.cuda(); returns the result,
+    or with async_op a GpuRequest (_request.py) whose wait() / await returns it."""
+    result = _run(comm, op, x, out=out, red=red, root=root, dtype=dtype, stream=stream)
+    if not async_op:
+        return result
+    return comm.cuda().request(result, stream, result)
+
+
+def _run(comm, op: str, x: Any, *, out: Any, red: str, root: int, dtype: Optional[str],
+         stream: Any) -> Any:
     if dtype is not None:
         raise TypeError(f"{op}: dtype= is for host arrays; a CUDA array carries its own dtype")
     if out is not None and not is_cuda(out):

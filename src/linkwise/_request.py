@@ -2,7 +2,8 @@
 
 Contract: a request keeps the objects its native operation reads or writes alive (`_keep`)
 until it is dropped; waiting on it from asyncio registers the native request's eventfd with
-the running loop (no busy loop).
+the running loop (no busy loop). GPU operations (GpuRequest) have no eventfd: they are a CUDA
+event recorded on the stream after the operation, polled from the loop.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import asyncio
 from typing import Any, Optional
 
 from .errors import TimeoutError
+
+_POLL_MIN_S, _POLL_MAX_S = 50e-6, 2e-3  # GpuRequest.__await__: first and longest nap
 
 
 class Request:
@@ -79,3 +82,74 @@ async def _await_native(native_request, timeout: float) -> int:
             loop.remove_reader(fd)
     native_request.wait(0.0)  # done: returns at once, or raises the operation's error
     return native_request.nbytes
+
+
+class GpuRequest:
+    """A GPU operation enqueued on a CUDA stream (async_op=True, a* coroutines, isend/irecv of
+    CUDA arrays): a CUDA event recorded on the stream right after the operation.
+
+    ``wait()`` blocks the host until the GPU passed the event (GIL released), then raises the
+    communicator's recorded failure if there is one (PeerError: a peer died; TimeoutError: a
+    device wait timed out; both final, the data is then undefined) and returns the result (the
+    array for a collective, the byte count for isend/irecv). ``await`` does the same, polling the
+    event with naps growing from 50 us to 2 ms so that the event loop never blocks. Like NCCL's,
+    the request does not order other streams: wait (or await) before using the data elsewhere.
+    Keep the arrays alive and untouched until done. Not thread-safe.
+    """
+
+    __slots__ = ("_engine", "_ev", "_timeout", "_result", "__weakref__")
+
+    def __init__(self, engine, event: int, timeout: float, result: Any):
+        self._engine = engine   # the communicator's _GpuEngine (its check() reports failures)
+        self._ev = event        # cudaEvent_t as an int; 0 once completed and destroyed
+        self._timeout = timeout
+        self._result = result
+
+    def _finish(self) -> Any:
+        if self._ev:
+            self._engine.event_destroy(self._ev)
+            self._ev = 0
+        self._engine.check()
+        return self._result
+
+    def test(self) -> bool:
+        """True when the GPU has finished the operation (raises a recorded failure then)."""
+        if self._ev and not self._engine.event_query(self._ev):
+            return False
+        self._finish()
+        return True
+
+    @property
+    def done(self) -> bool:
+        return not self._ev or self._engine.event_query(self._ev)
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Block until the GPU has finished the operation; returns its result."""
+        limit = self._timeout if timeout is None else float(timeout)
+        if self._ev and not self._engine.event_wait(self._ev, limit):
+            self._engine.check()  # a failure explains the wait better than the timeout
+            raise TimeoutError(f"GPU operation did not complete within {limit} s; raise "
+                               "LINKWISE_TIMEOUT or pass timeout=")
+        return self._finish()
+
+    def __await__(self):
+        async def run():
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self._timeout
+            nap = 0.0
+            while self._ev and not self._engine.event_query(self._ev):
+                if loop.time() > deadline:
+                    self._engine.check()
+                    raise TimeoutError(f"async GPU operation did not complete within "
+                                       f"{self._timeout} s; raise LINKWISE_TIMEOUT or pass timeout=")
+                await asyncio.sleep(nap)
+                nap = min(_POLL_MAX_S, max(_POLL_MIN_S, nap * 2))
+            return self._finish()
+        return run().__await__()
+
+    def __del__(self) -> None:
+        if getattr(self, "_ev", 0):
+            try:
+                self._engine.event_destroy(self._ev)  # a pending event is released once reached
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass

@@ -2,7 +2,8 @@
 
 Threading: a Communicator may be used from several threads; the native engine serialises its
 own state. Blocking calls release the GIL. Async calls (``await comm.arecv(...)``) wait on an
-eventfd registered with the running asyncio loop, never on a busy loop.
+eventfd registered with the running asyncio loop, never on a busy loop; on CUDA arrays they
+poll a CUDA event recorded after the operation (GpuRequest), napping between polls.
 
 Buffers: anything with the buffer protocol (NumPy, bytearray, memoryview, array.array) is used
 in place; objects with ``__dlpack__`` only (PyTorch CPU tensors, JAX arrays) are viewed through
@@ -146,7 +147,7 @@ class Communicator(CollectivesMixin):
         return g
 
     def _post(self, x: Any, peer: int, tag: int, is_send: bool, is_async: bool,
-              timeout: Optional[float]) -> Request:
+              timeout: Optional[float], stream: Any = None):
         op = "isend" if is_send else "irecv"
         self._check(peer, tag, op)
         post = self._native.isend if is_send else self._native.irecv
@@ -155,25 +156,38 @@ class Communicator(CollectivesMixin):
         except TypeError as exc:
             if "buffer protocol" not in str(exc):
                 raise
+            if _is_cuda(x):  # enqueued on the stream; a GpuRequest (CUDA event) tracks it
+                g = self.cuda()
+                req = (g.isend if is_send else g.irecv)(x, peer, tag, stream=stream)
+                req._timeout = self._timeout(timeout)
+                return req
             x = _as_buffer(x, op)
             native_req = post(x, peer, tag, is_async)
         return Request(native_req, self._timeout(timeout), x)
 
-    def isend(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None) -> Request:
-        """Start sending x; the returned request's wait()/test() finish it."""
-        return self._post(x, dst, tag, True, False, timeout)
+    def isend(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None,
+              stream: Any = None):
+        """Start sending x; the returned request's wait()/test() finish it.
 
-    def irecv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None) -> Request:
-        """Start receiving into x; the returned request's wait()/test() finish it."""
-        return self._post(x, src, tag, False, False, timeout)
+        A CUDA array is enqueued on `stream` (else its current stream) as send() does; the
+        request (linkwise._request.GpuRequest) waits for a CUDA event recorded after it."""
+        return self._post(x, dst, tag, True, False, timeout, stream)
 
-    async def asend(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None) -> None:
+    def irecv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None,
+              stream: Any = None):
+        """Start receiving into x; the returned request's wait()/test() finish it (CUDA arrays:
+        as isend)."""
+        return self._post(x, src, tag, False, False, timeout, stream)
+
+    async def asend(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None,
+                    stream: Any = None) -> None:
         """Coroutine send: ``await comm.asend(x, dst)``."""
-        await self._post(x, dst, tag, True, True, timeout)
+        await self._post(x, dst, tag, True, True, timeout, stream)
 
-    async def arecv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None) -> int:
+    async def arecv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None,
+                    stream: Any = None) -> int:
         """Coroutine receive: ``n = await comm.arecv(x, src)``; returns bytes received."""
-        return await self._post(x, src, tag, False, True, timeout)
+        return await self._post(x, src, tag, False, True, timeout, stream)
 
     # -- information and lifetime ---------------------------------------------------------
     def link(self, peer: int) -> str:

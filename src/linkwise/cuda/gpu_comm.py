@@ -32,6 +32,23 @@ object), else on the current stream of the array's library (torch / cupy), and r
 without waiting for the GPU. All ranks issue the same collectives in the same order, on one
 stream (or streams the caller orders). send/recv between a pair match in issue order; the
 tag is accepted for API symmetry and not matched. Results are bitwise identical on every rank.
+
+Async forms (``request``, ``isend`` / ``irecv``; the Communicator's ``async_op=True``, ``a*``
+coroutines, isend/irecv/asend/arecv route here): the operation is enqueued as above and a
+:class:`linkwise._request.GpuRequest` records a CUDA event on the stream right after it.
+``wait()`` blocks the host until the event completes, ``await`` polls it without blocking the
+loop; both then raise the communicator's recorded failure, if any. As with NCCL, a receive
+enqueued before the matching send on one stream waits for it on the GPU: two ranks that both
+irecv before they isend on one stream deadlock (until the timeout); order them.
+
+Failures: a peer process that dies (watched through its pidfd when it runs on this host,
+peer_watch.h) aborts every device wait of this communicator within a millisecond: kernels
+drain, and the next call on it, ``synchronize()``, ``check()`` or a request's ``wait()``
+raises PeerError naming the peer. A device wait longer than the communicator's timeout raises
+TimeoutError the same way. Either is final: the data of operations in flight is undefined and
+the communicator cannot be used any more (make a new one). Plain stream synchronisation
+(``torch.cuda.synchronize()``, ``tensor.cpu()``) returns once kernels drained and raises
+nothing: call ``check()`` after it when a peer may have failed.
 """
 from __future__ import annotations
 
@@ -39,7 +56,6 @@ import os
 from typing import Any, Optional
 
 from .. import config
-from ..errors import TimeoutError as LwTimeoutError
 from .arrays import DTYPES, OPS, DevArray, stream_handle, view
 
 _DEFAULT_SLOT = 16 << 20
@@ -110,6 +126,7 @@ class GpuComm:
             cid = getattr(comm, "comm_id", "world")
             k = _counter[cid] = _counter.get(cid, 0) + 1
             self._key = f"{cid}/gpu/{k}"
+            self._watch_peers()
         if self.size > 1 and self._staged is None:
             store = comm._store
             key = self._key
@@ -122,8 +139,54 @@ class GpuComm:
     def slot_bytes(self) -> int:
         return self._engine.slot_bytes
 
+    def _watch_peers(self) -> None:
+        """Exchanges (host, pid namespace, pid) and watches the peers whose pid means the same
+        process here (peer_watch.h); others are left to the CPU engine and the timeout."""
+        import json
+        from .._setup import host_identity
+        try:
+            pidns = os.readlink("/proc/self/ns/pid")
+        except OSError:
+            pidns = "?"
+        me = {"who": f"{host_identity()}|{pidns}", "pid": os.getpid()}
+        raw = self.comm._store.all_gather(f"{self._key}/pids", self.rank, self.size,
+                                          json.dumps(me).encode())
+        cards = [json.loads(r) for r in raw]
+        self._engine.watch_peers([c["pid"] if c["who"] == me["who"] and pidns != "?" else 0
+                                  for c in cards])
+
+    def check(self) -> None:
+        """Raises PeerError if a peer of this communicator died, TimeoutError if a GPU wait timed
+        out (either is final). Does not synchronise: it reports what was recorded so far."""
+        self._engine.check()
+
+    def abort(self, peer: int = -1) -> None:
+        """Aborts every device wait of this communicator now (as a dead peer would; `peer` is the
+        rank to blame, -1 unknown). Later calls raise PeerError. For tests and error handlers."""
+        self._engine.abort(peer)
+
+    # -- async requests ----------------------------------------------------------------------
+    def request(self, x: Any, stream: Any = None, result: Any = None):
+        """A GpuRequest for the work enqueued so far on x's stream (`stream`, else x's current
+        stream): its wait() returns `result` once the GPU got there."""
+        from .._request import GpuRequest
+        s = stream_handle(stream, view(x, "request"))
+        return GpuRequest(self._engine, self._engine.event_record(s), float(self.comm.timeout),
+                          result)
+
+    def isend(self, x: Any, dst: int, tag: int = 0, stream: Any = None):
+        """send() as a request; wait() returns the bytes sent."""
+        self.send(x, dst, tag, stream=stream)
+        return self.request(x, stream, view(x, "isend").nbytes)
+
+    def irecv(self, x: Any, src: int, tag: int = 0, stream: Any = None):
+        """recv() as a request; wait() returns the bytes received (once they are in x)."""
+        n = self.recv(x, src, tag, stream=stream)
+        return self.request(x, stream, n)
+
     # -- helpers ---------------------------------------------------------------------------
     def _view(self, x: Any, op: str) -> DevArray:
+        self._engine.check()  # every operation starts here: a failed communicator raises
         v = view(x, op)
         if v.device is not None and v.device != self.device:
             raise ValueError(f"rank {self.rank}: {op}: the array is on cuda:{v.device} but this "
@@ -298,6 +361,7 @@ class GpuComm:
     def barrier(self, stream: Any = None) -> None:
         """Device-side barrier enqueued on `stream` (default: legacy stream), then waits for it."""
         h = stream if isinstance(stream, int) else 0
+        self._engine.check()
         self._no_capture(h, "barrier")
         if self._staged is not None:
             self.synchronize(h)
@@ -307,21 +371,26 @@ class GpuComm:
         self.synchronize(h)
 
     def synchronize(self, stream: int = 0) -> None:
+        """Waits for `stream` (GIL released), then raises a recorded failure (see check())."""
         self._engine.synchronize(stream)
-        if self._engine.error_code():
-            raise LwTimeoutError(f"rank {self.rank}: a GPU operation timed out waiting for a peer "
-                                 f"(after {self.comm.timeout:g} s); results are invalid")
+        self._engine.check()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._engine.synchronize(0)
+        try:
+            self._engine.synchronize(0)
+        except Exception:  # noqa: BLE001 - a failed communicator still releases everything
+            if not self._engine.error_code():
+                raise
         if self._staged is not None:
             self._staged.close()
         # Collective close on both paths: no rank tears down (or exits, taking the rendezvous
         # store with it) while a peer is still inside a call that needs it.
-        if self.size > 1 and getattr(self.comm, "_store", None) is not None:
+        # Not after a failure: a dead or hung peer would hold everyone up until the timeout.
+        failed = self._engine.error_code() != 0
+        if self.size > 1 and not failed and getattr(self.comm, "_store", None) is not None:
             self.comm._store.barrier(f"{self._key}/close", self.size)
         self._engine.close()
 

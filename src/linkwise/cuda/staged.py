@@ -13,10 +13,14 @@ Peers on this host (the CPU engine links them through shared memory) skip the CP
 send/recv and broadcast: the bytes go through a StageChannel (csrc/cuda/stage_channel.h), a
 shared-memory segment pinned in every process, so the sender's device->host copy writes
 straight into the memory the receivers' host->device copies read, chunk by chunk through
-``LINKWISE_STAGED_BUFFERS`` slots of ``LINKWISE_CHUNK_SIZE`` bytes. Channels are made on first
-use: send/recv per ordered pair (the sender creates the segment and tells the receiver its
-name in a host message; the receiver unlinks it once mapped), broadcast per root (collective;
-the root unlinks after a barrier). ``LINKWISE_STAGED_SHM=0`` turns this off.
+``LINKWISE_STAGED_BUFFERS`` slots of ``LINKWISE_CHUNK_SIZE`` bytes. The segments are anonymous
+memfds (never in /dev/shm: nothing is left by a crash, and a container's 64 MiB /dev/shm does
+not limit them); readers open them through the writer's /proc/<pid>/fd. Channels are made on
+first use: send/recv per ordered pair (the sender creates the segment and tells the receiver
+its name in a host message; the sender keeps the fd open while the channel lives, as it cannot
+know when the receiver has opened it), broadcast per root (collective; the root closes the fd
+after a barrier). ``LINKWISE_STAGED_SHM=0`` turns this off. A channel waiting for a peer
+raises PeerError when the communicator's watchdog saw that peer die (gpu_comm.py).
 
 Unlike the NVLink path these calls block the host until the data has gone through the CPU
 engine (the last host->device copy is waited for too, so the pinned buffers are free). None
@@ -56,23 +60,28 @@ class Staged:
 
     # -- shared-memory channels (peers on this host) ----------------------------------------
     def _new_name(self, what: str) -> str:
+        """A label for a new segment (shown in /proc/<pid>/maps; peers open it by ch.name)."""
         _seq[0] += 1
         job = getattr(self.comm, "job_id", "") or "nojob"
-        return f"/linkwise-{job}-stg{os.getpid()}-{what}-{_seq[0]}"
+        return f"linkwise-{job}-stg-{what}-{_seq[0]}"
 
     def _channel(self, name: str, create: bool, readers: int = 1):
         from .. import _native
         return _native._StageChannel(name, create, readers, self.nbuf if create else 0,
                                      self.chunk if create else 0, self.g.device,
-                                     float(self.comm.timeout))
+                                     float(self.comm.timeout), self.e)
+
+    @staticmethod
+    def _name_msg(ch) -> np.ndarray:
+        raw = ch.name.encode()
+        assert len(raw) < _NAME_BYTES, raw
+        return np.frombuffer(raw.ljust(_NAME_BYTES, b"\0"), np.uint8).copy()
 
     def _chan_out(self, dst: int):
         ch = self._out.get(dst)
         if ch is None:
-            name = self._new_name(f"{self.comm.rank}to{dst}")
-            ch = self._out[dst] = self._channel(name, True)
-            msg = np.frombuffer(name.encode().ljust(_NAME_BYTES, b"\0"), np.uint8).copy()
-            self.comm.send(msg, dst, _NAME_TAG)
+            ch = self._out[dst] = self._channel(self._new_name(f"{self.comm.rank}to{dst}"), True)
+            self.comm.send(self._name_msg(ch), dst, _NAME_TAG)
         return ch
 
     def _chan_in(self, src: int):
@@ -81,7 +90,6 @@ class Staged:
             msg = np.zeros(_NAME_BYTES, np.uint8)
             self.comm.recv(msg, src, _NAME_TAG)
             ch = self._in[src] = self._channel(msg.tobytes().rstrip(b"\0").decode(), False)
-            ch.unlink()  # the writer mapped it first: nobody else needs the name
         return ch
 
     def _chan_bcast(self, root: int):
@@ -90,15 +98,14 @@ class Staged:
             me = self.comm.rank == root
             msg = np.zeros(_NAME_BYTES, np.uint8)
             if me:
-                name = self._new_name(f"bc{root}")
-                ch = self._channel(name, True, readers=self.comm.size - 1)
-                msg[:] = np.frombuffer(name.encode().ljust(_NAME_BYTES, b"\0"), np.uint8)
+                ch = self._channel(self._new_name(f"bc{root}"), True, readers=self.comm.size - 1)
+                msg[:] = self._name_msg(ch)
             self.comm.broadcast(msg, root=root)
             if not me:
                 ch = self._channel(msg.tobytes().rstrip(b"\0").decode(), False)
             self.comm.barrier()  # every reader has mapped it
             if me:
-                ch.unlink()
+                ch.unlink()  # closes the memfd: no other process can open it from now on
             self._bc[root] = ch
         return ch
 

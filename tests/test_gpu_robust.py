@@ -1,0 +1,305 @@
+"""GPU failures and async forms: a dead peer raises PeerError on the survivors (not a timeout),
+a hung peer still ends in TimeoutError, and async_op=True / a* coroutines / isend / irecv of
+CUDA arrays match NumPy references, on the NVLink path and the host-staged one.
+
+Each test forks one rank per GPU (at most 4). A "victim" (the last rank) SIGKILLs itself while
+the others are blocked in a GPU operation that needs it; the timeout is long (30 s), so only the
+watchdog (peer_watch.h) can end their wait within the few seconds the test allows.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from multirank import run_ranks
+
+pytestmark = pytest.mark.gpu
+
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+STAGED_ENV = {**SAFE_ENV, "LINKWISE_P2P_DISABLE": "1", "LINKWISE_CHUNK_SIZE": "4096"}
+DEAD_TIMEOUT = 30.0   # LINKWISE_TIMEOUT while a peer dies: PeerError must come long before
+PROMPT_S = 8.0        # ... within this many seconds of the survivor starting to wait
+
+
+def _nranks() -> int:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return min(4, pynvml.nvmlDeviceGetCount())
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def _setup(comm):
+    import torch
+    g = comm.cuda()
+    torch.cuda.set_device(g.device)
+    return g, torch
+
+
+# -- a dead peer -------------------------------------------------------------------------------
+def _blocked_call(comm, g, torch, case, victim):
+    """What a survivor is doing when the victim dies: one call that needs the victim."""
+    x = torch.ones(1000, device="cuda")
+    if case in ("all_reduce", "hang"):
+        g.all_reduce(x)
+        g.synchronize()
+    elif case in ("recv", "staged_recv"):
+        g.recv(torch.zeros(1000, device="cuda"), victim)
+        g.synchronize()
+    elif case == "wait":
+        comm.all_reduce(x, async_op=True).wait()
+    elif case == "await":
+        asyncio.run(comm.aall_reduce(x))
+
+
+def _dead_peer_body(comm, case):
+    import signal
+    import linkwise
+    g, torch = _setup(comm)
+    n, r = comm.size, comm.rank
+    victim = n - 1
+    x = torch.ones(1000, device="cuda")
+    g.all_reduce(x)
+    g.synchronize()
+    if not torch.equal(x.cpu(), torch.full((1000,), float(n))):
+        return ("warm-up all_reduce wrong",)
+    if case == "staged_recv":  # open the victim -> survivor channels with a first message
+        if r == victim:
+            for s in range(n - 1):
+                g.send(x, s)
+        else:
+            got = torch.zeros(1000, device="cuda")
+            g.recv(got, victim)
+            if not torch.equal(got.cpu(), torch.full((1000,), float(n))):
+                return ("staged warm-up recv wrong",)
+        g.synchronize()
+    comm.barrier()
+    if r == victim:
+        if case == "hang":  # alive but absent: the survivors must time out as before
+            time.sleep(3 * float(os.environ["LINKWISE_TIMEOUT"]))
+            g.abort(victim)  # this rank's GPU communicator is unusable too; close it quietly
+            return ("victim slept",)
+        time.sleep(0.5)  # the survivors are blocked by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        _blocked_call(comm, g, torch, case, victim)
+        first = ("no error", -1, time.monotonic() - t0)
+    except linkwise.PeerError as exc:
+        first = ("PeerError", exc.peer, time.monotonic() - t0)
+    except linkwise.TimeoutError:
+        first = ("TimeoutError", -1, time.monotonic() - t0)
+    try:  # the communicator stays failed: the next call raises at once, on the host
+        t1 = time.monotonic()
+        g.all_reduce(x)
+        later = ("no error", 0.0)
+    except Exception as exc:  # noqa: BLE001
+        later = (type(exc).__name__, time.monotonic() - t1)
+    try:
+        g.check()
+        checked = "no error"
+    except Exception as exc:  # noqa: BLE001
+        checked = type(exc).__name__
+    return first + later + (checked,)
+
+
+@pytest.mark.parametrize("case", ["all_reduce", "recv", "wait", "await", "staged_recv"])
+def test_dead_peer_raises_peer_error(case):
+    n = _nranks()
+    if n < 2:
+        pytest.skip("needs 2 GPUs")
+    env = {**(STAGED_ENV if case.startswith("staged") else SAFE_ENV),
+           "LINKWISE_TIMEOUT": str(DEAD_TIMEOUT)}
+    t0 = time.monotonic()
+    res = run_ranks(n, _dead_peer_body, case, env=env, timeout=3 * DEAD_TIMEOUT, expect_fail=True)
+    assert time.monotonic() - t0 < DEAD_TIMEOUT, f"took {time.monotonic() - t0:.1f} s: {res}"
+    assert res[-1][0] == "died", res[-1]
+    for r, (kind, val) in enumerate(res[:-1]):
+        assert kind == "ok", f"rank {r}: {val}"
+        what, peer, waited, later, later_s, checked = val
+        assert (what, peer) == ("PeerError", n - 1), f"rank {r}: {val}"
+        assert waited < PROMPT_S, f"rank {r}: PeerError after {waited:.1f} s"
+        assert later == "PeerError" and later_s < 0.5, f"rank {r}: next call {later} ({later_s:.2f} s)"
+        assert checked == "PeerError", f"rank {r}: check() gave {checked}"
+
+
+def test_hung_peer_still_times_out():
+    n = _nranks()
+    if n < 2:
+        pytest.skip("needs 2 GPUs")
+    env = {**SAFE_ENV, "LINKWISE_TIMEOUT": "2"}
+    res = run_ranks(n, _dead_peer_body, "hang", env=env, timeout=60, expect_fail=True)
+    assert res[-1] == ("ok", ("victim slept",)), res[-1]
+    for r, (kind, val) in enumerate(res[:-1]):
+        assert kind == "ok", f"rank {r}: {val}"
+        what, _, waited, later, _, checked = val
+        assert what == "TimeoutError" and 1.0 < waited < 12.0, f"rank {r}: {val}"
+        assert later == "TimeoutError" and checked == "TimeoutError", f"rank {r}: {val}"
+
+
+# -- async forms against NumPy references --------------------------------------------------------
+# Exact on both paths (the host-staged reductions run on the CPU engine, in its own order).
+RED_CASES = [("float32", "max"), ("int32", "sum"), ("bfloat16", "min"), ("int64", "prod")]
+
+
+def _async_body(comm, sizes):
+    from gpu_util import host_input, mismatch, reference
+    g, torch = _setup(comm)
+    n, r = comm.size, comm.rank
+    errors = []
+
+    def expect(name, got, want):
+        bad = mismatch(got.cpu(), want)
+        if bad:
+            errors.append(f"rank {r} {name}: {bad}")
+
+    for i, count in enumerate(sizes):
+        # Several requests in flight on one stream, waited in issue order.
+        pending = []
+        for j, (dtype, op) in enumerate(RED_CASES):
+            ins = [host_input(q, count, dtype, op, seed=10 * i + j) for q in range(n)]
+            x = ins[r].cuda()
+            pending.append((f"all_reduce {count} {dtype} {op}", comm.all_reduce(x, op=op, async_op=True),
+                            x, reference(ins, dtype, op)))
+        root = i % n
+        src = host_input(root, count, "float32", "sum", seed=50 + i)
+        b = src.cuda() if r == root else torch.full((count,), -1.0, device="cuda")
+        pending.append((f"broadcast {count}", comm.broadcast(b, root=root, async_op=True), b, src))
+        for name, req, res, want in pending:
+            got = req.wait()
+            if got is not res:
+                errors.append(f"rank {r} {name}: wait() returned another object")
+            expect(name, res, want)
+        ins = [host_input(q, count, "float16", "sum", seed=60 + i) for q in range(n)]
+        req = comm.all_gather(ins[r].cuda(), async_op=True)
+        while not req.test():
+            time.sleep(1e-4)
+        expect(f"all_gather {count}", req.wait(), torch.cat(ins))
+        ins = [host_input(q, n * count, "int32", "sum", seed=70 + i) for q in range(n)]
+        got = comm.reduce_scatter(ins[r].cuda(), async_op=True).wait()
+        expect(f"reduce_scatter {count}", got, reference(ins, "int32", "sum")[r * count:(r + 1) * count])
+        ins = [host_input(q, n * count, "int64", "sum", seed=80 + i) for q in range(n)]
+        got = comm.all_to_all(ins[r].cuda(), out=torch.empty(n * count, dtype=torch.int64, device="cuda"),
+                              async_op=True).wait()
+        expect(f"all_to_all {count}", got, torch.cat([ins[q][r * count:(r + 1) * count] for q in range(n)]))
+        # isend / irecv in pairs (0,1), (2,3): even ranks send first, odd ranks receive first.
+        peer = r ^ 1
+        if peer < n:
+            mine = host_input(r, count, "float32", "sum", seed=90 + i).cuda()
+            got = torch.full((count,), -1.0, device="cuda")
+            first, second = ((comm.isend, mine), (comm.irecv, got)) if r % 2 == 0 else \
+                ((comm.irecv, got), (comm.isend, mine))
+            reqs = [fn(arr, peer) for fn, arr in (first, second)]
+            nbytes = [q.wait() for q in reqs]
+            if nbytes != [4 * count, 4 * count]:
+                errors.append(f"rank {r} isend/irecv {count}: wait() gave {nbytes}")
+            expect(f"isend/irecv {count}", got, host_input(peer, count, "float32", "sum", seed=90 + i))
+        errors += asyncio.run(_coroutines(comm, torch, count, i))
+    if g._staged is None:  # the host-staged path blocks the host in the call itself (staged.py)
+        errors += _loop_not_blocked(comm, torch)
+    else:  # staging channels are memfds opened through /proc: nothing in /dev/shm
+
+        names = [ch.name for ch in list(g._staged._out.values()) + list(g._staged._in.values())]
+        if not names or not all(nm.startswith("/proc/") for nm in names):
+            errors.append(f"rank {r}: staging channels {names}")
+        left = [f for f in os.listdir("/dev/shm") if comm.job_id in f]
+        if left:
+            errors.append(f"rank {r}: left in /dev/shm: {left}")
+    return errors
+
+
+async def _coroutines(comm, torch, count, i):
+    """The a* forms: aall_reduce, abroadcast, aall_gather, areduce_scatter, aall_to_all, asend/arecv."""
+    from gpu_util import host_input, mismatch, reference
+    n, r = comm.size, comm.rank
+    errors = []
+
+    def expect(name, got, want):
+        bad = mismatch(got.cpu(), want)
+        if bad:
+            errors.append(f"rank {r} await {name}: {bad}")
+
+    ins = [host_input(q, count, "int32", "sum", seed=110 + i) for q in range(n)]
+    expect(f"aall_reduce {count}", await comm.aall_reduce(ins[r].cuda()), reference(ins, "int32", "sum"))
+    root = (i + 1) % n
+    src = host_input(root, count, "float64", "sum", seed=120 + i)
+    b = src.cuda() if r == root else torch.zeros(count, dtype=torch.float64, device="cuda")
+    expect(f"abroadcast {count}", await comm.abroadcast(b, root=root), src)
+    ins = [host_input(q, count, "bfloat16", "sum", seed=130 + i) for q in range(n)]
+    expect(f"aall_gather {count}", await comm.aall_gather(ins[r].cuda()), torch.cat(ins))
+    ins = [host_input(q, n * count, "float32", "max", seed=140 + i) for q in range(n)]
+    expect(f"areduce_scatter {count}", await comm.areduce_scatter(ins[r].cuda(), op="max"),
+           reference(ins, "float32", "max")[r * count:(r + 1) * count])
+    ins = [host_input(q, n * count, "int32", "sum", seed=150 + i) for q in range(n)]
+    expect(f"aall_to_all {count}", await comm.aall_to_all(ins[r].cuda()),
+           torch.cat([ins[q][r * count:(r + 1) * count] for q in range(n)]))
+    peer = r ^ 1
+    if peer < n:
+        mine = host_input(r, count, "float32", "sum", seed=160 + i).cuda()
+        got = torch.full((count,), -1.0, device="cuda")
+        if r % 2 == 0:
+            await comm.asend(mine, peer)
+            k = await comm.arecv(got, peer)
+        else:
+            k = await comm.arecv(got, peer)
+            await comm.asend(mine, peer)
+        if k != 4 * count:
+            errors.append(f"rank {r} arecv {count}: returned {k}")
+        expect(f"asend/arecv {count}", got, host_input(peer, count, "float32", "sum", seed=160 + i))
+    return errors
+
+
+def _loop_not_blocked(comm, torch):
+    """Rank 0 awaits an all_reduce that the others join 0.4 s late; meanwhile its event loop must
+    keep running other tasks (the await polls the CUDA event, it never blocks the loop)."""
+    x = torch.ones(4096, device="cuda")
+    comm.barrier()
+    if comm.rank != 0:
+        time.sleep(0.4)
+        comm.all_reduce(x)
+        torch.cuda.synchronize()
+        return []
+    ticks = [0]
+
+    async def ticker(done):
+        while not done.is_set():
+            ticks[0] += 1
+            await asyncio.sleep(0.01)
+
+    async def main():
+        done = asyncio.Event()
+        t = asyncio.ensure_future(ticker(done))
+        t0 = time.monotonic()
+        res = await comm.aall_reduce(x)
+        waited = time.monotonic() - t0
+        done.set()
+        await t
+        return res, waited
+
+    res, waited = asyncio.run(main())
+    errors = []
+    if not torch.equal(res.cpu(), torch.full((4096,), float(comm.size))):
+        errors.append("rank 0: late all_reduce wrong")
+    if comm.size > 1 and (waited < 0.3 or ticks[0] < 10):
+        errors.append(f"rank 0: awaited {waited:.2f} s, the loop ticked {ticks[0]} times")
+    return errors
+
+
+def _check(results):
+    errors = [e for r in results for e in r]
+    assert not errors, "\n".join(errors[:20])
+
+
+def test_async_collectives_and_p2p():
+    _check(run_ranks(_nranks(), _async_body, [0, 1, 7, 65537], env=SAFE_ENV, timeout=300))
+
+
+def test_async_host_staged():
+    n = _nranks()
+    if n < 2:
+        pytest.skip("needs 2 GPUs")
+    _check(run_ranks(n, _async_body, [0, 7, 65537], env=STAGED_ENV, timeout=300))
