@@ -303,3 +303,35 @@ def test_async_host_staged():
     if n < 2:
         pytest.skip("needs 2 GPUs")
     _check(run_ranks(n, _async_body, [0, 7, 65537], env=STAGED_ENV, timeout=300))
+
+
+# -- host-staged all_reduce through shared pinned memory (stage_reduce.h) ------------------------
+def _staged_reduce_body(comm, cases):
+    from test_gpu_collectives import _allreduce_body
+    g, torch = _setup(comm)
+    x = torch.ones(3, device="cuda")
+    g.all_reduce(x)
+    if g._staged is None or g._staged._red is None:
+        return [f"rank {comm.rank}: the shared-memory staged all_reduce was not used"]
+    name = g._staged._red.name
+    if not name.startswith("/proc/"):
+        return [f"rank {comm.rank}: StageReduce segment {name}"]
+    return _allreduce_body(comm, cases)  # bitwise against the rank-order float32 reference
+
+
+def test_host_staged_all_reduce_shared_memory():
+    """Every dtype and op, bitwise; 4 KiB chunks through 2-3 slots (sizes span many chunks);
+    misaligned pointers; 2, 3 and 4 ranks (as many as there are GPUs)."""
+    n = _nranks()
+    if n < 2:
+        pytest.skip("needs 2 GPUs")
+    dtypes = ["float32", "float16", "bfloat16", "int32", "float64", "int64"]
+    ops = ["sum", "prod", "min", "max", "avg"]
+    cases = [(c, d, o, "auto", j % 2) for d in dtypes for o in ops
+             for j, c in enumerate([0, 1, 7, 4099, 65537])]
+    _check(run_ranks(n, _staged_reduce_body, cases, env=STAGED_ENV, timeout=300))
+    small = [(c, d, o, "auto", 0) for d, o in (("float32", "sum"), ("bfloat16", "avg"), ("int64", "prod"))
+             for c in (1, 4099, 30001)]
+    for k in range(2, n):
+        _check(run_ranks(k, _staged_reduce_body, small, env={**STAGED_ENV, "LINKWISE_STAGED_BUFFERS": "2"},
+                         timeout=300))

@@ -12,6 +12,7 @@
 #include "bindings/bindings.h"
 #include "cuda/gpu_engine.h"
 #include "cuda/stage_channel.h"
+#include "cuda/stage_reduce.h"
 
 #include <cuda_runtime.h>
 
@@ -45,6 +46,17 @@ void bind_cuda(nb::module_& m) {
       .def("read", &StageChannel::read, rel())
       .def_prop_ro("slot_bytes", &StageChannel::slot_bytes)
       .def_prop_ro("slots", &StageChannel::slots);
+  using linkwise::cuda::StageReduce;
+  nb::class_<StageReduce>(m, "_StageReduce")
+      .def(nb::init<int, int, int, size_t, int, double, const GpuEngine*, const std::string&>(),
+           nb::arg("rank"), nb::arg("size"), nb::arg("slots"), nb::arg("slot_bytes"),
+           nb::arg("device"), nb::arg("timeout"), nb::arg("engine").none(), nb::arg("label"),
+           nb::keep_alive<1, 8>(), rel())
+      .def_prop_ro("name", &StageReduce::name)
+      .def("attach", &StageReduce::attach, rel())
+      .def("unlink", &StageReduce::unlink, rel())
+      .def("all_reduce", &StageReduce::all_reduce, rel())
+      .def_prop_ro("slot_bytes", &StageReduce::slot_bytes);
   nb::class_<GpuEngine>(m, "_GpuEngine")
       .def(nb::init<int, int, int, size_t, double>(), nb::arg("rank"), nb::arg("size"),
            nb::arg("device"), nb::arg("slot_bytes"), nb::arg("timeout"), rel())

@@ -9,6 +9,11 @@ the host->device copy of a chunk is enqueued on the same stream right after, so 
 alone keeps a buffer from being refilled before it has been copied out. all_gather,
 reduce_scatter and all_to_all stage the whole array once (no pipelining).
 
+When every peer is on this host, all_reduce skips the CPU engine too: a StageReduce
+(csrc/cuda/stage_reduce.h) pipelines device->host copies into shared pinned memory, a
+reduce-scatter on the CPUs (rank r reduces part r of every chunk, float16/bfloat16 in float32,
+so results match the NVLink path bitwise) and host->device copies of every rank's part.
+
 Peers on this host (the CPU engine links them through shared memory) skip the CPU engine for
 send/recv and broadcast: the bytes go through a StageChannel (csrc/cuda/stage_channel.h), a
 shared-memory segment pinned in every process, so the sender's device->host copy writes
@@ -57,6 +62,7 @@ class Staged:
         self._out: dict = {}   # dst -> StageChannel we write
         self._in: dict = {}    # src -> StageChannel we read
         self._bc: dict = {}    # root -> broadcast StageChannel
+        self._red = None       # StageReduce (all_reduce among peers of this host), on first use
 
     # -- shared-memory channels (peers on this host) ----------------------------------------
     def _new_name(self, what: str) -> str:
@@ -109,7 +115,26 @@ class Staged:
             self._bc[root] = ch
         return ch
 
+    def _all_local(self) -> bool:
+        return self.comm.size > 1 and len(self._local) == self.comm.size - 1
+
+    def _reducer(self):
+        """The StageReduce of this communicator (collective on first use: every rank creates
+        its segment, the names are all-gathered, each maps the others', then closes its fd)."""
+        if self._red is None:
+            from .. import _native
+            red = _native._StageReduce(self.comm.rank, self.comm.size, self.nbuf, self.chunk,
+                                       self.g.device, float(self.comm.timeout), self.e,
+                                       self._new_name("ar"))
+            rows = self.comm.all_gather(self._name_msg(red)).reshape(self.comm.size, _NAME_BYTES)
+            red.attach([row.tobytes().rstrip(b"\0").decode() for row in rows])
+            self.comm.barrier()  # every rank has mapped every segment
+            red.unlink()
+            self._red = red
+        return self._red
+
     def close(self):
+        self._red = None
         self._out, self._in, self._bc = {}, {}, {}  # unregisters and unmaps the channels
         for ptr, _ in self._bufs:
             self.e.host_free(ptr)
@@ -169,6 +194,11 @@ class Staged:
 
     # -- operations -------------------------------------------------------------------------
     def all_reduce(self, v, o, op: str, stream: int):
+        if self._all_local():  # shared pinned memory, no CPU engine (stage_reduce.h)
+            if v.count:
+                from .arrays import DTYPES, OPS
+                self._reducer().all_reduce(v.ptr, o.ptr, v.count, DTYPES[v.dtype], OPS[op], stream)
+            return
         dt, name = _HOST_DT[v.dtype]
 
         def body(ptr, n, k):
