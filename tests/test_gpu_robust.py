@@ -118,6 +118,7 @@ def test_dead_peer_raises_peer_error(case):
     res = run_ranks(n, _dead_peer_body, case, env=env, timeout=3 * DEAD_TIMEOUT, expect_fail=True)
     assert time.monotonic() - t0 < DEAD_TIMEOUT, f"took {time.monotonic() - t0:.1f} s: {res}"
     assert res[-1][0] == "died", res[-1]
+    print(f"\n{case}: survivors' PeerError after {[round(v[2], 3) for _, v in res[:-1]]} s")
     for r, (kind, val) in enumerate(res[:-1]):
         assert kind == "ok", f"rank {r}: {val}"
         what, peer, waited, later, later_s, checked = val
