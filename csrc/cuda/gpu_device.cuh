@@ -28,7 +28,11 @@ namespace linkwise::cuda {
 constexpr int kMaxRanks = 16;
 constexpr int kMaxBlocks = 128;
 constexpr int kPhases = 2;
-constexpr size_t kControlBytes = 64 * 1024;
+// Per rank: the Control block, then the LL region (ll.cuh: 2 parities x kMaxRanks slots of
+// kLLSlotBytes, written only by the LL kernels), then the data regions. All zeroed at setup.
+constexpr size_t kControlStructBytes = 64 * 1024;
+constexpr size_t kLLSlotBytes = 64 * 1024;
+constexpr size_t kControlBytes = kControlStructBytes + 2 * kMaxRanks * kLLSlotBytes;
 
 struct Control {
   uint64_t start[kMaxRanks];
@@ -48,7 +52,7 @@ struct Control {
 };
 enum SigKind : int { kSigChain = 0, kSigChainDone = 1, kSigP2pReady = 2, kSigP2pDone = 3,
                      kSigRendezvous = 4 };
-static_assert(sizeof(Control) <= kControlBytes, "Control must fit its reserved bytes");
+static_assert(sizeof(Control) <= kControlStructBytes, "Control must fit its reserved bytes");
 
 // What a kernel needs: every rank's scratch base (ours included) and the geometry.
 struct DevComm {

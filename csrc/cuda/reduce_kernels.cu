@@ -179,6 +179,7 @@ size_t dtype_size(int dtype) {
 
 void launch_oneshot(const DevComm& c, int dtype, int op, const void* x, void* out, size_t count,
                     int blocks, cudaStream_t s) {
+  if (launch_ll_allreduce(c, dtype, op, x, out, count, s)) return;
   dispatch<OneShot>(dtype, op, c, x, out, count, op == kAvg, blocks, s);
 }
 

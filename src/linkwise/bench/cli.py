@@ -44,10 +44,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tests", default="latency,bw,bibw", help="p2p: which of latency,bw,bibw")
     p.add_argument("--window", type=int, default=64, help="p2p: messages in flight for bw/bibw")
     p.add_argument("--compare", default="", help="other systems to run the same sweep: gloo,mpi "
-                   "(CPU) or nccl (--device cuda)")
+                   "(CPU) or nccl (torch.distributed), nccl-cupy (NCCL called directly) "
+                   "(--device cuda)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: NumPy buffers; cuda: torch CUDA tensors, one GPU per rank, timed "
-                        "with CUDA events (no CUDA graphs)")
+                        "with CUDA events")
+    p.add_argument("--graph", action="store_true",
+                   help="--device cuda: time -n ops captured in one CUDA graph, replayed (every "
+                        "system alike); default: eager back-to-back calls")
     p.add_argument("--reps", type=int, default=1,
                    help="repeat the whole sweep (every system, alternating); report medians")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
@@ -71,8 +75,11 @@ def _normalise(args) -> list[str]:
     if device == "cuda" and args.test == "p2p":
         raise ValueError("--device cuda: use the sendrecv test for GPU point-to-point")
     for s in others:
-        if (s == "nccl") != (device == "cuda"):
-            raise ValueError(f"--compare {s} needs --device {'cuda' if s == 'nccl' else 'cpu'}")
+        gpu_sys = s.startswith("nccl")
+        if gpu_sys != (device == "cuda"):
+            raise ValueError(f"--compare {s} needs --device {'cuda' if gpu_sys else 'cpu'}")
+    if getattr(args, "graph", False) and device != "cuda":
+        raise ValueError("--graph needs --device cuda")
     if args.test == "p2p" and args.nranks < 2:
         raise ValueError("p2p needs -N 2 or more")
     if not 0 <= args.root < max(1, args.nranks):

@@ -1,0 +1,42 @@
+#!/bin/bash
+# One device call for the GPU performance work: build, then the phases named in $PHASES
+# (default: small tune bench), every output under $OUT. Usage (repo root, on the device):
+#   PHASES="small tune bench" bash bench/gpu_perf_run.sh
+# small: bench/gpu_tune.py --small with the LL kernels and without (LINKWISE_GPU_LL_MAX=0)
+# tune:  bench/gpu_tune.py --reduce --bcast (registered-path sweeps, NCCL in the same run)
+# bench: linkwise bench all_reduce / broadcast, 8 B-256 KiB, eager and --graph, against
+#        nccl (torch.distributed) and nccl-cupy; $LARGE adds the >= 64 MiB sweep of every op
+# tests: pytest $TESTS (default: the GPU test files of this work)
+set -o pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src
+t0=$(date +%s)
+stamp() { echo "== $1: $(( $(date +%s) - t0 )) s" | tee -a $OUT/log.txt; }
+( cmake -S . -B build/dev -G Ninja -DLINKWISE_CUDA=ON -DPython_EXECUTABLE=$(which python3) -DCMAKE_BUILD_TYPE=Release >/dev/null \
+  && cmake --build build/dev -j16 >$OUT/build.txt 2>&1 ) || { tail -40 $OUT/build.txt; exit 1; }
+cp build/dev/_native*.so src/linkwise/
+stamp build
+N=${N:-4}
+L="python3 -m linkwise.cli launch -n $N"
+B="python3 -m linkwise.cli bench"
+for ph in ${PHASES:-small tune bench}; do
+  case $ph in
+    small)
+      timeout 90 $L bench/gpu_tune.py --small --json $OUT/small_ll.json 2>&1 | grep -v Warn | tail -30
+      LINKWISE_GPU_LL_MAX=0 timeout 90 $L bench/gpu_tune.py --small --json $OUT/small_flag.json 2>&1 | tail -3 ;;
+    tune)
+      timeout ${TUNE_T:-150} $L bench/gpu_tune.py --reduce --bcast --sizes ${TUNE_SIZES:-64M,128M,512M} --json $OUT/tune.json 2>&1 | grep -v Warn | tail -80 ;;
+    bench)
+      for op in ${SMALL_OPS:-all_reduce broadcast}; do
+        for gr in "" "--graph"; do
+          timeout 100 $B $op --device cuda --compare nccl,nccl-cupy -N $N -b 8 -e 256K -f 8 -n 200 -w 20 $gr --no-progress 2>&1 | grep -v Warn | tee -a $OUT/bench.txt
+        done
+      done
+      for op in $LARGE; do
+        timeout 100 $B $op --device cuda --compare nccl,nccl-cupy -N $N -b 64M -e 512M -f 2 -n 20 -w 5 -c 0 --no-progress 2>&1 | grep -v Warn | tee -a $OUT/bench.txt
+      done ;;
+    tests)
+      timeout ${PYTEST_T:-150} python3 -m pytest ${TESTS:-tests/test_gpu_ll.py} -q -x -p no:cacheprovider 2>&1 | tail -25 | tee -a $OUT/tests.txt ;;
+  esac
+  stamp $ph
+done

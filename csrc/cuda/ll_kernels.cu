@@ -1,0 +1,131 @@
+// Small all_reduce and broadcast over LL lines (ll.cuh): one kernel, one epoch, no fence and
+// no separate ready flag on the critical path. Used for messages of at most ll_max() bytes
+// (LINKWISE_GPU_LL_MAX, default and cap kLLMaxData); larger ones take reduce_kernels.cu /
+// copy_kernels.cu. Results are bitwise those of the other kernels: same reduction order (rank
+// 0..n-1), same accumulation types.
+#include <cstdlib>
+
+#include "cuda/ll.cuh"
+#include "cuda/launch.h"
+#include "cuda/reduce_ops.cuh"
+
+namespace linkwise::cuda {
+namespace {
+
+// all_reduce. Roles: every thread alike, owning packs i = tid, tid + stride, ...
+// Pipeline: (1) start flags (wait_peers_started: peers are done with this parity's slots);
+// (2) for each own pack: read 16 bytes of x, store them as LL lines into ll_slot(p, par, rank)
+// of every peer p; (3) for each own pack: combine, in rank order, our x and each peer's lines
+// from our ll_slot(rank, par, q) (polling until they carry this epoch's flag, then zeroing
+// them), and store the valid bytes into out. In place (out == x) is safe: the thread that
+// writes out's pack i has read x's pack i (in both loops) before.
+template <typename T, class Op>
+__global__ void __launch_bounds__(kThreads) ll_allreduce_kernel(DevComm c, const T* x, T* out,
+                                                                size_t count, bool avg) {
+  using A = typename AccT<T>::type;
+  constexpr int V = Pack<T>::kN;
+  Op op;
+  const uint64_t epoch = epoch_begin(c);
+  announce_start(c, epoch);
+  wait_peers_started(c, epoch);
+  const int par = epoch & 1;
+  const uint32_t flag = ll_flag(epoch);
+  const size_t n = count * sizeof(T), npk = (n + 15) / 16;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const char* xb = reinterpret_cast<const char*>(x);
+  for (size_t i = tid; i < npk; i += stride) {
+    uint4 d = load_pack(xb, i, n, sizeof(T));
+    for (int p = 0; p < c.nranks; ++p)
+      if (p != c.rank) ll_store_pack(ll_slot(c, p, par, c.rank) + i * 4, d, flag);
+  }
+  for (size_t i = tid; i < npk; i += stride) {
+    A acc[V];
+    for (int q = 0; q < c.nranks; ++q) {
+      Pack<T> p;
+      p.u = q == c.rank ? load_pack(xb, i, n, sizeof(T))
+                        : ll_load_pack(c, ll_slot(c, c.rank, par, q) + i * 4, flag);
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc[k] = q == 0 ? up<T>(p.v[k]) : op(acc[k], up<T>(p.v[k]));
+    }
+    Pack<T> r;
+#pragma unroll
+    for (int k = 0; k < V; ++k) r.v[k] = down<T>(avg ? acc[k] / static_cast<A>(c.nranks) : acc[k]);
+    store_pack(reinterpret_cast<char*>(out), i, n, sizeof(T), r.u);
+  }
+  epoch_end_small(c);
+}
+
+// broadcast. Root: start flags -> store its packs as LL lines into ll_slot(p, par, root) of
+// every peer p; it waits for nothing else. Peer: poll its packs from ll_slot(rank, par,
+// root), zero the lines, store the bytes into x.
+__global__ void __launch_bounds__(kThreads) ll_bcast_kernel(DevComm c, char* x, size_t n, int root,
+                                                            int elem) {
+  const uint64_t epoch = epoch_begin(c);
+  announce_start(c, epoch);
+  const int par = epoch & 1;
+  const uint32_t flag = ll_flag(epoch);
+  const size_t npk = (n + 15) / 16;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c.rank == root) {
+    wait_peers_started(c, epoch);
+    for (size_t i = tid; i < npk; i += stride) {
+      uint4 d = load_pack(x, i, n, elem);
+      for (int p = 0; p < c.nranks; ++p)
+        if (p != root) ll_store_pack(ll_slot(c, p, par, root) + i * 4, d, flag);
+    }
+  } else {
+    for (size_t i = tid; i < npk; i += stride)
+      store_pack(x, i, n, elem, ll_load_pack(c, ll_slot(c, c.rank, par, root) + i * 4, flag));
+  }
+  epoch_end_small(c);
+}
+
+template <typename T, class Op> struct LLAllReduce {
+  static void run(const DevComm& c, const void* x, void* out, size_t count, bool avg, int blocks,
+                  int threads, cudaStream_t s) {
+    ll_allreduce_kernel<T, Op><<<blocks, threads, 0, s>>>(c, static_cast<const T*>(x),
+                                                          static_cast<T*>(out), count, avg);
+  }
+};
+
+// Grid for npk packs: one pack per thread, at most 8 blocks; a small block for tiny messages.
+void ll_grid(size_t npk, int* blocks, int* threads) {
+  *threads = npk <= 64 ? 64 : kThreads;
+  size_t b = (npk + *threads - 1) / *threads;
+  *blocks = static_cast<int>(b < 1 ? 1 : b > 8 ? 8 : b);
+}
+
+}  // namespace
+
+size_t ll_max() {
+  static const size_t v = [] {
+    const char* e = std::getenv("LINKWISE_GPU_LL_MAX");
+    size_t m = e ? static_cast<size_t>(std::strtoull(e, nullptr, 10)) : kLLMaxData;
+    return m < kLLMaxData ? m : kLLMaxData;
+  }();
+  return v;
+}
+
+bool launch_ll_allreduce(const DevComm& c, int dtype, int op, const void* x, void* out,
+                         size_t count, cudaStream_t s) {
+  size_t n = count * dtype_size(dtype);
+  if (n == 0 || n > ll_max()) return false;
+  int blocks, threads;
+  ll_grid((n + 15) / 16, &blocks, &threads);
+  dispatch<LLAllReduce>(dtype, op, c, x, out, count, op == kAvg, blocks, threads, s);
+  return true;
+}
+
+bool launch_ll_broadcast(const DevComm& c, void* x, size_t n, int root, cudaStream_t s) {
+  if (n == 0 || n > ll_max()) return false;
+  int blocks, threads;
+  ll_grid((n + 15) / 16, &blocks, &threads);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(x) | n;  // widest element both allow
+  const int elem = (a & 7) == 0 ? 8 : (a & 3) == 0 ? 4 : (a & 1) == 0 ? 2 : 1;
+  ll_bcast_kernel<<<blocks, threads, 0, s>>>(c, static_cast<char*>(x), n, root, elem);
+  return true;
+}
+
+}  // namespace linkwise::cuda
