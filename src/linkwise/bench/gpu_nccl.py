@@ -62,9 +62,12 @@ class _CtypesNccl:
 
     def __init__(self, lib: ctypes.CDLL, uid: bytes, nranks: int, rank: int):
         self.lib = lib
+        class UniqueId(ctypes.Structure):  # ncclUniqueId, passed by value
+            _fields_ = [("internal", ctypes.c_char * 128)]
         self.comm = ctypes.c_void_p()
-        buf = ctypes.create_string_buffer(uid, 128)
-        rc = lib.ncclCommInitRank(ctypes.byref(self.comm), nranks, buf, rank)
+        lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, UniqueId,
+                                         ctypes.c_int]
+        rc = lib.ncclCommInitRank(ctypes.byref(self.comm), nranks, UniqueId(uid), rank)
         if rc:
             raise RuntimeError(f"ncclCommInitRank failed: {rc}")
         self.P, self.N = ctypes.c_void_p, ctypes.c_size_t
