@@ -22,21 +22,24 @@ B="python3 -m linkwise.cli bench"
 for ph in ${PHASES:-small tune bench}; do
   case $ph in
     small)
-      timeout 90 $L bench/gpu_tune.py --small --json $OUT/small_ll.json 2>&1 | grep -v Warn | tail -30
-      LINKWISE_GPU_LL_MAX=0 timeout 90 $L bench/gpu_tune.py --small --json $OUT/small_flag.json 2>&1 | tail -3 ;;
+      LINKWISE_GPU_TUNE=1 timeout 60 $L bench/gpu_tune.py --small --json $OUT/small.json 2>&1 | grep -v Warn | tail -40 ;;
+    final)
+      timeout ${FINAL_T:-120} $L bench/gpu_tune.py --final --sizes ${FINAL_SIZES:-64M,128M,512M} --json $OUT/final.json 2>&1 | grep -v Warn | tail -20 ;;
     tune)
       timeout ${TUNE_T:-150} $L bench/gpu_tune.py --reduce --bcast --sizes ${TUNE_SIZES:-64M,128M,512M} --json $OUT/tune.json 2>&1 | grep -v Warn | tail -80 ;;
     bench)
       for op in ${SMALL_OPS:-all_reduce broadcast}; do
-        for gr in "" "--graph"; do
-          timeout 100 $B $op --device cuda --compare nccl,nccl-cupy -N $N -b 8 -e 256K -f 8 -n 200 -w 20 $gr --no-progress 2>&1 | grep -v Warn | tee -a $OUT/bench.txt
-        done
+        timeout ${BENCH_T:-60} $B $op --device cuda --compare nccl,nccl-cupy -N $N -b 8 -e 256K -f 8 -n 100 -w 20 --graph both --no-progress --json $OUT/$op.json 2>&1 | grep -v Warn | tee -a $OUT/bench.txt
       done
       for op in $LARGE; do
         timeout 100 $B $op --device cuda --compare nccl,nccl-cupy -N $N -b 64M -e 512M -f 2 -n 20 -w 5 -c 0 --no-progress 2>&1 | grep -v Warn | tee -a $OUT/bench.txt
       done ;;
-    tests)
-      timeout ${PYTEST_T:-150} python3 -m pytest ${TESTS:-tests/test_gpu_ll.py} -q -x -p no:cacheprovider 2>&1 | tail -25 | tee -a $OUT/tests.txt ;;
+    tests)  # $TESTS and $TESTS2 in two pytest processes at once (GPUs shared)
+      ( timeout ${PYTEST_T:-150} python3 -m pytest ${TESTS:-tests/test_gpu_ll.py} -q -x -p no:cacheprovider 2>&1 | tail -25 > $OUT/tests.txt ) &
+      if [ -n "$TESTS2" ]; then
+        timeout ${PYTEST_T:-150} python3 -m pytest $TESTS2 -q -x -p no:cacheprovider 2>&1 | tail -25 > $OUT/tests2.txt
+      fi
+      wait; cat $OUT/tests*.txt ;;
   esac
   stamp $ph
 done

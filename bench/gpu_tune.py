@@ -12,6 +12,10 @@
           on the same tensors.
 --bcast   large broadcast: scratch kernel, chain, pull scatter-allgather over
           LINKWISE_GPU_BCAST_ROUNDS, and NCCL.
+--final   the >= 64 MiB comparison with default settings: linkwise (comm.<op>), NCCL through
+          torch.distributed and NCCL called directly (cupy.cuda.nccl), same tensors, float32;
+          busbw with nccl-tests' factors. (On-GPU inputs: the CLI sweep's NumPy inputs and
+          references cost minutes per size at these sizes.)
 Timing: linkwise.bench.gpu.time_ops (CUDA events on the bench stream, slowest rank).
 """
 from __future__ import annotations
@@ -33,6 +37,9 @@ def main() -> int:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--reduce", action="store_true")
     ap.add_argument("--bcast", action="store_true")
+    ap.add_argument("--final", action="store_true",
+                    help="large all_reduce, reduce_scatter, all_gather, broadcast with the default "
+                         "settings, against nccl (torch.distributed) and nccl-cupy, float32")
     ap.add_argument("--sizes", default="64M,128M,512M")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
@@ -61,7 +68,7 @@ def main() -> int:
         return 1e6 * time_ops(torch, stream, fn, iters, warm, graph, barrier, helper.max_over_ranks)
 
     dist = None
-    if a.reduce or a.bcast:
+    if a.reduce or a.bcast or a.final:
         import torch.distributed as dist
         from linkwise.bench.runner import _share_port
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_share_port(helper)}",
@@ -107,6 +114,27 @@ def main() -> int:
                        "eager": round(t_us(fn, 300), 3)}
                 say(row)
 
+    if a.small and os.environ.get("LINKWISE_GPU_TUNE"):
+        e, s = g._engine, stream.cuda_stream
+        knobs = [("LINKWISE_GPU_LL_THREADS", v, size) for v in (64, 128, 256, 512)
+                 for size in (4 << 10, 32 << 10)]
+        knobs += [("LINKWISE_GPU_ONESHOT_BLOCK_BYTES", v, size) for v in (16384, 8192, 4096, 2048)
+                  for size in (64 << 10, 256 << 10)]
+        for name, v, size in knobs:
+            os.environ[name] = str(v)
+            y = torch.ones(size // 4, device="cuda")
+            yp, k = y.data_ptr(), y.numel()
+            row = {"what": "knob", "knob": name, "value": v, "bytes": size,
+                   "all_reduce_graph": round(t_us(lambda: e.all_reduce(yp, yp, k, 0, 0, s, 0), 100, graph=True), 3)}
+            if "LL" in name:
+                row["broadcast_graph"] = round(t_us(lambda: e.broadcast(yp, size, 0, s), 100, graph=True), 3)
+            y.fill_(rank + 1)
+            e.all_reduce(yp, yp, k, 0, 0, s, 0)
+            torch.cuda.synchronize()
+            row["ok"] = bool((y == n * (n + 1) / 2).all())
+            say(row)
+            os.environ.pop(name)
+
     if a.reduce:
         for size in [common.parse_size(v) for v in a.sizes.split(",")]:
             x = torch.randn(size // 4, device="cuda")
@@ -116,7 +144,7 @@ def main() -> int:
                    "reduce_scatter": t_us(lambda: dist.reduce_scatter_tensor(o, x), it)}
             for var in ("2", "1", "4"):
                 os.environ["LINKWISE_GPU_REG_REDUCE_UNROLL"] = var
-                for blocks in (0, 32, 66, 96, 264):
+                for blocks in (0, 33, 66, 264):
                     g._engine.reg_blocks = blocks
                     for op, fn in (("all_reduce", lambda: g.all_reduce(x)),
                                    ("reduce_scatter", lambda: g.reduce_scatter(x, o))):
@@ -140,7 +168,7 @@ def main() -> int:
             it = max(5, min(20, int(4e9 / size)))
             nc = t_us(lambda: dist.broadcast(x, src=0), it)
             variants = [("scratch", {}), ("chain", {"LINKWISE_GPU_BCAST_ALGO": "chain"})]
-            variants += [(f"pull-sag r{r}", {"LINKWISE_GPU_BCAST_ROUNDS": str(r)}) for r in (4, 8, 16, 32)]
+            variants += [(f"pull-sag r{r}", {"LINKWISE_GPU_BCAST_ROUNDS": str(r)}) for r in (2, 4, 8, 16)]
             for name, env in variants:
                 os.environ.pop("LINKWISE_GPU_BCAST_ALGO", None)
                 os.environ.update(env)
@@ -156,6 +184,39 @@ def main() -> int:
             os.environ.pop("LINKWISE_GPU_BCAST_ALGO", None)
             os.environ.pop("LINKWISE_GPU_BCAST_ROUNDS", None)
             g._bcast_reg_min = reg_min
+
+    if a.final:
+        from linkwise.bench.gpu_nccl import NcclDirectBackend
+        direct = NcclDirectBackend(helper, g.device)
+        c, st = direct.c, stream.cuda_stream
+        os.environ.pop("LINKWISE_GPU_BCAST_REG_MIN", None)
+        for size in [common.parse_size(v) for v in a.sizes.split(",")]:
+            cnt = size // 4
+            x = torch.randn(cnt, device="cuda")
+            o = torch.empty(cnt // n, device="cuda")
+            xs = x[rank * (cnt // n):(rank + 1) * (cnt // n)]  # in place, as nccl-tests
+            it = max(5, min(20, int(4e9 / size)))
+            ops = {
+                "all_reduce": (lambda: comm.all_reduce(x), lambda: dist.all_reduce(x),
+                               lambda: c.allReduce(x.data_ptr(), x.data_ptr(), cnt, 7, 0, st)),
+                "reduce_scatter": (lambda: comm.reduce_scatter(x, out=o),
+                                   lambda: dist.reduce_scatter_tensor(o, x),
+                                   lambda: c.reduceScatter(x.data_ptr(), o.data_ptr(), cnt // n, 7, 0, st)),
+                "all_gather": (lambda: comm.all_gather(xs, out=x),
+                               lambda: dist.all_gather_into_tensor(x, xs),
+                               lambda: c.allGather(xs.data_ptr(), x.data_ptr(), cnt // n, 7, st)),
+                "broadcast": (lambda: comm.broadcast(x, 0), lambda: dist.broadcast(x, src=0),
+                              lambda: c.broadcast(x.data_ptr(), x.data_ptr(), cnt, 7, 0, st)),
+            }
+            for op, (lw, nt, nc) in ops.items():
+                f = common.busbw_factor(op, n)
+                row = {"what": "final", "op": op, "bytes": size}
+                for name, fn in (("linkwise", lw), ("nccl", nt), ("nccl-cupy", nc)):
+                    us = t_us(fn, it)
+                    row[name + "_us"] = round(us, 1)
+                    row[name + "_busbw"] = round(f * size / us / 1e3, 1)
+                say(row)
+        direct.close()
 
     if dist is not None:
         dist.destroy_process_group()

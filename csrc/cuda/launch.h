@@ -29,6 +29,8 @@ void launch_oneshot(const DevComm& c, int dtype, int op, const void* x, void* ou
 // launched) for other sizes. launch_oneshot / launch_broadcast (non scatter-allgather) try
 // them first.
 size_t ll_max();
+// Tuning knobs: `name`'s value when LINKWISE_GPU_TUNE was set at start-up, else dflt.
+int tune_int(const char* name, int dflt);
 bool launch_ll_allreduce(const DevComm& c, int dtype, int op, const void* x, void* out,
                          size_t count, cudaStream_t s);
 bool launch_ll_broadcast(const DevComm& c, void* x, size_t n, int root, cudaStream_t s);

@@ -90,14 +90,26 @@ template <typename T, class Op> struct LLAllReduce {
   }
 };
 
-// Grid for npk packs: one pack per thread, at most 8 blocks; a small block for tiny messages.
+// Tuning knob read per call only when set at start-up (sweeps change it in one process).
+int env_int(const char* name, int dflt) {
+  static const bool any = std::getenv("LINKWISE_GPU_TUNE") != nullptr;
+  if (!any) return dflt;
+  const char* e = std::getenv(name);
+  return e && std::atoi(e) > 0 ? std::atoi(e) : dflt;
+}
+
+// Grid for npk packs: one pack per thread, blocks of ll_threads (LINKWISE_GPU_LL_THREADS,
+// tuning; default 512, 64 for tiny messages), at most 32 blocks.
 void ll_grid(size_t npk, int* blocks, int* threads) {
-  *threads = npk <= 64 ? 64 : kThreads;
+  int t = env_int("LINKWISE_GPU_LL_THREADS", kThreads);
+  *threads = npk <= 64 ? 64 : t;
   size_t b = (npk + *threads - 1) / *threads;
-  *blocks = static_cast<int>(b < 1 ? 1 : b > 8 ? 8 : b);
+  *blocks = static_cast<int>(b < 1 ? 1 : b > 32 ? 32 : b);
 }
 
 }  // namespace
+
+int tune_int(const char* name, int dflt) { return env_int(name, dflt); }
 
 size_t ll_max() {
   static const size_t v = [] {

@@ -101,31 +101,48 @@ class NcclDirectBackend(GpuBackend):
         super().__init__(helper.rank, helper.size, helper, device, graph)
         comm = helper.comm
         nccl = _cupy_nccl()
-        uid = np.zeros(128, np.uint8)
-        if nccl is not None:
-            if self.rank == 0:
-                uid[:] = np.array(nccl.get_unique_id(), np.int64).astype(np.int8).view(np.uint8)
-        else:
+        if nccl is None:
             self._lib = ctypes.CDLL(_libnccl_path())
-            if self.rank == 0:
-                raw = ctypes.create_string_buffer(128)
-                if self._lib.ncclGetUniqueId(raw):
-                    raise RuntimeError("ncclGetUniqueId failed")
-                uid[:] = np.frombuffer(raw.raw, np.uint8)
+        # Rank 0 makes the unique id and always sends [ok, kind, 128 id bytes], so that every
+        # rank fails alike (no rank left waiting) when it cannot. kind 1: cupy wants bytes back.
+        msg = np.zeros(130, np.uint8)
         if self.rank == 0:
+            try:
+                if nccl is not None:
+                    uid = nccl.get_unique_id()
+                    if isinstance(uid, (bytes, bytearray)):
+                        msg[1], raw = 1, bytes(uid)
+                    else:
+                        raw = np.array(uid, np.int64).astype(np.int8).tobytes()
+                else:
+                    buf = ctypes.create_string_buffer(128)
+                    if self._lib.ncclGetUniqueId(buf):
+                        raise RuntimeError("ncclGetUniqueId failed")
+                    raw = buf.raw
+                msg[2:2 + len(raw[:128])] = np.frombuffer(raw[:128], np.uint8)
+                msg[0] = 1
+            except Exception as exc:  # noqa: BLE001 - reported by every rank below
+                print(f"nccl-cupy: no unique id on rank 0: {exc}")
             for peer in range(1, self.size):
-                comm.send(uid, peer, _TAG_ID)
+                comm.send(msg, peer, _TAG_ID)
         else:
-            comm.recv(uid, 0, _TAG_ID)
+            comm.recv(msg, 0, _TAG_ID)
+        if not msg[0]:
+            raise RuntimeError("nccl-cupy: rank 0 could not make an NCCL unique id")
+        raw = msg[2:].tobytes()
         if nccl is not None:
             import cupy
+            as_tuple = tuple(int(v) for v in np.frombuffer(raw, np.int8))
+            forms = (raw, as_tuple) if msg[1] else (as_tuple, raw)
             with cupy.cuda.Device(device):
-                self.c = nccl.NcclCommunicator(self.size, tuple(int(v) for v in uid.view(np.int8)),
-                                               self.rank)
+                try:
+                    self.c = nccl.NcclCommunicator(self.size, forms[0], self.rank)
+                except TypeError:  # cupy versions differ in the id's Python type
+                    self.c = nccl.NcclCommunicator(self.size, forms[1], self.rank)
             self._group = (nccl.groupStart, nccl.groupEnd)
             self.impl = "cupy.cuda.nccl.NcclCommunicator"
         else:
-            self.c = _CtypesNccl(self._lib, uid.tobytes(), self.size, self.rank)
+            self.c = _CtypesNccl(self._lib, raw, self.size, self.rank)
             self._group = (self._lib.ncclGroupStart, self._lib.ncclGroupEnd)
             self.impl = "ctypes on libnccl.so.2 (cupy has no NCCL here)"
         self.torch.cuda.synchronize()

@@ -79,7 +79,9 @@ def _measure_gpu(args, pl, systems, lw, out, show_progress) -> dict:
     """--device cuda: linkwise's GPU data plane, then NCCL (torch.distributed: ``nccl``;
     called directly: ``nccl-cupy``) if asked; eager or captured in CUDA graphs (``--graph``)."""
     from . import gpu
-    graph = bool(getattr(args, "graph", False))
+    mode = getattr(args, "graph", "off")
+    mode = {True: "on", False: "off", None: "off"}.get(mode, mode)
+    graph = mode == "on"
     how = gpu.how_timing(graph)
     order = []
     if lw is not None and out["linkwise"]["status"] == "ok":
@@ -105,19 +107,35 @@ def _measure_gpu(args, pl, systems, lw, out, show_progress) -> dict:
         if why:
             out["nccl-cupy"] = {"status": "skipped", "reason": why}
         else:
-            direct = gpu_nccl.NcclDirectBackend(lw, device, graph)
-            out["nccl-cupy"] = {"status": "ok", "runs": [], "how": f"NCCL called directly "
-                                f"({direct.impl}), same processes; " + how}
-            order.append(("nccl-cupy", direct))
+            try:
+                direct = gpu_nccl.NcclDirectBackend(lw, device, graph)
+            except Exception as exc:  # noqa: BLE001 - same on every rank (gpu_nccl)
+                out["nccl-cupy"] = {"status": "skipped", "reason": str(exc)[:200]}
+            else:
+                out["nccl-cupy"] = {"status": "ok", "runs": [], "how": f"NCCL called directly "
+                                    f"({direct.impl}), same processes; " + how}
+                order.append(("nccl-cupy", direct))
+    if mode == "both":  # the same backends again, captured: systems "<name> [graph]"
+        for name, _ in order:
+            out[name + GRAPH_SUFFIX] = dict(out[name], runs=[], how=out[name]["how"].replace(
+                how, gpu.how_timing(True)))
     for _ in range(pl.reps):
         for name, b in order:
+            b.graph = graph
             out[name]["runs"].append(_sweep(b, pl, show_progress))
+        if mode == "both":
+            for name, b in order:
+                b.graph = True
+                out[name + GRAPH_SUFFIX]["runs"].append(_sweep(b, pl, show_progress))
     for name, b in order:
         if name != "linkwise":
             b.close()
     out["_rank"] = lw.rank if lw else 0
     out["_nranks"] = lw.size if lw else 1
     return out
+
+
+GRAPH_SUFFIX = " [graph]"  # cli.GRAPH_SUFFIX
 
 
 def measure(args, systems: list[str], comm=None, show_progress: bool = True) -> dict:

@@ -65,7 +65,8 @@ def view(x: Any, op: str) -> DevArray:
     """Unpacks a CUDA array; TypeError for CPU arrays, ValueError for non-contiguous ones."""
     torch = _torch_tensor(x)
     if torch is not None:
-        if not x.is_cuda:
+        dev = x.get_device()  # -1 on the host
+        if dev < 0:
             raise TypeError(f"{op}: expected a CUDA tensor, got a tensor on {x.device}; "
                             "use the CPU communicator methods for host arrays")
         if not x.is_contiguous():
@@ -73,7 +74,7 @@ def view(x: Any, op: str) -> DevArray:
         dt = _TORCH_DT.get(x.dtype)
         if dt is None:
             dt = _TORCH_DT[x.dtype] = (str(x.dtype).replace("torch.", ""), x.element_size())
-        return DevArray(x.data_ptr(), x.numel(), dt[1], dt[0], x.get_device(), "torch")
+        return DevArray(x.data_ptr(), x.numel(), dt[1], dt[0], dev, "torch")
     cai = getattr(x, "__cuda_array_interface__", None)
     if cai is not None:
         shape = tuple(cai["shape"])
