@@ -208,6 +208,12 @@ def main() -> int:
                 "broadcast": (lambda: comm.broadcast(x, 0), lambda: dist.broadcast(x, src=0),
                               lambda: c.broadcast(x.data_ptr(), x.data_ptr(), cnt, 7, 0, st)),
             }
+            if n > 1:  # the copy engine between GPU 0 and 1 (torch cross-device copy), rank 0 only
+                y = torch.empty(cnt, device=f"cuda:{(g.device + 1) % torch.cuda.device_count()}") if rank == 0 else None
+                us = t_us((lambda: y.copy_(x, non_blocking=True)) if rank == 0 else (lambda: None), it)
+                say({"what": "final", "op": "peer copy", "bytes": size, "us": round(us, 1),
+                     "GBps": round(size / us / 1e3, 1)})
+                del y
             for op, (lw, nt, nc) in ops.items():
                 f = common.busbw_factor(op, n)
                 row = {"what": "final", "op": op, "bytes": size}
