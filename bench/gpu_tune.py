@@ -29,7 +29,6 @@ import time
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)
-os.environ.setdefault("LINKWISE_GPU_BCAST_REG_MIN", str(32 << 20))
 
 
 def main() -> int:
@@ -43,6 +42,8 @@ def main() -> int:
     ap.add_argument("--sizes", default="64M,128M,512M")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
+    if a.bcast:  # every size of the sweep may take the registered path (set per variant below)
+        os.environ.setdefault("LINKWISE_GPU_BCAST_REG_MIN", str(1 << 20))
     import torch
     import linkwise
     from linkwise.bench import common
@@ -189,7 +190,6 @@ def main() -> int:
         from linkwise.bench.gpu_nccl import NcclDirectBackend
         direct = NcclDirectBackend(helper, g.device)
         c, st = direct.c, stream.cuda_stream
-        os.environ.pop("LINKWISE_GPU_BCAST_REG_MIN", None)
         for size in [common.parse_size(v) for v in a.sizes.split(",")]:
             cnt = size // 4
             x = torch.randn(cnt, device="cuda")
