@@ -26,7 +26,7 @@ for ph in ${PHASES:-small tune bench}; do
     final)
       timeout ${FINAL_T:-120} $L bench/gpu_tune.py --final --sizes ${FINAL_SIZES:-64M,128M,512M} --json $OUT/final.json 2>&1 | grep -v Warn | tail -20 ;;
     tune)
-      timeout ${TUNE_T:-150} $L bench/gpu_tune.py --reduce --bcast --sizes ${TUNE_SIZES:-64M,128M,512M} --json $OUT/tune.json 2>&1 | grep -v Warn | tail -80 ;;
+      timeout ${TUNE_T:-150} $L bench/gpu_tune.py --reduce --bcast $TUNE_EXTRA --sizes ${TUNE_SIZES:-64M,128M,512M} --json $OUT/tune.json 2>&1 | grep -v Warn | tail -80 ;;
     bench)
       for op in ${SMALL_OPS:-all_reduce broadcast}; do
         timeout ${BENCH_T:-60} $B $op --device cuda --compare nccl,nccl-cupy -N $N -b 8 -e 256K -f 8 -n 100 -w 20 --graph both --no-progress --json $OUT/$op.json 2>&1 | grep -v Warn | tee -a $OUT/bench.txt

@@ -189,6 +189,10 @@ def main() -> int:
     if a.final:
         from linkwise.bench.gpu_nccl import NcclDirectBackend
         direct = NcclDirectBackend(helper, g.device)
+        if a.bcast:  # back to the default threshold after the --bcast sweep
+            from linkwise import config
+            os.environ.pop("LINKWISE_GPU_BCAST_REG_MIN", None)
+            g._bcast_reg_min = max(g._reg_min, config.get("LINKWISE_GPU_BCAST_REG_MIN"))
         c, st = direct.c, stream.cuda_stream
         for size in [common.parse_size(v) for v in a.sizes.split(",")]:
             cnt = size // 4
