@@ -117,17 +117,17 @@ def main() -> int:
 
     if a.small and os.environ.get("LINKWISE_GPU_TUNE"):
         e, s = g._engine, stream.cuda_stream
-        knobs = [("LINKWISE_GPU_LL_THREADS", v, size) for v in (64, 128, 256, 512)
+        knobs = [("LINKWISE_GPU_LL_THREADS", v, size) for v in (64, 128, 256)
                  for size in (4 << 10, 32 << 10)]
-        knobs += [("LINKWISE_GPU_ONESHOT_BLOCK_BYTES", v, size) for v in (16384, 8192, 4096, 2048)
-                  for size in (64 << 10, 256 << 10)]
+        knobs += [("LINKWISE_GPU_LL_MAX", v, size) for v in (1, 131072)  # 1: the flag kernels
+                  for size in (16 << 10, 64 << 10, 128 << 10)]
         for name, v, size in knobs:
             os.environ[name] = str(v)
             y = torch.ones(size // 4, device="cuda")
             yp, k = y.data_ptr(), y.numel()
             row = {"what": "knob", "knob": name, "value": v, "bytes": size,
                    "all_reduce_graph": round(t_us(lambda: e.all_reduce(yp, yp, k, 0, 0, s, 0), 100, graph=True), 3)}
-            if "LL" in name:
+            if "LL" in name:  # broadcast: LL or (LL_MAX=1) the flag kernel too
                 row["broadcast_graph"] = round(t_us(lambda: e.broadcast(yp, size, 0, s), 100, graph=True), 3)
             y.fill_(rank + 1)
             e.all_reduce(yp, yp, k, 0, 0, s, 0)

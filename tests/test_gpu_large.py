@@ -168,9 +168,9 @@ BCAST_SIZES = [1, 5, 4095, 4097, 123457, (3 << 20) + 1]
 def test_reg_broadcast_pull_scatter_allgather_and_chain():
     env = {**SAFE_ENV, "LINKWISE_GPU_REG_MIN": "1", "LINKWISE_GPU_BCAST_REG_MIN": "1"}
     n = _nranks()
-    for extra in ({"LINKWISE_GPU_BCAST_ROUNDS": "3"}, {}, {"LINKWISE_GPU_BCAST_ALGO": "chain",
-                                                           "LINKWISE_GPU_CHAIN_PIECE": "4096"}):
+    pull = {"LINKWISE_GPU_BCAST_ALGO": "pull"}
+    for extra in ({**pull, "LINKWISE_GPU_BCAST_ROUNDS": "3"}, pull, {"LINKWISE_GPU_CHAIN_PIECE": "4096"}):
         _check(run_ranks(n, _bcast_body, BCAST_SIZES, env={**env, **extra}, timeout=300))
     if n >= 4:  # 3 ranks: two non-roots
-        _check(run_ranks(3, _bcast_body, BCAST_SIZES, env={**env, "LINKWISE_GPU_BCAST_ROUNDS": "5"},
-                         timeout=300))
+        _check(run_ranks(3, _bcast_body, BCAST_SIZES,
+                         env={**env, **pull, "LINKWISE_GPU_BCAST_ROUNDS": "5"}, timeout=300))

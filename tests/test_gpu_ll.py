@@ -92,8 +92,13 @@ def test_ll_mixed_with_flag_kernels_and_graph_replays():
     _check(run_ranks(_nranks(), _mixed_body, 120, env=SAFE_ENV, timeout=300))
 
 
-def test_ll_disabled_gives_same_results():
-    """LINKWISE_GPU_LL_MAX=0: the flag kernels only (the A/B baseline of the benchmarks)."""
+def test_ll_max_settings():
+    """LINKWISE_GPU_LL_MAX=0 (the flag kernels only: the A/B baseline of the benchmarks) and
+    131072 (the largest LL message: 128 KiB, across that boundary)."""
     cases = [(c, "bfloat16", "sum", "auto", 1) for c in (1, 7, 8192)]
     _check(run_ranks(_nranks(), _allreduce_body, cases,
                      env={**SAFE_ENV, "LINKWISE_GPU_LL_MAX": "0"}, timeout=300))
+    cases = [(c, "float32", o, "auto", off) for c in (5, 32768, 32769) for o, off in (("sum", 0), ("min", 1))]
+    cases += [(c, "float64", "prod", "oneshot", 0) for c in (3, 16384)]
+    _check(run_ranks(_nranks(), _allreduce_body, cases,
+                     env={**SAFE_ENV, "LINKWISE_GPU_LL_MAX": "131072"}, timeout=300))

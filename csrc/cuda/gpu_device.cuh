@@ -31,7 +31,7 @@ constexpr int kPhases = 2;
 // Per rank: the Control block, then the LL region (ll.cuh: 2 parities x kMaxRanks slots of
 // kLLSlotBytes, written only by the LL kernels), then the data regions. All zeroed at setup.
 constexpr size_t kControlStructBytes = 64 * 1024;
-constexpr size_t kLLSlotBytes = 64 * 1024;
+constexpr size_t kLLSlotBytes = 256 * 1024;
 constexpr size_t kControlBytes = kControlStructBytes + 2 * kMaxRanks * kLLSlotBytes;
 
 struct Control {

@@ -29,6 +29,7 @@ namespace linkwise::cuda {
 
 constexpr size_t kLLPackBytes = 32;  // 16 data bytes as 4 lines
 constexpr size_t kLLMaxData = kLLSlotBytes / 2;  // data bytes one LL slot carries
+constexpr size_t kLLDefaultMax = 32 * 1024;      // LINKWISE_GPU_LL_MAX default
 
 __device__ __forceinline__ uint64_t* ll_slot(const DevComm& c, int r, int par, int src) {
   return reinterpret_cast<uint64_t*>(c.base[r] + kControlStructBytes +
@@ -72,6 +73,57 @@ __device__ __forceinline__ uint4 ll_load_pack(const DevComm& c, uint64_t* line, 
   asm volatile("st.global.v2.u64 [%0], {%1, %1};" ::"l"(line + 2), "l"(0ull) : "memory");
   return make_uint4(static_cast<uint32_t>(a), static_cast<uint32_t>(b), static_cast<uint32_t>(d0),
                     static_cast<uint32_t>(d1));
+}
+
+// Epoch start of an LL writer (all_reduce, broadcast root): epoch_begin + announce_start +
+// wait_peers_started, with the start-flag loads (warp 1, lane t < nranks: acquire of start[t])
+// issued at once with the seq read (warp 0) instead of after it; the block barrier then orders
+// every thread's later stores after those acquires. Needs blockDim.x >= 64.
+__device__ __forceinline__ uint64_t ll_begin(const DevComm& c) {
+  __shared__ uint64_t seen[kMaxRanks];
+  const int t = threadIdx.x - 32;
+  if (t >= 0 && t < c.nranks && t != c.rank) seen[t] = ld_acquire_sys(&c.ctrl(c.rank)->start[t]);
+  const uint64_t epoch = epoch_begin(c);
+  __syncthreads();
+  announce_start(c, epoch);
+  if (t >= 0 && t < c.nranks && t != c.rank && epoch >= 2 && seen[t] < epoch - 1)
+    wait_ge(c, &c.ctrl(c.rank)->start[t], epoch - 1);
+  __syncthreads();
+  return epoch;
+}
+
+// Loads pack i of every peer q in [g0, g0 + G) (q != rank, q < nranks) from our
+// ll_slot(rank, par, q): all loads issued before any is waited on, then the missing ones
+// polled (timeout as ll_load_pack); the lines read are zeroed. d[k] = q's data (q = g0 + k).
+template <int G>
+__device__ __forceinline__ void ll_load_group(const DevComm& c, int g0, int par, size_t i,
+                                              uint32_t flag, uint4* d) {
+  uint64_t v[G][4];
+  bool need[G];
+#pragma unroll
+  for (int k = 0; k < G; ++k) {
+    const int q = g0 + k;
+    need[k] = q < c.nranks && q != c.rank;
+    if (need[k]) {
+      uint64_t* line = ll_slot(c, c.rank, par, q) + i * 4;
+      asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(v[k][0]), "=l"(v[k][1]) : "l"(line) : "memory");
+      asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(v[k][2]), "=l"(v[k][3]) : "l"(line + 2) : "memory");
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < G; ++k) {
+    if (!need[k]) continue;
+    uint64_t* line = ll_slot(c, c.rank, par, g0 + k) + i * 4;
+    if ((v[k][0] >> 32) == flag && (v[k][1] >> 32) == flag && (v[k][2] >> 32) == flag &&
+        (v[k][3] >> 32) == flag) {
+      asm volatile("st.global.v2.u64 [%0], {%1, %1};" ::"l"(line), "l"(0ull) : "memory");
+      asm volatile("st.global.v2.u64 [%0], {%1, %1};" ::"l"(line + 2), "l"(0ull) : "memory");
+      d[k] = make_uint4(static_cast<uint32_t>(v[k][0]), static_cast<uint32_t>(v[k][1]),
+                        static_cast<uint32_t>(v[k][2]), static_cast<uint32_t>(v[k][3]));
+    } else {
+      d[k] = ll_load_pack(c, line, flag);
+    }
+  }
 }
 
 // Bytes [16*i, 16*i + 16) of p (n bytes long) as a pack; missing bytes read as 0. One 16-byte

@@ -12,6 +12,9 @@
 namespace linkwise::cuda {
 namespace {
 
+// Block size cap of the LL kernels (registers: G sources' packs in flight per thread).
+constexpr int kLLMaxThreads = 256;
+
 // all_reduce. Roles: every thread alike, owning packs i = tid, tid + stride, ...
 // Pipeline: (1) start flags (wait_peers_started: peers are done with this parity's slots);
 // (2) for each own pack: read 16 bytes of x, store them as LL lines into ll_slot(p, par, rank)
@@ -20,14 +23,13 @@ namespace {
 // them), and store the valid bytes into out. In place (out == x) is safe: the thread that
 // writes out's pack i has read x's pack i (in both loops) before.
 template <typename T, class Op>
-__global__ void __launch_bounds__(kThreads) ll_allreduce_kernel(DevComm c, const T* x, T* out,
+__global__ void __launch_bounds__(kLLMaxThreads) ll_allreduce_kernel(DevComm c, const T* x, T* out,
                                                                 size_t count, bool avg) {
   using A = typename AccT<T>::type;
   constexpr int V = Pack<T>::kN;
+  constexpr int G = 8;  // sources polled at once (more ranks: several groups, in order)
   Op op;
-  const uint64_t epoch = epoch_begin(c);
-  announce_start(c, epoch);
-  wait_peers_started(c, epoch);
+  const uint64_t epoch = ll_begin(c);
   const int par = epoch & 1;
   const uint32_t flag = ll_flag(epoch);
   const size_t n = count * sizeof(T), npk = (n + 15) / 16;
@@ -41,12 +43,18 @@ __global__ void __launch_bounds__(kThreads) ll_allreduce_kernel(DevComm c, const
   }
   for (size_t i = tid; i < npk; i += stride) {
     A acc[V];
-    for (int q = 0; q < c.nranks; ++q) {
-      Pack<T> p;
-      p.u = q == c.rank ? load_pack(xb, i, n, sizeof(T))
-                        : ll_load_pack(c, ll_slot(c, c.rank, par, q) + i * 4, flag);
+    for (int g0 = 0; g0 < c.nranks; g0 += G) {
+      uint4 d[G];
+      ll_load_group<G>(c, g0, par, i, flag, d);  // every peer of the group at once
 #pragma unroll
-      for (int k = 0; k < V; ++k) acc[k] = q == 0 ? up<T>(p.v[k]) : op(acc[k], up<T>(p.v[k]));
+      for (int k = 0; k < G; ++k) {
+        const int q = g0 + k;
+        if (q >= c.nranks) break;
+        Pack<T> p;
+        p.u = q == c.rank ? load_pack(xb, i, n, sizeof(T)) : d[k];
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] = q == 0 ? up<T>(p.v[j]) : op(acc[j], up<T>(p.v[j]));
+      }
     }
     Pack<T> r;
 #pragma unroll
@@ -59,17 +67,16 @@ __global__ void __launch_bounds__(kThreads) ll_allreduce_kernel(DevComm c, const
 // broadcast. Root: start flags -> store its packs as LL lines into ll_slot(p, par, root) of
 // every peer p; it waits for nothing else. Peer: poll its packs from ll_slot(rank, par,
 // root), zero the lines, store the bytes into x.
-__global__ void __launch_bounds__(kThreads) ll_bcast_kernel(DevComm c, char* x, size_t n, int root,
+__global__ void __launch_bounds__(kLLMaxThreads) ll_bcast_kernel(DevComm c, char* x, size_t n, int root,
                                                             int elem) {
-  const uint64_t epoch = epoch_begin(c);
-  announce_start(c, epoch);
+  const uint64_t epoch = c.rank == root ? ll_begin(c) : epoch_begin(c);
+  if (c.rank != root) announce_start(c, epoch);
   const int par = epoch & 1;
   const uint32_t flag = ll_flag(epoch);
   const size_t npk = (n + 15) / 16;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c.rank == root) {
-    wait_peers_started(c, epoch);
     for (size_t i = tid; i < npk; i += stride) {
       uint4 d = load_pack(x, i, n, elem);
       for (int p = 0; p < c.nranks; ++p)
@@ -98,13 +105,14 @@ int env_int(const char* name, int dflt) {
   return e && std::atoi(e) > 0 ? std::atoi(e) : dflt;
 }
 
-// Grid for npk packs: one pack per thread, blocks of ll_threads (LINKWISE_GPU_LL_THREADS,
-// tuning; default 512, 64 for tiny messages), at most 32 blocks.
+// Grid for npk packs: one pack per thread, blocks of LINKWISE_GPU_LL_THREADS (tuning; default
+// 64: many small blocks spread the NVLink stores and polls over many SMs, measured faster than
+// 512-thread blocks at 32 KiB), at most 128 blocks.
 void ll_grid(size_t npk, int* blocks, int* threads) {
-  int t = env_int("LINKWISE_GPU_LL_THREADS", kThreads);
-  *threads = npk <= 64 ? 64 : t;
+  int t = env_int("LINKWISE_GPU_LL_THREADS", 64);
+  *threads = t < 64 ? 64 : t > kLLMaxThreads ? kLLMaxThreads : t;  // ll_begin needs 64
   size_t b = (npk + *threads - 1) / *threads;
-  *blocks = static_cast<int>(b < 1 ? 1 : b > 32 ? 32 : b);
+  *blocks = static_cast<int>(b < 1 ? 1 : b > 128 ? 128 : b);
 }
 
 }  // namespace
@@ -114,10 +122,11 @@ int tune_int(const char* name, int dflt) { return env_int(name, dflt); }
 size_t ll_max() {
   static const size_t v = [] {
     const char* e = std::getenv("LINKWISE_GPU_LL_MAX");
-    size_t m = e ? static_cast<size_t>(std::strtoull(e, nullptr, 10)) : kLLMaxData;
+    size_t m = e ? static_cast<size_t>(std::strtoull(e, nullptr, 10)) : kLLDefaultMax;
     return m < kLLMaxData ? m : kLLMaxData;
   }();
-  return v;
+  size_t t = static_cast<size_t>(env_int("LINKWISE_GPU_LL_MAX", static_cast<int>(v)));
+  return t < kLLMaxData ? t : kLLMaxData;
 }
 
 bool launch_ll_allreduce(const DevComm& c, int dtype, int op, const void* x, void* out,

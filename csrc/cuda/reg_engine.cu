@@ -306,7 +306,11 @@ void GpuEngine::reduce_reg(uintptr_t own_dst, size_t offset, size_t len, bool pu
   const int threads = reg_reduce_threads(variant);
   size_t per_block = static_cast<size_t>(threads) * 2 * (16 / es);  // elements one block covers per step
   size_t want = (len + per_block - 1) / per_block;
-  size_t cap = static_cast<size_t>(reg_blocks > 0 ? reg_blocks : sm_count_ * (kThreads / threads));
+  // Default grid (reg_blocks 0), from the block sweep on 4xH200 (docs/benchmarks.md): a
+  // quarter of the SMs for all_reduce (it also pushes to every peer), half for reduce_scatter;
+  // one block per SM was 2-7% slower.
+  const int dflt = (push ? sm_count_ / 4 : sm_count_ / 2) * (kThreads / threads);
+  size_t cap = static_cast<size_t>(reg_blocks > 0 ? reg_blocks : dflt > 0 ? dflt : 1);
   int blocks = static_cast<int>(want < 1 ? 1 : want < cap ? want : cap);
   rendezvous(im, rank_, nranks_, s);
   check_launch(what);
@@ -345,8 +349,10 @@ void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece
   EngineImpl& im = *impl_;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   char* xp = reinterpret_cast<char*>(x);
-  const char* algo = std::getenv("LINKWISE_GPU_BCAST_ALGO");  // tuning: "chain" forces it
-  if (nranks_ >= 3 && !(algo && std::strcmp(algo, "chain") == 0)) {
+  // The chain is the default: the one-stream pull scatter-allgather measured slower (its
+  // root pulls and peer pulls do not overlap); LINKWISE_GPU_BCAST_ALGO=pull selects it.
+  const char* algo = std::getenv("LINKWISE_GPU_BCAST_ALGO");
+  if (nranks_ >= 3 && algo && std::strcmp(algo, "pull") == 0) {
     const char* r = std::getenv("LINKWISE_GPU_BCAST_ROUNDS");
     int rounds = r && std::atoi(r) > 0 ? std::atoi(r) : 8;
     bcast_pull_sag(*impl_, rank_, nranks_, xp, nbytes, root, rounds, s);

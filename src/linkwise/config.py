@@ -109,21 +109,21 @@ declare("LINKWISE_GPU_MAX_BLOCKS", 0, int, "thread blocks of the GPU collective 
 declare("LINKWISE_GPU_REG", True, _bool, "register user GPU buffers (CUDA IPC) for large transfers")
 declare("LINKWISE_GPU_REG_MIN", 4 << 20, _size,
         "GPU send/recv and all_gather this large move between registered user buffers")
-declare("LINKWISE_GPU_BCAST_REG_MIN", 64 << 20, _size,
-        "GPU broadcasts this large are copied between registered buffers (3+ ranks: pipelined "
-        "pull scatter-allgather; 2: a chain)")
+declare("LINKWISE_GPU_BCAST_REG_MIN", 128 << 20, _size,
+        "GPU broadcasts this large go as a chain of copies between registered buffers")
 declare("LINKWISE_GPU_CHAIN_PIECE", 0, _size, "piece of the GPU broadcast chain; 0 = size/8")
 declare("LINKWISE_GPU_REG_REDUCE_MIN", 64 << 20, _size,
         "GPU all_reduce/reduce_scatter this large read peers' registered buffers directly")
 declare("LINKWISE_GPU_REG_REDUCE_BLOCKS", 0, int, "blocks of that kernel; 0 = one per SM")
 # Read by the C++ engine itself (getenv), declared here for linkwise info.
 declare("LINKWISE_GPU_LL_MAX", 32 << 10, int,
-        "GPU all_reduce/broadcast up to this many bytes (at most 32768) use the LL kernels; 0 = off")
-declare("LINKWISE_GPU_BCAST_ROUNDS", 8, int, "rounds of the registered-buffer pull scatter-allgather broadcast")
-declare("LINKWISE_GPU_BCAST_ALGO", "", str, "tuning: 'chain' forces the chain for registered-buffer broadcasts")
+        "GPU all_reduce/broadcast up to this many bytes (at most 131072) use the LL kernels; 0 = off")
+declare("LINKWISE_GPU_BCAST_ALGO", "", str,
+        "registered-buffer GPU broadcast: 'pull' = pull scatter-allgather (3+ ranks), else the chain")
+declare("LINKWISE_GPU_BCAST_ROUNDS", 8, int, "rounds of the pull scatter-allgather broadcast")
 declare("LINKWISE_GPU_REG_REDUCE_UNROLL", 2, int, "tuning: registered all_reduce kernel variant (1, 2, 4)")
 declare("LINKWISE_GPU_TUNE", False, _bool,
-        "tuning: re-read LINKWISE_GPU_LL_THREADS / LINKWISE_GPU_ONESHOT_BLOCK_BYTES at every call")
+        "tuning: re-read LINKWISE_GPU_LL_MAX / _LL_THREADS / _ONESHOT_BLOCK_BYTES at every call")
 declare("LINKWISE_STAGED_BUFFERS", 3, int, "pinned chunks in flight on the host-staged GPU path (2-16)")
 declare("LINKWISE_STAGED_SHM", True, _bool,
         "host-staged GPU transfers within a host go through shared pinned memory (no CPU copy)")
