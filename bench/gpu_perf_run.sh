@@ -3,7 +3,8 @@
 # (default: small tune bench), every output under $OUT. Usage (repo root, on the device):
 #   PHASES="small tune bench" bash bench/gpu_perf_run.sh
 # small: bench/gpu_tune.py --small with the LL kernels and without (LINKWISE_GPU_LL_MAX=0)
-# tune:  bench/gpu_tune.py --reduce --bcast (registered-path sweeps, NCCL in the same run)
+# tune:  bench/gpu_tune.py $TUNE_ARGS (default --reduce --bcast: registered-path sweeps, NCCL
+#        in the same run; --final: the >= 64 MiB comparison with default settings)
 # bench: linkwise bench all_reduce / broadcast, 8 B-256 KiB, eager and --graph, against
 #        nccl (torch.distributed) and nccl-cupy; $LARGE adds the >= 64 MiB sweep of every op
 # tests: pytest $TESTS (default: the GPU test files of this work)
@@ -26,7 +27,7 @@ for ph in ${PHASES:-small tune bench}; do
     final)
       timeout ${FINAL_T:-120} $L bench/gpu_tune.py --final --sizes ${FINAL_SIZES:-64M,128M,512M} --json $OUT/final.json 2>&1 | grep -v Warn | tail -20 ;;
     tune)
-      timeout ${TUNE_T:-150} $L bench/gpu_tune.py --reduce --bcast $TUNE_EXTRA --sizes ${TUNE_SIZES:-64M,128M,512M} --json $OUT/tune.json 2>&1 | grep -v Warn | tail -80 ;;
+      timeout ${TUNE_T:-150} $L bench/gpu_tune.py ${TUNE_ARGS:---reduce --bcast} --sizes ${TUNE_SIZES:-64M,128M,512M} --json $OUT/tune.json 2>&1 | grep -v Warn | tail -80 ;;
     bench)
       for op in ${SMALL_OPS:-all_reduce broadcast}; do
         timeout ${BENCH_T:-60} $B $op --device cuda --compare nccl,nccl-cupy -N $N -b 8 -e 256K -f 8 -n 100 -w 20 --graph both --no-progress --json $OUT/$op.json 2>&1 | grep -v Warn | tee -a $OUT/bench.txt
