@@ -124,3 +124,53 @@ def _capture_body(comm, _):
 
 def test_reg_path_capture_falls_back():
     _check(run_ranks(_nranks(), _capture_body, None, env=REG_RED_ENV, timeout=300))
+
+
+def test_reg_reduce_kernel_variants():
+    """The tuning variants of reg_reduce_kernel (LINKWISE_GPU_REG_REDUCE_UNROLL 1 and 4; float32,
+    float16, bfloat16 sum) give the reference bitwise, aligned or not, in place or not."""
+    cases = [(k, c, d, "sum", off, ip) for k in ("ar", "rs") for d in ("float32", "float16", "bfloat16")
+             for c, off, ip in ((1, 0, True), (7, 1, False), (65537, 0, False), (300001, 1, True))]
+    for variant in ("1", "4"):
+        env = {**REG_RED_ENV, "LINKWISE_GPU_REG_REDUCE_UNROLL": variant,
+               "LINKWISE_GPU_REG_REDUCE_BLOCKS": "7"}
+        _check(run_ranks(_nranks(), _body, cases, env=env, timeout=300))
+
+
+def _bcast_body(comm, sizes):
+    """Registered broadcast (pull scatter-allgather from 3 ranks, else the chain) from every
+    root, odd byte counts, misaligned starts; x is a fresh tensor each time."""
+    g, torch = _setup(comm)
+    n, r = comm.size, comm.rank
+    errors = []
+    for i, nbytes in enumerate(sizes):
+        for root in range(n):
+            off = (i + root) % 3
+            src = (torch.arange(nbytes, dtype=torch.int64) * 13 + 7 * root + i) % 251
+            buf = torch.zeros(nbytes + off, dtype=torch.uint8, device="cuda")
+            x = buf[off:]
+            if r == root:
+                x.copy_(src)
+            g.broadcast(x, root=root)
+            if not torch.equal(x.cpu(), src.to(torch.uint8)):
+                errors.append(f"rank {r} broadcast {nbytes} B root {root} +{off}: wrong")
+            if not torch.equal(buf[:off].cpu(), torch.zeros(off, dtype=torch.uint8)):
+                errors.append(f"rank {r} broadcast {nbytes} B root {root}: wrote before x")
+    if n > 1 and g._engine.reg_cached() == 0:
+        errors.append(f"rank {r}: the registered path was not taken")
+    g.close()
+    return errors
+
+
+BCAST_SIZES = [1, 5, 4095, 4097, 123457, (3 << 20) + 1]
+
+
+def test_reg_broadcast_pull_scatter_allgather_and_chain():
+    env = {**SAFE_ENV, "LINKWISE_GPU_REG_MIN": "1", "LINKWISE_GPU_BCAST_REG_MIN": "1"}
+    n = _nranks()
+    pull = {"LINKWISE_GPU_BCAST_ALGO": "pull"}
+    for extra in ({**pull, "LINKWISE_GPU_BCAST_ROUNDS": "3"}, pull, {"LINKWISE_GPU_CHAIN_PIECE": "4096"}):
+        _check(run_ranks(n, _bcast_body, BCAST_SIZES, env={**env, **extra}, timeout=300))
+    if n >= 4:  # 3 ranks: two non-roots
+        _check(run_ranks(3, _bcast_body, BCAST_SIZES,
+                         env={**env, **pull, "LINKWISE_GPU_BCAST_ROUNDS": "5"}, timeout=300))

@@ -7,6 +7,18 @@
 namespace linkwise::cuda {
 namespace {
 
+// The last step of all_gather and all_to_all: every peer q's slice [lo, hi) of its piece, which
+// it pushed into our slot `slot(q)`, goes to out + q*out_stride. Whole block.
+template <class Slot>
+__device__ __forceinline__ void pull_peer_slices(const DevComm& c, char* out, size_t out_stride,
+                                                 size_t lo, size_t hi, Slot slot) {
+  for (int q = 0; q < c.nranks; ++q) {
+    if (q == c.rank) continue;
+    char* d = out + q * out_stride + lo;
+    copy_bytes(&d, 1, slot(q) + lo, hi - lo);
+  }
+}
+
 // Broadcast. Roles: blocks alike, each owning one slice of x.
 // Root pipeline: start flags -> push slice into in_slot[root] of every peer -> signal ready[0].
 // Peer pipeline: wait ready[0][block][root] -> copy the slice from our in_slot[root] into x.
@@ -110,11 +122,7 @@ __device__ __forceinline__ void gather_body(DevComm c, const char* x, size_t n,
   copy_bytes(dsts, nd, x + lo, hi - lo);
   signal_all(c, 0, epoch);
   wait_all(c, 0, epoch);
-  for (int q = 0; q < c.nranks; ++q) {
-    if (q == c.rank) continue;
-    char* d = out + q * out_stride + lo;
-    copy_bytes(&d, 1, c.gather_slot(c.rank, par, q) + lo, hi - lo);
-  }
+  pull_peer_slices(c, out, out_stride, lo, hi, [&](int q) { return c.gather_slot(c.rank, par, q); });
 }
 
 // all_to_all of one piece: block p of x (x + p*x_stride, n bytes) goes to rank p, landing at
@@ -134,48 +142,42 @@ __device__ __forceinline__ void alltoall_body(DevComm c, const char* x,
   }
   signal_all(c, 0, epoch);
   wait_all(c, 0, epoch);
-  for (int q = 0; q < c.nranks; ++q) {
-    if (q == c.rank) continue;
-    char* d = out + q * out_stride + lo;
-    copy_bytes(&d, 1, c.in_slot(c.rank, par, q) + lo, hi - lo);
+  pull_peer_slices(c, out, out_stride, lo, hi, [&](int q) { return c.in_slot(c.rank, par, q); });
+}
+
+// One point-to-point piece, from the side of one block (send and recv are mirror images).
+// Pipeline per block: wait until our counter `*wait_ctr` reaches `need` (send: p2p_ack[dst],
+// dst consumed the piece that last used this parity; recv: p2p_data[src], every block of the
+// sender's piece landed) -> copy this block's slice src -> dst -> red.release.sys
+// `*post_ctr` += 1 on the peer (send: p2p_data[rank] on dst, the slice is there; recv:
+// p2p_ack[rank] on src, our reads of the slot are done), after __threadfence_system.
+__device__ __forceinline__ void p2p_piece(const DevComm& c, const uint64_t* wait_ctr, uint64_t need,
+                                          char* dst, const char* src, size_t n, uint64_t* post_ctr) {
+  if (threadIdx.x == 0) wait_ge(c, wait_ctr, need);
+  __syncthreads();
+  size_t lo, hi;
+  block_slice(n, 16, &lo, &hi);
+  char* d = dst + lo;
+  copy_bytes(&d, 1, src + lo, hi - lo);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    red_release_sys_add(post_ctr, 1);
   }
 }
 
 // send of one piece to `dst` through p2p_slot[rank] of parity `par` there.
-// Pipeline per block: wait until our p2p_ack[dst] counter reaches ack_need (dst has consumed
-// the piece that last used this parity) -> push slice -> red.release.sys p2p_data[rank] += 1
-// on dst.
 __global__ void __launch_bounds__(kThreads) send_kernel(DevComm c, const char* x, size_t n, int dst,
                                                         int par, uint64_t ack_need) {
-  if (threadIdx.x == 0) wait_ge(c, &c.ctrl(c.rank)->p2p_ack[dst], ack_need);
-  __syncthreads();
-  size_t lo, hi;
-  block_slice(n, 16, &lo, &hi);
-  char* d = c.p2p_slot(dst, par, c.rank) + lo;
-  copy_bytes(&d, 1, x + lo, hi - lo);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    red_release_sys_add(&c.ctrl(dst)->p2p_data[c.rank], 1);
-  }
+  p2p_piece(c, &c.ctrl(c.rank)->p2p_ack[dst], ack_need, c.p2p_slot(dst, par, c.rank), x, n,
+            &c.ctrl(dst)->p2p_data[c.rank]);
 }
 
-// recv of one piece from `src`. Pipeline per block: wait until p2p_data[src] reaches data_need
-// (every block of the sender's piece landed) -> copy slice out -> red.release.sys
-// p2p_ack[rank] += 1 on src (our reads of the slot are done).
+// recv of one piece from `src` out of our p2p_slot[src] of parity `par`.
 __global__ void __launch_bounds__(kThreads) recv_kernel(DevComm c, char* x, size_t n, int src,
                                                         int par, uint64_t data_need) {
-  if (threadIdx.x == 0) wait_ge(c, &c.ctrl(c.rank)->p2p_data[src], data_need);
-  __syncthreads();
-  size_t lo, hi;
-  block_slice(n, 16, &lo, &hi);
-  char* d = x + lo;
-  copy_bytes(&d, 1, c.p2p_slot(c.rank, par, src) + lo, hi - lo);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    red_release_sys_add(&c.ctrl(src)->p2p_ack[c.rank], 1);
-  }
+  p2p_piece(c, &c.ctrl(c.rank)->p2p_data[src], data_need, x, c.p2p_slot(c.rank, par, src), n,
+            &c.ctrl(src)->p2p_ack[c.rank]);
 }
 
 // Barrier: one block; signal ready[0][0] to every peer, wait for every peer's.
@@ -215,6 +217,7 @@ __global__ void barrier_kernel(DevComm c) {
 
 void launch_broadcast(const DevComm& c, void* x, size_t n, int root, int blocks,
                       bool scatter_allgather, cudaStream_t s) {
+  if (!scatter_allgather && launch_ll_broadcast(c, x, n, root, s)) return;
   if (scatter_allgather)
     bcast_sag_kernel<<<blocks, kThreads, 0, s>>>(c, static_cast<char*>(x), n, root);
   else

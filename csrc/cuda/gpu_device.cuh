@@ -38,7 +38,11 @@ namespace linkwise::cuda {
 constexpr int kMaxRanks = 16;
 constexpr int kMaxBlocks = 128;
 constexpr int kPhases = 2;
-constexpr size_t kControlBytes = 64 * 1024;
+// Per rank: the Control block, then the LL region (ll.cuh: 2 parities x kMaxRanks slots of
+// kLLSlotBytes, written only by the LL kernels), then the data regions. All zeroed at setup.
+constexpr size_t kControlStructBytes = 64 * 1024;
+constexpr size_t kLLSlotBytes = 256 * 1024;
+constexpr size_t kControlBytes = kControlStructBytes + 2 * kMaxRanks * kLLSlotBytes;
 
 struct Control {
   uint64_t start[kMaxRanks];
@@ -58,7 +62,7 @@ struct Control {
 };
 enum SigKind : int { kSigChain = 0, kSigChainDone = 1, kSigP2pReady = 2, kSigP2pDone = 3,
                      kSigRendezvous = 4 };
-static_assert(sizeof(Control) <= kControlBytes, "Control must fit its reserved bytes");
+static_assert(sizeof(Control) <= kControlStructBytes, "Control must fit its reserved bytes");
 constexpr uint64_t kErrTimeout = 1, kErrAborted = 2;
 
 // Pinned host memory mapped into the device (cudaHostAllocMapped), one per engine. `abort` is
@@ -117,32 +121,45 @@ __device__ __forceinline__ void red_release_sys_add(uint64_t* p, uint64_t v) {
 // waits, the latency-critical case, never pay for either.
 constexpr uint64_t kLocalPollTicks = 1ull << 14, kHostPollTicks = 1ull << 18;
 
+// The failure checks of one spinning wait (failure contract above), shared by wait_ge and the
+// LL loads (ll.cuh). give_up() is called after each unsuccessful poll; it reads the local error
+// word and the host abort word only at the periods above, so a wait that succeeds quickly
+// costs one clock64 per poll. True means the wait must stop (the error is recorded).
+struct WaitGuard {
+  uint64_t t0 = 0, local_at = kLocalPollTicks, host_at = 4 * kLocalPollTicks;
+
+  __device__ __forceinline__ bool give_up(const DevComm& c) {
+    const uint64_t now = clock64();
+    if (t0 == 0) t0 = now;
+    const uint64_t dt = now - t0;
+    if (dt <= local_at) return false;
+    local_at = dt + kLocalPollTicks;
+    auto* err = reinterpret_cast<unsigned long long*>(&c.ctrl(c.rank)->error);
+    if (*reinterpret_cast<volatile unsigned long long*>(err)) return true;
+    if (dt > host_at) {
+      host_at = dt + kHostPollTicks;
+      if (*reinterpret_cast<volatile uint32_t*>(&c.host->abort)) {
+        atomicCAS(err, 0ull, static_cast<unsigned long long>(kErrAborted));
+        return true;
+      }
+    }
+    if (dt > c.spin_limit) {
+      atomicCAS(err, 0ull, static_cast<unsigned long long>(kErrTimeout));
+      *reinterpret_cast<volatile uint32_t*>(&c.host->timed_out) = 1;
+      __threadfence_system();
+      return true;
+    }
+    return false;
+  }
+};
+
 // Spins until *p >= want (true). False when the wait gave up (failure contract above).
 __device__ __forceinline__ bool wait_ge(const DevComm& c, const uint64_t* p, uint64_t want) {
   if (ld_acquire_sys(p) >= want) return true;
-  const uint64_t t0 = clock64();
-  uint64_t local_at = kLocalPollTicks, host_at = 4 * kLocalPollTicks;
+  WaitGuard guard;
   unsigned ns = 32;
-  auto* err = reinterpret_cast<unsigned long long*>(&c.ctrl(c.rank)->error);
   while (ld_acquire_sys(p) < want) {
-    const uint64_t dt = static_cast<uint64_t>(clock64() - t0);
-    if (dt > local_at) {
-      local_at = dt + kLocalPollTicks;
-      if (*reinterpret_cast<volatile unsigned long long*>(err)) return false;
-      if (dt > host_at) {
-        host_at = dt + kHostPollTicks;
-        if (*reinterpret_cast<volatile uint32_t*>(&c.host->abort)) {
-          atomicCAS(err, 0ull, static_cast<unsigned long long>(kErrAborted));
-          return false;
-        }
-      }
-      if (dt > c.spin_limit) {
-        atomicCAS(err, 0ull, static_cast<unsigned long long>(kErrTimeout));
-        *reinterpret_cast<volatile uint32_t*>(&c.host->timed_out) = 1;
-        __threadfence_system();
-        return false;
-      }
-    }
+    if (guard.give_up(c)) return false;
     __nanosleep(ns);
     if (ns < 256) ns *= 2;
   }

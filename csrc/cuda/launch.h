@@ -25,6 +25,16 @@ constexpr int kThreads = 512;
 void launch_oneshot(const DevComm& c, int dtype, int op, const void* x, void* out, size_t count,
                     int blocks, cudaStream_t s);
 
+// LL kernels (ll_kernels.cu) for messages of 1..ll_max() bytes: return false (nothing
+// launched) for other sizes. launch_oneshot / launch_broadcast (non scatter-allgather) try
+// them first.
+size_t ll_max();
+// Tuning knobs: `name`'s value when LINKWISE_GPU_TUNE was set at start-up, else dflt.
+int tune_int(const char* name, int dflt);
+bool launch_ll_allreduce(const DevComm& c, int dtype, int op, const void* x, void* out,
+                         size_t count, cudaStream_t s);
+bool launch_ll_broadcast(const DevComm& c, void* x, size_t n, int root, cudaStream_t s);
+
 // Reduce-scatter (+ all-gather when `allgather`) of one piece; see reduce_kernels.cu.
 void launch_twoshot(const DevComm& c, int dtype, int op, const void* x, size_t x_stride, void* out,
                     size_t out_stride, size_t count, size_t chunk, bool allgather,
@@ -54,6 +64,11 @@ struct RegReduceArgs {
   bool avg = false;
   size_t len = 0;
 };
-void launch_reg_reduce(int dtype, int op, const RegReduceArgs& a, int blocks, cudaStream_t s);
+// variant: 2 = default (2 packs x 8 sources in flight per thread, kThreads threads); 1 and 4
+// are tuning variants for float32/float16/bfloat16 sum (others take the default);
+// reg_reduce_threads(variant) = threads per block of that variant.
+void launch_reg_reduce(int dtype, int op, const RegReduceArgs& a, int blocks, int variant,
+                       cudaStream_t s);
+int reg_reduce_threads(int variant);
 
 }  // namespace linkwise::cuda

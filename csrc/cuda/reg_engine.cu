@@ -21,6 +21,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -34,12 +35,15 @@ namespace {
 
 struct SigArgs {
   int np = 0;            // posts: kind pk[i] += pa[i] on peer pp[i]
-  int pk[2], pp[2];
-  uint64_t pa[2];
-  int wk = -1, wp = -1;  // one wait: our sig[wk][wp] >= want
-  uint64_t want = 0;
+  int pk[kMaxRanks], pp[kMaxRanks];
+  uint64_t pa[kMaxRanks];
+  int nw = 0;            // waits: our sig[wk[i]][wp[i]] >= want[i]
+  int wk[kMaxRanks], wp[kMaxRanks];
+  uint64_t want[kMaxRanks];
   int all_kind = -1;     // rendezvous: post +1 to every peer, wait all_want[p] from each
   uint64_t all_want[kMaxRanks];
+  void post(int kind, int peer, uint64_t add) { pk[np] = kind, pp[np] = peer, pa[np] = add, ++np; }
+  void wait(int kind, int peer, uint64_t v) { wk[nw] = kind, wp[nw] = peer, want[nw] = v, ++nw; }
 };
 
 __global__ void sig_kernel(DevComm c, SigArgs a) {
@@ -55,7 +59,8 @@ __global__ void sig_kernel(DevComm c, SigArgs a) {
       red_release_sys_add(&c.ctrl(t)->sig[a.all_kind][c.rank], 1);
       wait_ge(c, &c.ctrl(c.rank)->sig[a.all_kind][t], a.all_want[t]);
     }
-    if (a.wp == t) wait_ge(c, &c.ctrl(c.rank)->sig[a.wk][t], a.want);
+    for (int i = 0; i < a.nw; ++i)
+      if (a.wp[i] == t) wait_ge(c, &c.ctrl(c.rank)->sig[a.wk[i]][t], a.want[i]);
   }
 }
 
@@ -75,6 +80,14 @@ GetRangeFn get_range_fn() {
 }
 
 constexpr size_t kDescBytes = sizeof(cudaIpcMemHandle_t) + 3 * sizeof(uint64_t);
+
+// Tuning knob (read per call, so a sweep can change it in one process): reg_reduce_kernel
+// variant, LINKWISE_GPU_REG_REDUCE_UNROLL = 1, 2 (default) or 4 (see launch.h).
+int reg_reduce_variant() {
+  const char* v = std::getenv("LINKWISE_GPU_REG_REDUCE_UNROLL");
+  int u = v ? std::atoi(v) : 2;
+  return u == 1 || u == 4 ? u : 2;
+}
 
 }  // namespace
 
@@ -193,6 +206,71 @@ void rendezvous(EngineImpl& im, int rank, int nranks, cudaStream_t s) {
   for (int p = 0; p < nranks; ++p) a.all_want[p] = p == rank ? 0 : ++im.seen[kSigRendezvous][p];
   launch_sig(im.dev, a, s);
 }
+
+// Pipelined pull scatter + all-gather (3+ ranks). The m = nranks-1 non-roots split x into
+// P = m * rounds pieces; piece k belongs to non-root idx(k % m) (idx: position among the
+// non-roots), which pulls it from the root; the other non-roots pull it from its owner. Each
+// byte leaves the root once and enters every non-root once, and no rank waits for a piece
+// that is not already done, so the copy engines stay busy. Ordering contract:
+//  (1) the root posts kSigChain +1 to every non-root (its x is final: its producer ran
+//      earlier on the root's stream); non-roots wait for it before their first pull;
+//  (2) round t on non-root j: pull own piece of round t from the root; post kSigChain +1 to
+//      every other non-root (the post fences after the copy: it is visible first); wait for
+//      each other non-root q's post of round t-1, then pull q's piece of round t-1 from q's x;
+//  (3) exit rendezvous: nobody's stream moves on (to reuse x) while a peer still reads it.
+void bcast_pull_sag(EngineImpl& im, int rank_, int nranks_, char* xp, size_t nbytes, int root,
+                    int rounds, cudaStream_t s) {
+  auto check = [&](cudaError_t e) {
+    if (e != cudaSuccess)
+      throw Error(ErrorKind::Internal, "rank " + std::to_string(rank_) + ": GPU broadcast failed: " +
+                                           cudaGetErrorString(e));
+  };
+  const int m = nranks_ - 1;
+  auto idx = [&](int p) { return p < root ? p : p - 1; };
+  auto rank_of = [&](int i) { return i < root ? i : i + 1; };
+  const size_t P = static_cast<size_t>(m) * rounds;
+  size_t piece = (nbytes + P - 1) / P;
+  piece = (piece + 4095) / 4096 * 4096;
+  auto copy_piece = [&](size_t k, int from) {
+    size_t off = k * piece;
+    if (off >= nbytes) return;
+    size_t n = nbytes - off < piece ? nbytes - off : piece;
+    check(cudaMemcpyAsync(xp + off, im.reg[0][from] + off, n, cudaMemcpyDefault, s));
+  };
+  if (rank_ == root) {
+    SigArgs a;
+    for (int p = 0; p < nranks_; ++p)
+      if (p != root) a.post(kSigChain, p, 1);
+    launch_sig(im.dev, a, s);
+    check(cudaGetLastError());
+  } else {
+    for (int q = 0; q < nranks_; ++q)
+      if (!im.reg[0][q]) throw Error(ErrorKind::Invalid, "broadcast_reg: buffers not mapped");
+    const int me = idx(rank_);
+    SigArgs a;
+    a.wait(kSigChain, root, ++im.seen[kSigChain][root]);
+    launch_sig(im.dev, a, s);
+    check(cudaGetLastError());
+    for (int t = 0; t <= rounds; ++t) {
+      if (t < rounds) copy_piece(static_cast<size_t>(t) * m + me, root);
+      SigArgs b;
+      for (int i = 0; i < m; ++i) {
+        if (i == me) continue;
+        if (t < rounds) b.post(kSigChain, rank_of(i), 1);
+        if (t > 0) b.wait(kSigChain, rank_of(i), ++im.seen[kSigChain][rank_of(i)]);
+      }
+      launch_sig(im.dev, b, s);
+      check(cudaGetLastError());
+      if (t > 0)
+        for (int j = 1; j < m; ++j) {  // rotated, so no owner serves two pullers at once
+          int i = (me + j) % m;
+          copy_piece(static_cast<size_t>(t - 1) * m + i, rank_of(i));
+        }
+    }
+  }
+  rendezvous(im, rank_, nranks_, s);
+  check(cudaGetLastError());
+}
 }  // namespace
 
 // Large all_reduce / reduce_scatter from registered user buffers. Ordering contract, per call
@@ -224,14 +302,20 @@ void GpuEngine::reduce_reg(uintptr_t own_dst, size_t offset, size_t len, bool pu
     for (int p = 0; p < nranks_; ++p)
       if (p != rank_) a.dst[a.ndst++] = im.reg[1][p] + offset * es;
   if (sm_count_ == 0) LW_CUDA(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_), what);
-  size_t per_block = static_cast<size_t>(kThreads) * 2 * (16 / es);  // elements one block covers per step
+  const int variant = reg_reduce_variant();
+  const int threads = reg_reduce_threads(variant);
+  size_t per_block = static_cast<size_t>(threads) * 2 * (16 / es);  // elements one block covers per step
   size_t want = (len + per_block - 1) / per_block;
-  size_t cap = static_cast<size_t>(reg_blocks > 0 ? reg_blocks : sm_count_);
+  // Default grid (reg_blocks 0), from the block sweep on 4xH200 (docs/benchmarks.md): a
+  // quarter of the SMs for all_reduce (it also pushes to every peer), half for reduce_scatter;
+  // one block per SM was 2-7% slower.
+  const int dflt = (push ? sm_count_ / 4 : sm_count_ / 2) * (kThreads / threads);
+  size_t cap = static_cast<size_t>(reg_blocks > 0 ? reg_blocks : dflt > 0 ? dflt : 1);
   int blocks = static_cast<int>(want < 1 ? 1 : want < cap ? want : cap);
   rendezvous(im, rank_, nranks_, s);
   check_launch(what);
   if (len > 0) {
-    launch_reg_reduce(dtype, op, a, blocks, s);
+    launch_reg_reduce(dtype, op, a, blocks, variant, s);
     check_launch(what);
   }
   rendezvous(im, rank_, nranks_, s);
@@ -265,6 +349,15 @@ void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece
   EngineImpl& im = *impl_;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   char* xp = reinterpret_cast<char*>(x);
+  // The chain is the default: the one-stream pull scatter-allgather measured slower (its
+  // root pulls and peer pulls do not overlap); LINKWISE_GPU_BCAST_ALGO=pull selects it.
+  const char* algo = std::getenv("LINKWISE_GPU_BCAST_ALGO");
+  if (nranks_ >= 3 && algo && std::strcmp(algo, "pull") == 0) {
+    const char* r = std::getenv("LINKWISE_GPU_BCAST_ROUNDS");
+    int rounds = r && std::atoi(r) > 0 ? std::atoi(r) : 8;
+    bcast_pull_sag(*impl_, rank_, nranks_, xp, nbytes, root, rounds, s);
+    return;
+  }
   const int pos = (rank_ - root + nranks_) % nranks_;
   const int pred = (rank_ - 1 + nranks_) % nranks_, succ = (rank_ + 1) % nranks_;
   const bool last = pos == nranks_ - 1;
@@ -272,8 +365,8 @@ void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece
   const size_t P = (nbytes + piece - 1) / piece;
   if (pos == 0) {  // root: every piece is ready now; wait until the successor pulled them all
     SigArgs a;
-    a.np = 1, a.pk[0] = kSigChain, a.pp[0] = succ, a.pa[0] = P;
-    a.wk = kSigChainDone, a.wp = succ, a.want = ++im.seen[kSigChainDone][succ];
+    a.post(kSigChain, succ, P);
+    a.wait(kSigChainDone, succ, ++im.seen[kSigChainDone][succ]);
     launch_sig(im.dev, a, s);
     check_launch("broadcast");
     return;
@@ -282,18 +375,18 @@ void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece
   if (!src) throw Error(ErrorKind::Invalid, "broadcast_reg: predecessor's buffer not mapped");
   for (size_t k = 0; k < P; ++k) {
     SigArgs a;
-    if (k > 0 && !last) a.np = 1, a.pk[0] = kSigChain, a.pp[0] = succ, a.pa[0] = 1;
-    a.wk = kSigChain, a.wp = pred, a.want = ++im.seen[kSigChain][pred];
+    if (k > 0 && !last) a.post(kSigChain, succ, 1);
+    a.wait(kSigChain, pred, ++im.seen[kSigChain][pred]);
     launch_sig(im.dev, a, s);
     check_launch("broadcast");
     size_t off = k * piece, n = nbytes - off < piece ? nbytes - off : piece;
     LW_CUDA(cudaMemcpyAsync(xp + off, src + off, n, cudaMemcpyDefault, s), "broadcast");
   }
   SigArgs a;
-  a.pk[a.np] = kSigChainDone, a.pp[a.np] = pred, a.pa[a.np] = 1, a.np++;
+  a.post(kSigChainDone, pred, 1);
   if (!last) {
-    a.pk[a.np] = kSigChain, a.pp[a.np] = succ, a.pa[a.np] = 1, a.np++;
-    a.wk = kSigChainDone, a.wp = succ, a.want = ++im.seen[kSigChainDone][succ];
+    a.post(kSigChain, succ, 1);
+    a.wait(kSigChainDone, succ, ++im.seen[kSigChainDone][succ]);
   }
   launch_sig(im.dev, a, s);
   check_launch("broadcast");
@@ -304,8 +397,8 @@ void GpuEngine::send_reg(size_t nbytes, int dst, uintptr_t stream) {
   DeviceGuard g(device_);
   EngineImpl& im = *impl_;
   SigArgs a;
-  a.np = 1, a.pk[0] = kSigP2pReady, a.pp[0] = dst, a.pa[0] = 1;
-  a.wk = kSigP2pDone, a.wp = dst, a.want = ++im.seen[kSigP2pDone][dst];
+  a.post(kSigP2pReady, dst, 1);
+  a.wait(kSigP2pDone, dst, ++im.seen[kSigP2pDone][dst]);
   launch_sig(im.dev, a, reinterpret_cast<cudaStream_t>(stream));
   check_launch("send");
 }
@@ -317,12 +410,12 @@ void GpuEngine::recv_reg(uintptr_t x, size_t nbytes, int src, uintptr_t stream) 
   auto s = reinterpret_cast<cudaStream_t>(stream);
   if (!im.reg[0][src]) throw Error(ErrorKind::Invalid, "recv_reg: sender's buffer not mapped");
   SigArgs a;
-  a.wk = kSigP2pReady, a.wp = src, a.want = ++im.seen[kSigP2pReady][src];
+  a.wait(kSigP2pReady, src, ++im.seen[kSigP2pReady][src]);
   launch_sig(im.dev, a, s);
   check_launch("recv");
   LW_CUDA(cudaMemcpyAsync(reinterpret_cast<char*>(x), im.reg[0][src], nbytes, cudaMemcpyDefault, s), "recv");
   SigArgs b;
-  b.np = 1, b.pk[0] = kSigP2pDone, b.pp[0] = src, b.pa[0] = 1;
+  b.post(kSigP2pDone, src, 1);
   launch_sig(im.dev, b, s);
   check_launch("recv");
 }

@@ -21,6 +21,8 @@
 // (a later kernel on the stream) then publishes them with a release.
 // Unaligned pointers (any source or destination not 16-byte aligned) fall back to one element
 // per thread, same order of reduction.
+#include <type_traits>
+
 #include "cuda/kernel_util.cuh"
 #include "cuda/launch.h"
 #include "cuda/reduce_ops.cuh"
@@ -28,11 +30,11 @@
 namespace linkwise::cuda {
 namespace {
 
-constexpr int kUnroll = 2;  // packs per thread per step
-constexpr int kGroup = 8;   // sources loaded together (nranks > 8: several groups, in order)
-
-template <typename T, class Op>
-__global__ void __launch_bounds__(kThreads) reg_reduce_kernel(RegReduceArgs a) {
+// Variants (tuning, launch_reg_reduce): kUnroll packs per thread per step, kGroup sources
+// loaded together (nranks > kGroup: several groups, in order), kTh threads per block (its
+// register cap: the loads in flight must fit without spilling).
+template <typename T, class Op, int kUnroll, int kGroup, int kTh>
+__global__ void __launch_bounds__(kTh) reg_reduce_kernel(RegReduceArgs a) {
   using A = typename AccT<T>::type;
   constexpr int V = Pack<T>::kN;
   Op op;
@@ -89,15 +91,25 @@ __global__ void __launch_bounds__(kThreads) reg_reduce_kernel(RegReduceArgs a) {
 }
 
 template <typename T, class Op> struct RegReduce {
-  static void run(const RegReduceArgs& a, int blocks, cudaStream_t s) {
-    reg_reduce_kernel<T, Op><<<blocks, kThreads, 0, s>>>(a);
+  static void run(const RegReduceArgs& a, int blocks, int variant, cudaStream_t s) {
+    constexpr bool kTuned = std::is_same<Op, OpSum>::value &&
+                            (std::is_same<T, float>::value || std::is_same<T, __nv_bfloat16>::value ||
+                             std::is_same<T, __half>::value);
+    if constexpr (kTuned) {
+      if (variant == 1) return reg_reduce_kernel<T, Op, 1, 8, 512><<<blocks, 512, 0, s>>>(a);
+      if (variant == 4) return reg_reduce_kernel<T, Op, 4, 4, 256><<<blocks, 256, 0, s>>>(a);
+    }
+    reg_reduce_kernel<T, Op, 2, 8, kThreads><<<blocks, kThreads, 0, s>>>(a);
   }
 };
 
 }  // namespace
 
-void launch_reg_reduce(int dtype, int op, const RegReduceArgs& a, int blocks, cudaStream_t s) {
-  dispatch<RegReduce>(dtype, op, a, blocks, s);
+int reg_reduce_threads(int variant) { return variant == 4 ? 256 : kThreads; }
+
+void launch_reg_reduce(int dtype, int op, const RegReduceArgs& a, int blocks, int variant,
+                       cudaStream_t s) {
+  dispatch<RegReduce>(dtype, op, a, blocks, variant, s);
 }
 
 }  // namespace linkwise::cuda

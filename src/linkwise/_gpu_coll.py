@@ -8,13 +8,18 @@ array's current stream) and the call returns before the GPU has finished; with a
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 
 def is_cuda(x: Any) -> bool:
-    """Cheap test for a CUDA array (see comm._is_cuda)."""
+    """Cheap test for a CUDA array (see comm._is_cuda). torch tensors first: hasattr() on a
+    CUDA tensor's __cuda_array_interface__ would build that dict on every call."""
     if x is None:
         return False
+    torch = sys.modules.get("torch")
+    if torch is not None and type(x) is torch.Tensor:
+        return x.is_cuda
     from .comm import _is_cuda
     return _is_cuda(x)
 
@@ -74,8 +79,7 @@ def _run(comm, op: str, x: Any, *, out: Any, red: str, root: int, dtype: Optiona
         raise TypeError(f"{op}: dtype= is for host arrays; a CUDA array carries its own dtype")
     if out is not None and not is_cuda(out):
         raise host_device_mix(op, True)
-    g = comm.cuda()
-    shape = tuple(getattr(x, "shape", ()))
+    g = comm._gpu_comm if getattr(comm, "_gpu_comm", None) is not None else comm.cuda()
     if op == "all_reduce":
         return g.all_reduce(x, op=red, out=out, stream=stream)
     if op == "broadcast":
@@ -84,6 +88,7 @@ def _run(comm, op: str, x: Any, *, out: Any, red: str, root: int, dtype: Optiona
         if comm.rank == root:
             _copy(out, x, stream)
         return g.broadcast(out, root=root, stream=stream)
+    shape = tuple(getattr(x, "shape", ()))
     if op == "all_gather":
         if out is None:
             lead = shape[0] if shape else 1

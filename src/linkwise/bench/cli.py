@@ -44,10 +44,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tests", default="latency,bw,bibw", help="p2p: which of latency,bw,bibw")
     p.add_argument("--window", type=int, default=64, help="p2p: messages in flight for bw/bibw")
     p.add_argument("--compare", default="", help="other systems to run the same sweep: gloo,mpi "
-                   "(CPU) or nccl (--device cuda)")
+                   "(CPU) or nccl (torch.distributed), nccl-cupy (NCCL called directly) "
+                   "(--device cuda)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: NumPy buffers; cuda: torch CUDA tensors, one GPU per rank, timed "
-                        "with CUDA events (no CUDA graphs)")
+                        "with CUDA events")
+    p.add_argument("--graph", nargs="?", const="on", default="off", choices=("off", "on", "both"),
+                   help="--device cuda: time -n ops captured in one CUDA graph, replayed (every "
+                        "system alike); 'both': eager and graph sweeps in the same processes, "
+                        "two tables; default: eager back-to-back calls only")
     p.add_argument("--reps", type=int, default=1,
                    help="repeat the whole sweep (every system, alternating); report medians")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
@@ -71,8 +76,11 @@ def _normalise(args) -> list[str]:
     if device == "cuda" and args.test == "p2p":
         raise ValueError("--device cuda: use the sendrecv test for GPU point-to-point")
     for s in others:
-        if (s == "nccl") != (device == "cuda"):
-            raise ValueError(f"--compare {s} needs --device {'cuda' if s == 'nccl' else 'cpu'}")
+        gpu_sys = s.startswith("nccl")
+        if gpu_sys != (device == "cuda"):
+            raise ValueError(f"--compare {s} needs --device {'cuda' if gpu_sys else 'cpu'}")
+    if getattr(args, "graph", "off") not in ("off", False, None) and device != "cuda":
+        raise ValueError("--graph needs --device cuda")
     if args.test == "p2p" and args.nranks < 2:
         raise ValueError("p2p needs -N 2 or more")
     if not 0 <= args.root < max(1, args.nranks):
@@ -90,6 +98,16 @@ def _args_json(args) -> str:
 
 
 def _finish(doc: dict, args) -> int:
+    graph = {k: v for k, v in doc["systems"].items() if k.endswith(GRAPH_SUFFIX)}
+    if graph:  # --graph both: the eager table, then the graph one (same processes, same run)
+        eager = dict(doc, systems={k: v for k, v in doc["systems"].items() if k not in graph})
+        rc = _finish(eager, _without_outputs(args))
+        gdoc = dict(doc, systems={k[:-len(GRAPH_SUFFIX)]: v for k, v in graph.items()})
+        print("# --- the same sweep captured in CUDA graphs ---")
+        rc2 = _finish(gdoc, _without_outputs(args))
+        if args.json:
+            report.write_json(doc, args.json)
+        return max(rc, rc2)
     coll = doc["test"]
     for name, s in doc["systems"].items():
         if s.get("status") == "ok":
@@ -111,6 +129,16 @@ def _finish(doc: dict, args) -> int:
     wrong = sum((c.get("wrong") or 0) for s in measured for r in s.get("rows", [])
                 for c in (r.get("oop", {}), r.get("ip", {})) if isinstance(c, dict))
     return 1 if wrong else 0
+
+
+GRAPH_SUFFIX = " [graph]"
+
+
+def _without_outputs(args):
+    import copy
+    a = copy.copy(args)
+    a.json = a.plot = None
+    return a
 
 
 def _merge(doc: dict, part: dict) -> None:

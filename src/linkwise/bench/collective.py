@@ -74,8 +74,11 @@ def _one_variant(backend: Backend, coll: str, dtype, op: str, root: int, total: 
     if why is not None:
         return {"na": why}
     timer = getattr(backend, "timer", None)  # GPU backends time with CUDA events
-    seconds = (timer(fn, iters, max(0, warmup - 1)) if timer is not None
-               else time_loop(backend, fn, iters, max(0, warmup - 1)))
+    try:
+        seconds = (timer(fn, iters, max(0, warmup - 1)) if timer is not None
+                   else time_loop(backend, fn, iters, max(0, warmup - 1)))
+    except Unsupported as exc:  # e.g. not capturable in a CUDA graph (GPU --graph)
+        return {"na": str(exc)}
     wrong = 0
     if check:
         fresh_send, fresh_recv = _inputs(coll, op, rank, size, total, block, dtype, root)

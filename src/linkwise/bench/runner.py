@@ -76,34 +76,66 @@ def _share_port(lw: LinkwiseBackend) -> int:
 
 
 def _measure_gpu(args, pl, systems, lw, out, show_progress) -> dict:
-    """--device cuda: linkwise's GPU data plane, then NCCL (torch.distributed) if asked."""
+    """--device cuda: linkwise's GPU data plane, then NCCL (torch.distributed: ``nccl``;
+    called directly: ``nccl-cupy``) if asked; eager or captured in CUDA graphs (``--graph``)."""
     from . import gpu
+    mode = getattr(args, "graph", "off")
+    mode = {True: "on", False: "off", None: "off"}.get(mode, mode)
+    graph = mode == "on"
+    how = gpu.how_timing(graph)
     order = []
     if lw is not None and out["linkwise"]["status"] == "ok":
-        glw = gpu.LinkwiseGpuBackend(lw)
+        glw = gpu.LinkwiseGpuBackend(lw, graph)
         if pl.test not in ("sendrecv",) and not glw.available(pl.test):
             out["linkwise"] = {"status": "not available", "reason": f"{pl.test} has no GPU path"}
         else:
-            out["linkwise"]["how"] = "comm.<collective>(torch CUDA tensor); " + gpu.HOW_TIMING
+            out["linkwise"]["how"] = "comm.<collective>(torch CUDA tensor); " + how
             order.append(("linkwise", glw))
+    device = lw.comm.cuda().device if lw is not None else 0
     if "nccl" in systems:
         why = gpu.missing_nccl() if lw is not None else "nccl runs beside linkwise only"
         if why:
             out["nccl"] = {"status": "skipped", "reason": why}
         else:
-            nccl = gpu.NcclBackend(lw, _share_port(lw), lw.comm.cuda().device)
+            nccl = gpu.NcclBackend(lw, _share_port(lw), device, graph)
             out["nccl"] = {"status": "ok", "runs": [], "how": "torch.distributed nccl, same "
-                           "processes, right after linkwise; " + gpu.HOW_TIMING}
+                           "processes, right after linkwise; " + how}
             order.append(("nccl", nccl))
+    if "nccl-cupy" in systems:
+        from . import gpu_nccl
+        why = gpu_nccl.missing_direct() if lw is not None else "nccl-cupy runs beside linkwise only"
+        if why:
+            out["nccl-cupy"] = {"status": "skipped", "reason": why}
+        else:
+            try:
+                direct = gpu_nccl.NcclDirectBackend(lw, device, graph)
+            except Exception as exc:  # noqa: BLE001 - same on every rank (gpu_nccl)
+                out["nccl-cupy"] = {"status": "skipped", "reason": str(exc)[:200]}
+            else:
+                out["nccl-cupy"] = {"status": "ok", "runs": [], "how": f"NCCL called directly "
+                                    f"({direct.impl}), same processes; " + how}
+                order.append(("nccl-cupy", direct))
+    if mode == "both":  # the same backends again, captured: systems "<name> [graph]"
+        for name, _ in order:
+            out[name + GRAPH_SUFFIX] = dict(out[name], runs=[], how=out[name]["how"].replace(
+                how, gpu.how_timing(True)))
     for _ in range(pl.reps):
         for name, b in order:
+            b.graph = graph
             out[name]["runs"].append(_sweep(b, pl, show_progress))
+        if mode == "both":
+            for name, b in order:
+                b.graph = True
+                out[name + GRAPH_SUFFIX]["runs"].append(_sweep(b, pl, show_progress))
     for name, b in order:
         if name != "linkwise":
             b.close()
     out["_rank"] = lw.rank if lw else 0
     out["_nranks"] = lw.size if lw else 1
     return out
+
+
+GRAPH_SUFFIX = " [graph]"  # cli.GRAPH_SUFFIX
 
 
 def measure(args, systems: list[str], comm=None, show_progress: bool = True) -> dict:

@@ -29,10 +29,20 @@ class DevArray(NamedTuple):
         return self.count * self.itemsize
 
 
+_TT: Any = None  # torch.Tensor, once torch is imported
+_TORCH_DT: dict = {}  # torch.dtype -> (DTYPES name, itemsize): str(dtype) is slow per call
+_raw_stream: Any = None  # torch._C._cuda_getCurrentRawStream, where this torch has it
+
+
 def _torch_tensor(x: Any):
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return torch
+    global _TT
+    if _TT is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
+        _TT = torch.Tensor
+    if isinstance(x, _TT):
+        return sys.modules["torch"]
     return None
 
 
@@ -55,13 +65,16 @@ def view(x: Any, op: str) -> DevArray:
     """Unpacks a CUDA array; TypeError for CPU arrays, ValueError for non-contiguous ones."""
     torch = _torch_tensor(x)
     if torch is not None:
-        if not x.is_cuda:
+        dev = x.get_device()  # -1 on the host
+        if dev < 0:
             raise TypeError(f"{op}: expected a CUDA tensor, got a tensor on {x.device}; "
                             "use the CPU communicator methods for host arrays")
         if not x.is_contiguous():
             raise ValueError(f"{op}: the tensor must be contiguous (call .contiguous())")
-        return DevArray(x.data_ptr(), x.numel(), x.element_size(), str(x.dtype).replace("torch.", ""),
-                        x.device.index, "torch")
+        dt = _TORCH_DT.get(x.dtype)
+        if dt is None:
+            dt = _TORCH_DT[x.dtype] = (str(x.dtype).replace("torch.", ""), x.element_size())
+        return DevArray(x.data_ptr(), x.numel(), dt[1], dt[0], dev, "torch")
     cai = getattr(x, "__cuda_array_interface__", None)
     if cai is not None:
         shape = tuple(cai["shape"])
@@ -101,9 +114,19 @@ def stream_handle(stream: Any, arr: DevArray) -> int:
                 return h
         raise TypeError(f"stream: expected an int cudaStream_t or a stream object, got {type(stream).__name__}")
     if arr.lib == "torch":
-        import torch
-        return torch.cuda.current_stream(arr.device).cuda_stream
+        return torch_current_stream(arr.device)
     if arr.lib == "cupy":
         import cupy
         return cupy.cuda.get_current_stream().ptr
     return 0
+
+
+def torch_current_stream(device: int) -> int:
+    """torch's current cudaStream_t on `device` as an int. torch.cuda.current_stream() builds a
+    Stream object per call (several µs); the raw getter torch's compiler uses does not."""
+    global _raw_stream
+    if _raw_stream is None:
+        import torch
+        _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+            lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return _raw_stream(device)
