@@ -3,14 +3,13 @@
 #include "cuda/stage_channel.h"
 
 #include <sys/mman.h>
-#include <time.h>
 
 #include <atomic>
-#include <chrono>
 #include <cstring>
 
 #include "core/status.h"
 #include "cuda/engine_impl.h"
+#include "cuda/stage_pacer.h"
 
 namespace linkwise::cuda {
 
@@ -110,10 +109,7 @@ void StageChannel::run(bool writer, char* dev, size_t nbytes, cudaStream_t s) {
   const uint64_t nch = (nbytes + slot_bytes_ - 1) / slot_bytes_;
   const uint64_t k0 = next_;
   uint64_t issued = 0, done = 0;
-  using clock = std::chrono::steady_clock;
-  auto last_progress = clock::now();
-  const auto limit = std::chrono::duration<double>(timeout_s_ > 0 ? timeout_s_ : 1e9);
-  long nap_ns = 0;
+  StagePacer pacer(timeout_s_, engine_);
   while (done < nch) {
     bool progress = false;
     // Retire, in order, the copies that have completed.
@@ -149,22 +145,14 @@ void StageChannel::run(bool writer, char* dev, size_t nbytes, cudaStream_t s) {
       progress = true;
     }
     if (progress) {
-      last_progress = clock::now();
-      nap_ns = 0;
+      pacer.progressed();
       continue;
     }
-    auto idle = clock::now() - last_progress;
-    if (idle > limit)
-      throw Error(ErrorKind::Timeout,
-                  std::string("host-staged ") + (writer ? "send" : "receive") + " waited " +
-                      std::to_string(timeout_s_) + " s for the peer (chunk " +
-                      std::to_string(done) + " of " + std::to_string(nch) + ")");
-    // Spin ~50 us (a chunk of a few MiB takes ~100 us), then nap, doubling up to 200 us.
-    if (idle < std::chrono::microseconds(50)) continue;
-    if (engine_) engine_->check();  // a peer died (watchdog): PeerError rather than the timeout
-    nap_ns = nap_ns ? (nap_ns < 200000 ? nap_ns * 2 : 200000) : 2000;
-    timespec ts{0, nap_ns};
-    nanosleep(&ts, nullptr);
+    pacer.idle([&] {
+      return std::string("host-staged ") + (writer ? "send" : "receive") + " waited " +
+             std::to_string(timeout_s_) + " s for the peer (chunk " + std::to_string(done) +
+             " of " + std::to_string(nch) + ")";
+    });
   }
   next_ = k0 + nch;
 }

@@ -2,15 +2,14 @@
 // only: copy engines move the bytes, this thread reduces and publishes the flags.
 #include "cuda/stage_reduce.h"
 
-#include <time.h>
 
 #include <atomic>
-#include <chrono>
 #include <cstring>
 
 #include "core/reduce.h"
 #include "core/status.h"
 #include "cuda/engine_impl.h"
+#include "cuda/stage_pacer.h"
 #include "cuda/launch.h"
 
 namespace linkwise::cuda {
@@ -201,10 +200,7 @@ void StageReduce::all_reduce(uintptr_t x, uintptr_t outp, size_t count, int dtyp
   if (e == cudaSuccess) e = cudaStreamWaitEvent(h2d_, entry_, 0);  // and out free to write
   if (e != cudaSuccess) fail("stream ordering", e);
   uint64_t d2h_issued = 0, d2h_done = 0, reduced = 0, h2d_issued = 0, h2d_done = 0;
-  using clock = std::chrono::steady_clock;
-  auto last_progress = clock::now();
-  const auto limit = std::chrono::duration<double>(timeout_s_ > 0 ? timeout_s_ : 1e9);
-  long nap_ns = 0;
+  StagePacer pacer(timeout_s_, engine_);
   while (h2d_done < nch) {
     bool progress = false;
     auto retire = [&](uint64_t& done, uint64_t issued, std::vector<cudaEvent_t>& evs,
@@ -262,20 +258,14 @@ void StageReduce::all_reduce(uintptr_t x, uintptr_t outp, size_t count, int dtyp
       progress = true;
     }
     if (progress) {
-      last_progress = clock::now();
-      nap_ns = 0;
+      pacer.progressed();
       continue;
     }
-    auto idle = clock::now() - last_progress;
-    if (idle > limit)
-      throw Error(ErrorKind::Timeout, "rank " + std::to_string(rank_) + ": host-staged all_reduce waited " +
-                                          std::to_string(timeout_s_) + " s for a peer (chunk " +
-                                          std::to_string(h2d_done) + " of " + std::to_string(nch) + ")");
-    if (idle < std::chrono::microseconds(50)) continue;
-    if (engine_) engine_->check();  // a peer died (watchdog): PeerError rather than the timeout
-    nap_ns = nap_ns ? (nap_ns < 200000 ? nap_ns * 2 : 200000) : 2000;
-    timespec ts{0, nap_ns};
-    nanosleep(&ts, nullptr);
+    pacer.idle([&] {
+      return "rank " + std::to_string(rank_) + ": host-staged all_reduce waited " +
+             std::to_string(timeout_s_) + " s for a peer (chunk " + std::to_string(h2d_done) +
+             " of " + std::to_string(nch) + ")";
+    });
   }
   next_ = k0 + nch;
 }
