@@ -202,38 +202,38 @@ void GpuEngine::broadcast(uintptr_t x, size_t nbytes, int root, uintptr_t stream
   }
 }
 
-void GpuEngine::all_gather(uintptr_t x, uintptr_t out, size_t nbytes, uintptr_t stream) {
-  if (nbytes == 0) return;
+template <class Launch>
+void GpuEngine::per_slot_piece(const char* x, char* out, size_t bytes, uintptr_t stream,
+                               const char* what, Launch launch) {
   DeviceGuard g(device_);
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  const char* xp = reinterpret_cast<const char*>(x);
-  char* op_ = reinterpret_cast<char*>(out);
-  for (size_t off = 0; off < nbytes; off += slot_bytes_) {
-    size_t n = nbytes - off < slot_bytes_ ? nbytes - off : slot_bytes_;
+  for (size_t off = 0; off < bytes; off += slot_bytes_) {
+    size_t n = bytes - off < slot_bytes_ ? bytes - off : slot_bytes_;
     if (nranks_ == 1) {
-      LW_CUDA(cudaMemcpyAsync(op_ + off, xp + off, n, cudaMemcpyDeviceToDevice, s), "all_gather");
+      LW_CUDA(cudaMemcpyAsync(out + off, x + off, n, cudaMemcpyDeviceToDevice, s), what);
       continue;
     }
-    launch_all_gather(impl_->dev, xp + off, n, op_ + off, nbytes, blocks_for(n, 16 * 1024), s);
-    check_launch("all_gather");
+    launch(off, n, s);
+    check_launch(what);
   }
+}
+
+void GpuEngine::all_gather(uintptr_t x, uintptr_t out, size_t nbytes, uintptr_t stream) {
+  if (nbytes == 0) return;
+  const char* xp = reinterpret_cast<const char*>(x);
+  char* op_ = reinterpret_cast<char*>(out);
+  per_slot_piece(xp, op_, nbytes, stream, "all_gather", [&](size_t off, size_t n, cudaStream_t s) {
+    launch_all_gather(impl_->dev, xp + off, n, op_ + off, nbytes, blocks_for(n, 16 * 1024), s);
+  });
 }
 
 void GpuEngine::all_to_all(uintptr_t x, uintptr_t out, size_t m, uintptr_t stream) {
   if (m == 0) return;
-  DeviceGuard g(device_);
-  auto s = reinterpret_cast<cudaStream_t>(stream);
   const char* xp = reinterpret_cast<const char*>(x);
   char* op_ = reinterpret_cast<char*>(out);
-  for (size_t off = 0; off < m; off += slot_bytes_) {
-    size_t n = m - off < slot_bytes_ ? m - off : slot_bytes_;
-    if (nranks_ == 1) {
-      LW_CUDA(cudaMemcpyAsync(op_ + off, xp + off, n, cudaMemcpyDeviceToDevice, s), "all_to_all");
-      continue;
-    }
+  per_slot_piece(xp, op_, m, stream, "all_to_all", [&](size_t off, size_t n, cudaStream_t s) {
     launch_all_to_all(impl_->dev, xp + off, m, op_ + off, m, n, blocks_for(n, 16 * 1024), s);
-    check_launch("all_to_all");
-  }
+  });
 }
 
 void GpuEngine::send(uintptr_t x, size_t nbytes, int dst, uintptr_t stream) {

@@ -101,6 +101,11 @@ class GpuEngine {
   int blocks_for(size_t bytes, size_t per_block) const;
   [[noreturn]] void fail(const char* op, int err) const;
   void check_launch(const char* op) const;
+  // all_gather / all_to_all: launch(off, n) for each scratch-slot piece [off, off + n) of a
+  // `bytes`-long block; with one rank, copies x's piece to out instead (gpu_engine.cu).
+  template <class Launch>
+  void per_slot_piece(const char* x, char* out, size_t bytes, uintptr_t stream, const char* what,
+                      Launch launch);
   void reg_release();
   void reduce_reg(uintptr_t own_dst, size_t offset, size_t len, bool push, int dtype, int op,
                   uintptr_t stream, const char* what);
