@@ -67,3 +67,13 @@ def mismatch(got, want) -> str:
     err = ((g - w).abs() / w.abs().clamp_min(1e-30)).max().item() if g.numel() else 0.0
     bad = (got != want).nonzero()
     return f"{len(bad)} of {got.numel()} differ (first at {bad[0].tolist()}), max rel err {err:.3g}"
+
+
+def collector(rank: int, errors: list, prefix: str = ""):
+    """expect(name, got, want): appends "rank <rank> <prefix><name>: <mismatch>" to errors
+    when the CUDA tensor got differs from the host reference want (mismatch's rules)."""
+    def expect(name, got, want):
+        bad = mismatch(got.cpu(), want)
+        if bad:
+            errors.append(f"rank {rank} {prefix}{name}: {bad}")
+    return expect

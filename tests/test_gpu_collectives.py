@@ -94,16 +94,11 @@ def test_all_reduce_misaligned_and_default_slot():
 
 
 def _movement_body(comm, sizes):
-    from gpu_util import host_input, mismatch, reference
+    from gpu_util import collector, host_input, reference
     g, torch = _setup(comm)
     n, r = comm.size, comm.rank
     errors = []
-
-    def expect(name, got, want):
-        bad = mismatch(got.cpu(), want)
-        if bad:
-            errors.append(f"rank {r} {name}: {bad}")
-
+    expect = collector(r, errors)
     for i, count in enumerate(sizes):
         for root in range(n):
             ins = host_input(root, count, "float32", "sum", seed=100 + i)

@@ -148,16 +148,11 @@ RED_CASES = [("float32", "max"), ("int32", "sum"), ("bfloat16", "min"), ("int64"
 
 
 def _async_body(comm, sizes):
-    from gpu_util import host_input, mismatch, reference
+    from gpu_util import collector, host_input, reference
     g, torch = _setup(comm)
     n, r = comm.size, comm.rank
     errors = []
-
-    def expect(name, got, want):
-        bad = mismatch(got.cpu(), want)
-        if bad:
-            errors.append(f"rank {r} {name}: {bad}")
-
+    expect = collector(r, errors)
     for i, count in enumerate(sizes):
         # Several requests in flight on one stream, waited in issue order.
         pending = []
@@ -215,15 +210,10 @@ def _async_body(comm, sizes):
 
 async def _coroutines(comm, torch, count, i):
     """The a* forms: aall_reduce, abroadcast, aall_gather, areduce_scatter, aall_to_all, asend/arecv."""
-    from gpu_util import host_input, mismatch, reference
+    from gpu_util import collector, host_input, reference
     n, r = comm.size, comm.rank
     errors = []
-
-    def expect(name, got, want):
-        bad = mismatch(got.cpu(), want)
-        if bad:
-            errors.append(f"rank {r} await {name}: {bad}")
-
+    expect = collector(r, errors, "await ")
     ins = [host_input(q, count, "int32", "sum", seed=110 + i) for q in range(n)]
     expect(f"aall_reduce {count}", await comm.aall_reduce(ins[r].cuda()), reference(ins, "int32", "sum"))
     root = (i + 1) % n
