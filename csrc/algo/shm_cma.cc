@@ -35,6 +35,7 @@ void ShmColl::cma_all_reduce(const void* in, void* out, size_t count, DType t, R
   LW_CHECK(n_ >= 2, "the CMA all-reduce runs between two ranks or more");
   const size_t es = dtype_size(t);
   const uint32_t r = ++x_round_;
+  ++cma_ar_calls_;
   auto& me = slot(rank_)->h();
   me.x_src = reinterpret_cast<uint64_t>(in);
   me.x_dst = reinterpret_cast<uint64_t>(out);
@@ -49,7 +50,8 @@ void ShmColl::cma_all_reduce(const void* in, void* out, size_t count, DType t, R
   const size_t off = part_off(count, n_, rank_), len = part_off(count, n_, rank_ + 1) - off;
   const size_t step = std::max<size_t>(1, opt_.chunk / es);
   const size_t parts = (len + step - 1) / step;
-  for (int i = 0; i < std::min<int>(pool_->threads(), static_cast<int>(parts)); ++i) scratch(i);
+  // Any thread may take a part (helpers are not told how many parts there are).
+  for (int i = 0; i < (parts > 1 ? pool_->threads() : 1); ++i) scratch(i);
   const bool stream = count * es >= kStreamMin;
   pool_->run(static_cast<int>(parts), [&](int i, int thread) {
     const size_t o = off + static_cast<size_t>(i) * step;
@@ -85,6 +87,7 @@ void ShmColl::cma_chunk(size_t o, size_t m, DType t, RedOp op, bool stream, int 
 
 void ShmColl::cma_broadcast(void* buf, size_t bytes, int root) {
   const uint32_t r = ++y_round_;
+  ++cma_bc_calls_;
   auto& me = slot(rank_)->h();
   me.y_addr = reinterpret_cast<uint64_t>(buf);
   me.y_work.v.store(static_cast<uint64_t>(r) << 32, std::memory_order_relaxed);

@@ -93,6 +93,9 @@ class ShmColl {
   // the thresholds, chunk and piece are rank 0's; threads are this rank's own.
   void connect(const CmaOptions& opt, double timeout);
   bool cma() const { return cma_; }
+  // How many all-reduces / broadcasts took the CMA path (tests check that they ran).
+  uint64_t cma_all_reduces() const { return cma_ar_calls_; }
+  uint64_t cma_broadcasts() const { return cma_bc_calls_; }
   void unlink() { seg_.unlink(); }
   const std::string& segment_name() const { return seg_.name(); }  // what the others open
 
@@ -125,6 +128,7 @@ class ShmColl {
   std::vector<int> pidfds_;
   std::vector<int64_t> pids_;
   bool cma_ = false;
+  uint64_t cma_ar_calls_ = 0, cma_bc_calls_ = 0;
   CmaOptions opt_;
   std::unique_ptr<ForkJoin> pool_;
   std::vector<char*> scratch_;  // per thread: 2 * opt_.chunk bytes, allocated on first use

@@ -12,6 +12,7 @@
 // worker never touches Python objects; buffers are released by wait()/test() under the GIL.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
@@ -260,6 +261,9 @@ void bind_coll(nb::module_& m) {
            "Learn the peers, probe single-copy (CMA) access, agree on its use with every rank.")
       .def_prop_ro("cma", [](PyShmColl& s) { return s.shm_.cma(); },
                    "True when large all_reduce/broadcast copy directly between ranks' buffers (CMA).")
+      .def_prop_ro("cma_calls",
+                   [](PyShmColl& s) { return std::make_pair(s.shm_.cma_all_reduces(), s.shm_.cma_broadcasts()); },
+                   "(all_reduces, broadcasts) that took the CMA path so far.")
       .def("all_reduce_inplace",
            [](PyShmColl& s, nb::handle x, int code) {
              // The latency path: code = dtype * 8 + op, pre-validated by the caller.
