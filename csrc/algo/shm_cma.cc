@@ -6,11 +6,14 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <unistd.h>
+
 #include "algo/coll.h"
 #include "algo/fork_join.h"
 #include "algo/shm_coll.h"
 #include "algo/shm_coll_slot.h"
 #include "core/status.h"
+#include "core/wait.h"
 #include "transport/shm/cma.h"
 
 namespace linkwise {
@@ -40,6 +43,7 @@ void ShmColl::cma_all_reduce(const void* in, void* out, size_t count, DType t, R
   me.x_src = reinterpret_cast<uint64_t>(in);
   me.x_dst = reinterpret_cast<uint64_t>(out);
   publish(me.x_in.v, r);  // release: the addresses are visible with the counter
+  cma_busy_ = 1;          // from here on peers may copy from / into my buffers
   x_src_.resize(n_);
   x_dst_.resize(n_);
   for (int q = 0; q < n_; ++q) {
@@ -48,7 +52,10 @@ void ShmColl::cma_all_reduce(const void* in, void* out, size_t count, DType t, R
     x_dst_[q] = slot(q)->h().x_dst;
   }
   const size_t off = part_off(count, n_, rank_), len = part_off(count, n_, rank_ + 1) - off;
-  const size_t step = std::max<size_t>(1, opt_.chunk / es);
+  // Chunks of opt_.chunk bytes; smaller (down to 4 KiB) when that leaves threads idle.
+  size_t step = std::max<size_t>(1, opt_.chunk / es);
+  const size_t th = static_cast<size_t>(pool_->threads());
+  if (th > 1 && len < step * th) step = std::max<size_t>(std::max<size_t>(1, 4096 / es), (len + th - 1) / th);
   const size_t parts = (len + step - 1) / step;
   // Any thread may take a part (helpers are not told how many parts there are).
   for (int i = 0; i < (parts > 1 ? pool_->threads() : 1); ++i) scratch(i);
@@ -60,6 +67,7 @@ void ShmColl::cma_all_reduce(const void* in, void* out, size_t count, DType t, R
   publish(me.x_done.v, r);  // every rank's output has my segment; I no longer read inputs
   for (int q = 0; q < n_; ++q)
     if (q != rank_) wait_ge(q, slot(q)->h().x_done.v, r, "all_reduce");
+  cma_busy_ = 0;
 }
 
 // Elements [o, o+m) of my segment: read every rank's input (mine directly), combine in rank
@@ -74,11 +82,11 @@ void ShmColl::cma_chunk(size_t o, size_t m, DType t, RedOp op, bool stream, int 
     cma_read(pids_[q], q, buf, x_src_[q] + ob, nb);
     return buf;
   };
-  const char* v0 = get(0, a);
-  reduce3(a, v0, get(1, b), m, t, op);  // a may be v0 itself (exact alias is allowed)
-  for (int q = 2; q < n_; ++q) reduce_into(a, get(q, b), m, t, op);
-  if (op == RedOp::Avg) avg_finish(a, m, t, n_);
-  copy_out(reinterpret_cast<char*>(x_dst_[rank_]) + ob, a, nb, stream);  // after reading mine: in place is fine
+  // v(0) lands in a (the result's buffer: an exact alias), every later one in b; my own
+  // output is written after my input was read, so in place is fine.
+  combine_store(n_, a, reinterpret_cast<char*>(x_dst_[rank_]) + ob, [&](int q) { return get(q, q == 0 ? a : b); },
+                m, t, op, stream);
+  if (stream) stream_fence();
   for (int k = 1; k < n_; ++k) {
     const int q = (rank_ + k) % n_;
     cma_write(pids_[q], q, x_dst_[q] + ob, a, nb);
@@ -93,12 +101,15 @@ void ShmColl::cma_broadcast(void* buf, size_t bytes, int root) {
   me.y_work.v.store(static_cast<uint64_t>(r) << 32, std::memory_order_relaxed);
   me.y_done.v.store(static_cast<uint64_t>(r) << 32, std::memory_order_relaxed);
   publish(me.y_in.v, r);  // seq_cst store: y_addr / y_work / y_done are visible with it
+  cma_busy_ = 2;
+  y_root_ = root;
   const uint64_t mine = reinterpret_cast<uint64_t>(buf);
   if (rank_ != root) {
     wait_ge(root, slot(root)->h().y_in.v, r, "broadcast");
     const uint64_t src = slot(root)->h().y_addr;
     pool_->run(pool_->threads(), [&](int, int) { cma_take_pieces(rank_, root, r, src, mine, bytes); });
     wait_ge(root, me.y_fin.v, r, "broadcast");  // pieces the root claimed have landed
+    cma_busy_ = 0;
     return;
   }
   // The root pushes pieces into each reader in turn (readers pull the rest meanwhile).
@@ -109,6 +120,31 @@ void ShmColl::cma_broadcast(void* buf, size_t bytes, int root) {
   });
   for (int q = 0; q < n_; ++q)
     if (q != root) wait_ge(q, slot(q)->h().y_fin.v, r, "broadcast");  // no one reads my buffer any more
+  cma_busy_ = 0;
+}
+
+// After a failure inside a CMA round (this rank already marked itself failed): wait until no
+// live peer can still copy from or into this rank's buffers, so that the caller may free or
+// reuse them once the error reaches it. A peer is done with them once it finished its part
+// of the round (all-reduce: its x_done; broadcast: the reader's y_fin), marked itself failed,
+// or died. Bounded by the timeout.
+void ShmColl::cma_drain() {
+  if (!cma_busy_) return;
+  const auto t0 = Clock::now();
+  for (int q = 0; q < n_; ++q) {
+    if (q == rank_) continue;
+    if (cma_busy_ == 2 && rank_ != y_root_ && q != y_root_) continue;  // only the root writes into a reader
+    for (;;) {
+      auto& h = slot(q)->h();
+      bool done;
+      if (cma_busy_ == 1) done = reached(h.x_done.v.load(std::memory_order_acquire), x_round_);
+      else if (rank_ == y_root_) done = reached(h.y_fin.v.load(std::memory_order_acquire), y_round_);
+      else done = reached(slot(rank_)->h().y_fin.v.load(std::memory_order_acquire), y_round_);
+      if (done || h.failed.v.load(std::memory_order_acquire) || peer_gone(q) || seconds_since(t0) > timeout_) break;
+      usleep(100);
+    }
+  }
+  cma_busy_ = 0;
 }
 
 // Claims pieces of reader q's round-r broadcast and copies them from the root's buffer

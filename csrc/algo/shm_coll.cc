@@ -17,6 +17,7 @@
 #include "algo/coll.h"
 #include "algo/fork_join.h"
 #include "algo/shm_coll_slot.h"
+#include "algo/shm_kernels.h"
 #include "core/status.h"
 #include "core/wait.h"
 #include "transport/shm/cma.h"
@@ -187,6 +188,7 @@ void ShmColl::all_reduce(const void* in, void* out, size_t count, DType t, RedOp
     else two_shot(in, out, count, t, op);
   } catch (const Error& e) {
     mark_failed(e.peer());
+    cma_drain();
     throw;
   }
 }
@@ -227,14 +229,13 @@ void ShmColl::two_shot(const void* in, void* out, size_t count, DType t, RedOp o
     auto val = [&](int q, size_t o) -> const char* {
       return q == rank_ ? src + (base + o) * es : slot(q)->two_in() + o * es;
     };
+    const bool stream = count * es >= kStreamMin;
     for (size_t s = 0; s < len; s += sub) {
       const size_t o = off + s, m = std::min(sub, len - s);
       char* res = me->two_res() + o * es;
-      reduce3(res, val(0, o), val(1, o), m, t, op);
-      for (int q = 2; q < n_; ++q) reduce_into(res, val(q, o), m, t, op);
-      if (op == RedOp::Avg) avg_finish(res, m, t, n_);
-      copy_out(dst + (base + o) * es, res, m * es, count * es >= kStreamMin);
+      combine_store(n_, res, dst + (base + o) * es, [&](int q) { return val(q, o); }, m, t, op, stream);
     }
+    if (stream) stream_fence();
     publish(me->h().a_res.v, r);
     for (int q = 0; q < n_; ++q) {
       if (q == rank_) continue;
@@ -252,6 +253,7 @@ void ShmColl::broadcast(void* buf, size_t bytes, int root, double timeout) {
     else ring_broadcast(buf, bytes, root);
   } catch (const Error& e) {
     mark_failed(e.peer());
+    cma_drain();
     throw;
   }
 }

@@ -46,7 +46,9 @@
 // 100 ms that the peer process lives (pidfd) and the timeout. A CMA copy from or to a dead
 // peer fails with ESRCH and raises PeerError too. A rank whose collective fails sets its
 // `failed` word (1 + the rank to blame) before raising, so a live peer waiting on it raises
-// PeerError as well instead of waiting for the timeout.
+// PeerError as well instead of waiting for the timeout. A rank that fails inside a CMA round
+// first waits (cma_drain) until every live peer is done with its buffers, so no peer copies
+// into memory that the caller frees or reuses after the error.
 // Threading: one call at a time per object (the Python layer uses it for blocking calls
 // only, which a correct program issues from one thread at a time in collective order). The
 // CMA paths may spread a rank's work over `threads` helper threads (ForkJoin) internally.
@@ -117,6 +119,7 @@ class ShmColl {
   void cma_broadcast(void* buf, size_t bytes, int root);
   void cma_take_pieces(int q, int root, uint32_t r, uint64_t src, uint64_t dst, size_t bytes);
   void mark_failed(int culprit);
+  void cma_drain();
   char* scratch(int thread);
 
   ShmSegment seg_;
@@ -129,6 +132,8 @@ class ShmColl {
   std::vector<int64_t> pids_;
   bool cma_ = false;
   uint64_t cma_ar_calls_ = 0, cma_bc_calls_ = 0;
+  int cma_busy_ = 0;  // inside a CMA round (1 all-reduce, 2 broadcast): peers may touch my buffers
+  int y_root_ = 0;    // the current CMA broadcast's root
   CmaOptions opt_;
   std::unique_ptr<ForkJoin> pool_;
   std::vector<char*> scratch_;  // per thread: 2 * opt_.chunk bytes, allocated on first use

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "algo/shm_coll.h"
+#include "algo/shm_kernels.h"
 
 namespace linkwise {
 
@@ -24,6 +25,28 @@ inline bool reached(uint32_t have, uint32_t want) { return static_cast<int32_t>(
 // Copies n bytes; with stream (and n >= 4 KiB) through non-temporal stores, for destinations
 // that will not be read again soon (a big message's user buffer): no read-for-ownership.
 void copy_out(void* dst, const void* src, size_t n, bool stream);
+
+// Combines v(0), ..., v(n-1) (element pointers, fetched once each, in rank order) into res
+// and writes the result to out as well: the last combination in one pass when a fused kernel
+// exists (algo/shm_kernels.h; then the caller fences streamed stores), else reduce3 + copy_out.
+// `res` may be the buffer v(0) returned (exact alias).
+template <class V>
+void combine_store(int n, char* res, char* out, V&& v, size_t m, DType t, RedOp op, bool stream) {
+  const char* first = v(0);
+  const char* second = v(1);
+  if (n == 2) {
+    if (reduce_store2(res, out, first, second, m, t, op, stream)) return;
+    reduce3(res, first, second, m, t, op);
+  } else {
+    reduce3(res, first, second, m, t, op);
+    for (int q = 2; q < n - 1; ++q) reduce_into(res, v(q), m, t, op);
+    const char* last = v(n - 1);
+    if (reduce_store2(res, out, res, last, m, t, op, stream)) return;
+    reduce_into(res, last, m, t, op);
+  }
+  if (op == RedOp::Avg) avg_finish(res, m, t, n);
+  copy_out(out, res, m * dtype_size(t), stream);
+}
 
 // Every field is written by the slot's owner only, except y_work/y_done (see shm_coll.h).
 struct ShmColl::Slot {
