@@ -31,7 +31,7 @@ from multirank import run_ranks
 from linkwise.collectives import _cma_settings
 def body(comm):
     x = np.ones(1 << 20, np.float32); comm.all_reduce(x)
-    return bool(comm._shm.cma), comm._shm.cma_calls, _cma_settings(comm.local_size)[-1], float(x[0])
+    return bool(comm._shm.cma), comm._shm.cma_calls, _cma_settings(comm.local_size, comm.size)[-1], float(x[0])
 print(f"{sys.argv[1]} ranks: (cma, cma_calls, threads, x[0]) =", run_ranks(int(sys.argv[1]), body)[0])
 PY
 done

@@ -188,3 +188,23 @@ def test_rank_killed_mid_collective(kind):
     assert out[2][0] == "died"
     for status, val in out[:2]:
         assert status == "ok" and val.startswith("PeerError peer=2"), (status, val)
+
+
+def test_default_thresholds(monkeypatch):
+    """Which sizes take the single-copy paths by default (docs/benchmarks.md says why)."""
+    from linkwise.collectives import _NEVER, _cma_settings
+    for name in ("LINKWISE_COLL_CMA_MIN", "LINKWISE_COLL_CMA_BCAST_MIN", "LINKWISE_LOCAL_SIZE", "LINKWISE_SHM_CMA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LINKWISE_COLL_THREADS", "1")
+    enable, ar_min, bc_min, _, _, threads = _cma_settings(2, 2)
+    assert (enable, ar_min, bc_min, threads) == (True, _NEVER, 4 << 20, 1)
+    monkeypatch.setenv("LINKWISE_COLL_THREADS", "4")
+    assert _cma_settings(16, 16)[1:3] == (4 << 20, _NEVER)
+    monkeypatch.setenv("LINKWISE_COLL_CMA_MIN", "64K")
+    monkeypatch.setenv("LINKWISE_COLL_CMA_BCAST_MIN", "1M")
+    monkeypatch.setenv("LINKWISE_SHM_CMA", "0")
+    assert _cma_settings(16, 16)[:3] == (False, 64 << 10, 1 << 20)
+    monkeypatch.delenv("LINKWISE_COLL_THREADS")
+    cores = len(os.sched_getaffinity(0))
+    assert _cma_settings(1, 1)[-1] == max(1, min(8, cores))
+    assert _cma_settings(cores + 1, cores + 1)[-1] == 1

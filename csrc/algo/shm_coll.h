@@ -95,6 +95,8 @@ class ShmColl {
   // the thresholds, chunk and piece are rank 0's; threads are this rank's own.
   void connect(const CmaOptions& opt, double timeout);
   bool cma() const { return cma_; }
+  // The agreed smallest CMA broadcast (SIZE_MAX when CMA is off): the same on every rank.
+  size_t cma_bcast_min() const { return cma_ ? opt_.bc_min : SIZE_MAX; }
   // How many all-reduces / broadcasts took the CMA path (tests check that they ran).
   uint64_t cma_all_reduces() const { return cma_ar_calls_; }
   uint64_t cma_broadcasts() const { return cma_bc_calls_; }

@@ -261,6 +261,8 @@ void bind_coll(nb::module_& m) {
            "Learn the peers, probe single-copy (CMA) access, agree on its use with every rank.")
       .def_prop_ro("cma", [](PyShmColl& s) { return s.shm_.cma(); },
                    "True when large all_reduce/broadcast copy directly between ranks' buffers (CMA).")
+      .def_prop_ro("cma_bcast_min", [](PyShmColl& s) { return s.shm_.cma_bcast_min(); },
+                   "Broadcasts of at least this many bytes take the CMA path (agreed by all ranks).")
       .def_prop_ro("cma_calls",
                    [](PyShmColl& s) { return std::make_pair(s.shm_.cma_all_reduces(), s.shm_.cma_broadcasts()); },
                    "(all_reduces, broadcasts) that took the CMA path so far.")

@@ -40,21 +40,26 @@ _BARRIER_CODE = _FAST_CODES[(np.dtype(np.uint8), "sum")]
 _NEVER = (1 << 63) - 1
 
 
-def _cma_settings(local_size: int) -> tuple:
+def _cma_settings(local_size: int, size: int) -> tuple:
     """The executor's single-copy (CMA) settings: (enable, all_reduce min, broadcast min,
     chunk, piece, threads). Threads default to the cores this process may use divided by the
     ranks sharing the host (at most 8), so a many-core host moves a big message with several
-    cores per rank; 1 when cores are scarce. With one thread the single-copy all_reduce is
-    off unless asked for: on the 2-core development VM the kernel's copies (process_vm_readv/
-    writev, ~8 GB/s) lose to the copy-through-shared-memory path's memcpy (docs/benchmarks.md).
+    cores per rank; 1 when cores are scarce. Default thresholds (docs/benchmarks.md):
+    - 4 MiB: below, NumPy arrays have 4 KiB pages (it asks for huge pages from 4 MiB on), and
+      process_vm_readv/writev pay ~1 us per page (4 GB/s measured, 15 GB/s on huge pages);
+    - all_reduce: only with several threads per rank; with one, the kernel's copies lose to
+      the copy-through-shared-memory path's memcpy (2-core VM, A/B runs);
+    - broadcast: up to 4 ranks; with 16, the readers all pinning the root's pages at once ran
+      slower than the pipelined ring (64-core host).
     The executor takes rank 0's sizes, so every rank picks the same protocol."""
     threads = config.get("LINKWISE_COLL_THREADS")
     if threads <= 0:
         ranks = max(local_size, config.get("LINKWISE_LOCAL_SIZE") or 1, 1)
         threads = max(1, min(8, len(os.sched_getaffinity(0)) // ranks))
-    ar_min = config.get("LINKWISE_COLL_CMA_MIN") or (1 << 20 if threads > 1 else _NEVER)
-    return (config.get("LINKWISE_SHM_CMA"), ar_min, config.get("LINKWISE_COLL_CMA_BCAST_MIN") or 1,
-            config.get("LINKWISE_COLL_CMA_CHUNK"), config.get("LINKWISE_COLL_CMA_PIECE"), threads)
+    ar_min = config.get("LINKWISE_COLL_CMA_MIN") or (4 << 20 if threads > 1 else _NEVER)
+    bc_min = config.get("LINKWISE_COLL_CMA_BCAST_MIN") or (4 << 20 if size <= 4 else _NEVER)
+    return (config.get("LINKWISE_SHM_CMA"), ar_min, bc_min, config.get("LINKWISE_COLL_CMA_CHUNK"),
+            config.get("LINKWISE_COLL_CMA_PIECE"), threads)
 
 
 class CollectivesMixin:
@@ -190,8 +195,8 @@ class CollectivesMixin:
         finally:
             if self.rank == 0 and shm is not None:
                 shm.unlink()  # every rank has mapped it (or setup failed): no one else may open it
-        shm.connect(self.timeout, *_cma_settings(self.local_size))
-        self._pair_bcast_p2p = not shm.cma
+        shm.connect(self.timeout, *_cma_settings(self.local_size, self.size))
+        self._pair_bcast_p2p = shm.cma_bcast_min > LARGE_PAIR_BCAST  # agreed: same on every rank
         if self.__dict__.get("_coll_worker") is None and _ENV is not None:
             self._fast_shm = shm
         return shm
