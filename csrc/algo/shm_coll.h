@@ -1,6 +1,9 @@
 // Shared-memory collectives for communicators whose ranks all share one host: all-reduce
 // (one-shot for small messages, two-shot for large) and a pipelined broadcast, moving data
-// through one segment mapped by every rank instead of through point-to-point messages.
+// through one segment mapped by every rank instead of through point-to-point messages; and,
+// for large messages where the kernel allows it, single-copy all-reduce and broadcast
+// straight between the ranks' own buffers (CMA, shm_cma.cc), optionally several threads per
+// rank (ForkJoin). The segment then carries only the counters and addresses.
 //
 // Layout: the segment holds one Slot per rank: a header of counters (each on its own cache
 // line) and data areas that only the slot's owner writes and everyone reads:

@@ -49,15 +49,16 @@ def _cma_settings(local_size: int, size: int) -> tuple:
       process_vm_readv/writev pay ~1 us per page (4 GB/s measured, 15 GB/s on huge pages);
     - all_reduce: only with several threads per rank; with one, the kernel's copies lose to
       the copy-through-shared-memory path's memcpy (2-core VM, A/B runs);
-    - broadcast: up to 4 ranks; with 16, the readers all pinning the root's pages at once ran
-      slower than the pipelined ring (64-core host).
+    - broadcast: from 8 MiB (below, the ring through the segment stays in cache and wins, 2
+      ranks A/B), up to 4 ranks (with 16, the readers all pinning the root's pages at once ran
+      slower than the ring on the 64-core host).
     The executor takes rank 0's sizes, so every rank picks the same protocol."""
     threads = config.get("LINKWISE_COLL_THREADS")
     if threads <= 0:
         ranks = max(local_size, config.get("LINKWISE_LOCAL_SIZE") or 1, 1)
         threads = max(1, min(8, len(os.sched_getaffinity(0)) // ranks))
     ar_min = config.get("LINKWISE_COLL_CMA_MIN") or (4 << 20 if threads > 1 else _NEVER)
-    bc_min = config.get("LINKWISE_COLL_CMA_BCAST_MIN") or (4 << 20 if size <= 4 else _NEVER)
+    bc_min = config.get("LINKWISE_COLL_CMA_BCAST_MIN") or (8 << 20 if size <= 4 else _NEVER)
     return (config.get("LINKWISE_SHM_CMA"), ar_min, bc_min, config.get("LINKWISE_COLL_CMA_CHUNK"),
             config.get("LINKWISE_COLL_CMA_PIECE"), threads)
 
