@@ -181,9 +181,11 @@ def _die_body(comm, kind):
 
 
 @pytest.mark.skipif(not _cma_permitted(), reason="ptrace_scope forbids process_vm_readv between ranks")
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", ["all_reduce", "broadcast"])
-def test_rank_killed_mid_collective(kind):
-    env = dict(CMA_ENV, LINKWISE_COLL_CMA_CHUNK="64K", LINKWISE_COLL_CMA_PIECE="64K")
+def test_rank_killed_mid_collective(kind, threads):
+    env = dict(CMA_ENV, LINKWISE_COLL_CMA_CHUNK="64K", LINKWISE_COLL_CMA_PIECE="64K",
+               LINKWISE_COLL_THREADS=str(threads))
     out = run_ranks(3, _die_body, kind, env=env, expect_fail=True, timeout=60)
     assert out[2][0] == "died"
     for status, val in out[:2]:
