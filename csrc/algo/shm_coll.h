@@ -86,7 +86,7 @@ class ShmColl {
   // Bytes per two-shot round; 2 MiB (fewer rounds) ran ~10% faster than 1 MiB at 8-16 MiB.
   static constexpr size_t kTwoPiece = 2048 << 10;
   static constexpr size_t kOneMax = 32 << 10;     // one-shot up to this many bytes
-  static constexpr size_t kBcPiece = 128 << 10;
+  static constexpr size_t kBcPiece = 256 << 10;  // 256 KiB: ~15% faster than 128 KiB at 1-4 MiB
   static constexpr int kBcSlots = 8;
 
   static size_t segment_bytes(int n);
