@@ -8,26 +8,26 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 
 #include "algo/coll.h"
+#include "algo/fork_join.h"
+#include "algo/shm_coll_slot.h"
+#include "algo/shm_kernels.h"
 #include "core/status.h"
 #include "core/wait.h"
+#include "transport/shm/cma.h"
 
 namespace linkwise {
 
 namespace {
-struct alignas(64) Line {
-  std::atomic<uint32_t> v;
-};
-constexpr size_t kHeader = 4096;
-constexpr size_t kSub = 32 << 10;
-constexpr size_t kStreamMin = 8 << 20;  // messages at least this big are copied out with streaming stores  // reduce, then copy out, this many bytes at a time (in L1/L2)
-
-inline bool reached(uint32_t have, uint32_t want) { return static_cast<int32_t>(have - want) >= 0; }
+constexpr size_t kSub = 32 << 10;       // reduce, then copy out, this many bytes at a time (in L1/L2)
+constexpr size_t kStreamMin = 8 << 20;  // messages at least this big are copied out with streaming stores
+}  // namespace
 
 // Copies into a large destination that will not be read again soon (a big message's user
 // buffer) with non-temporal stores, which skip the read-for-ownership of every destination
@@ -58,21 +58,6 @@ void copy_out(void* dst, const void* src, size_t n, bool stream) {
 #endif
   std::memcpy(dst, src, n);
 }
-}  // namespace
-
-struct ShmColl::Slot {
-  struct Header {
-    int64_t pid;
-    Line a_in, a_res, b_in, c_in, c_done, sleepers;
-  };
-  Header& h() { return *reinterpret_cast<Header*>(this); }
-  char* base() { return reinterpret_cast<char*>(this); }
-  char* two_in() { return base() + kHeader; }
-  char* two_res() { return two_in() + kTwoPiece; }
-  char* one(uint32_t round) { return two_res() + kTwoPiece + (round & 1) * kOneMax; }
-  char* bc(uint64_t piece) { return two_res() + kTwoPiece + 2 * kOneMax + (piece % kBcSlots) * kBcPiece; }
-  static constexpr size_t bytes() { return kHeader + 2 * kTwoPiece + 2 * kOneMax + kBcSlots * kBcPiece; }
-};
 
 size_t ShmColl::segment_bytes(int n) { return static_cast<size_t>(n) * Slot::bytes(); }
 
@@ -81,21 +66,51 @@ ShmColl::ShmColl(const std::string& name, bool create, int rank, int n, double s
   seg_ = create ? ShmSegment::create_private(name, segment_bytes(n)) : ShmSegment::open(name);
   LW_CHECK(seg_.size() >= segment_bytes(n), "collective segment has room for every rank");
   slot(rank_)->h().pid = static_cast<int64_t>(getpid());
+  slot(rank_)->h().self_addr = reinterpret_cast<uint64_t>(slot(rank_));
+  cma_allow_peers();  // peers may read and write our buffers in the CMA paths
 }
 
 ShmColl::~ShmColl() {
   for (int fd : pidfds_)
     if (fd >= 0) close(fd);
+  for (char* p : scratch_) std::free(p);
 }
 
-void ShmColl::connect() {
+void ShmColl::connect(const CmaOptions& opt, double timeout) {
+  timeout_ = timeout;
   pidfds_.assign(n_, -1);
+  pids_.assign(n_, 0);
+  bool ok = opt.enable;
   for (int r = 0; r < n_; ++r) {
+    pids_[r] = slot(r)->h().pid;
     if (r == rank_) continue;
 #ifdef SYS_pidfd_open
-    pidfds_[r] = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(slot(r)->h().pid), 0));
+    pidfds_[r] = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(pids_[r]), 0));
 #endif
+    // Reading works iff writing does (the same ptrace-attach check), so one probe per peer.
+    if (ok) ok = cma_probe(pids_[r], reinterpret_cast<const void*>(slot(r)->h().self_addr), pids_[r]);
   }
+  auto& me = slot(rank_)->h();
+  me.cma_ok = ok ? 1 : 0;
+  me.ar_min = opt.ar_min;
+  me.bc_min = opt.bc_min;
+  me.chunk = opt.chunk;
+  me.piece = opt.piece;
+  publish(me.hello.v, 1);
+  bool all = true;
+  for (int r = 0; r < n_; ++r) {
+    if (r != rank_) wait_ge(r, slot(r)->h().hello.v, 1, "setup");
+    all = all && slot(r)->h().cma_ok;
+  }
+  auto& zero = slot(0)->h();
+  opt_ = opt;
+  opt_.ar_min = std::max<size_t>(1, zero.ar_min);
+  opt_.bc_min = std::max<size_t>(1, zero.bc_min);
+  opt_.chunk = std::max<size_t>(4096, zero.chunk & ~size_t(63));
+  opt_.piece = std::max<size_t>(4096, zero.piece);
+  opt_.threads = std::max(1, opt.threads);
+  cma_ = all;
+  if (cma_) pool_ = std::make_unique<ForkJoin>(opt_.threads);
 }
 
 ShmColl::Slot* ShmColl::slot(int r) const {
@@ -135,6 +150,15 @@ void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, co
     if (reached(word.load(std::memory_order_acquire), target)) return;
     if (seconds_since(last_check) >= 0.1) {
       last_check = Clock::now();
+      const uint32_t blame = slot(peer)->h().failed.v.load(std::memory_order_acquire);
+      if (blame && !reached(word.load(std::memory_order_acquire), target)) {
+        const int culprit = static_cast<int>(blame) - 1;
+        throw Error(ErrorKind::Peer,
+                    "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(peer) +
+                        " gave up on a shared-memory " + what + " (it blames rank " + std::to_string(culprit) +
+                        "). Look at that rank's output for the cause.",
+                    culprit);
+      }
       if (peer_gone(peer) && !reached(word.load(std::memory_order_acquire), target))
         throw Error(ErrorKind::Peer,
                     "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(peer) + " (pid " +
@@ -150,10 +174,23 @@ void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, co
   }
 }
 
+void ShmColl::mark_failed(int culprit) {
+  auto& f = slot(rank_)->h().failed.v;
+  if (f.load(std::memory_order_relaxed) == 0) f.store(static_cast<uint32_t>((culprit < 0 ? rank_ : culprit) + 1));
+}
+
 void ShmColl::all_reduce(const void* in, void* out, size_t count, DType t, RedOp op, double timeout) {
   timeout_ = timeout;
-  if (count * dtype_size(t) <= kOneMax) one_shot(in, out, count, t, op);
-  else two_shot(in, out, count, t, op);
+  const size_t bytes = count * dtype_size(t);
+  try {
+    if (cma_ && bytes >= opt_.ar_min) cma_all_reduce(in, out, count, t, op);
+    else if (bytes <= kOneMax) one_shot(in, out, count, t, op);
+    else two_shot(in, out, count, t, op);
+  } catch (const Error& e) {
+    mark_failed(e.peer());
+    cma_drain();
+    throw;
+  }
 }
 
 void ShmColl::one_shot(const void* in, void* out, size_t count, DType t, RedOp op) {
@@ -192,14 +229,13 @@ void ShmColl::two_shot(const void* in, void* out, size_t count, DType t, RedOp o
     auto val = [&](int q, size_t o) -> const char* {
       return q == rank_ ? src + (base + o) * es : slot(q)->two_in() + o * es;
     };
+    const bool stream = count * es >= kStreamMin;
     for (size_t s = 0; s < len; s += sub) {
       const size_t o = off + s, m = std::min(sub, len - s);
       char* res = me->two_res() + o * es;
-      reduce3(res, val(0, o), val(1, o), m, t, op);
-      for (int q = 2; q < n_; ++q) reduce_into(res, val(q, o), m, t, op);
-      if (op == RedOp::Avg) avg_finish(res, m, t, n_);
-      copy_out(dst + (base + o) * es, res, m * es, count * es >= kStreamMin);
+      combine_store(n_, res, dst + (base + o) * es, [&](int q) { return val(q, o); }, m, t, op, stream);
     }
+    if (stream) stream_fence();
     publish(me->h().a_res.v, r);
     for (int q = 0; q < n_; ++q) {
       if (q == rank_) continue;
@@ -212,6 +248,17 @@ void ShmColl::two_shot(const void* in, void* out, size_t count, DType t, RedOp o
 
 void ShmColl::broadcast(void* buf, size_t bytes, int root, double timeout) {
   timeout_ = timeout;
+  try {
+    if (cma_ && bytes >= opt_.bc_min) cma_broadcast(buf, bytes, root);
+    else ring_broadcast(buf, bytes, root);
+  } catch (const Error& e) {
+    mark_failed(e.peer());
+    cma_drain();
+    throw;
+  }
+}
+
+void ShmColl::ring_broadcast(void* buf, size_t bytes, int root) {
   char* b = static_cast<char*>(buf);
   Slot* rs = slot(root);
   for (size_t off = 0; off < bytes; off += kBcPiece) {

@@ -12,6 +12,7 @@
 // worker never touches Python objects; buffers are released by wait()/test() under the GIL.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
@@ -241,7 +242,30 @@ void bind_coll(nb::module_& m) {
              return std::make_shared<PyShmColl>(c.shared_from_this(), name, create, spin_us);
            }),
            nb::arg("native"), nb::arg("name"), nb::arg("create"), nb::arg("spin_us"))
-      .def("connect", [](PyShmColl& s, double timeout) { s.shm_.connect(); s.timeout_ = timeout; }, nb::arg("timeout"))
+      .def("connect",
+           [](PyShmColl& s, double timeout, bool cma, size_t ar_min, size_t bc_min, size_t chunk, size_t piece,
+              int threads) {
+             CmaOptions o;
+             o.enable = cma;
+             o.ar_min = ar_min;
+             o.bc_min = bc_min;
+             o.chunk = chunk;
+             o.piece = piece;
+             o.threads = threads;
+             nb::gil_scoped_release nogil;  // waits for every rank (a barrier through the segment)
+             s.guarded([&] { s.shm_.connect(o, timeout); });
+             s.timeout_ = timeout;
+           },
+           nb::arg("timeout"), nb::arg("cma"), nb::arg("ar_min"), nb::arg("bc_min"), nb::arg("chunk"),
+           nb::arg("piece"), nb::arg("threads"),
+           "Learn the peers, probe single-copy (CMA) access, agree on its use with every rank.")
+      .def_prop_ro("cma", [](PyShmColl& s) { return s.shm_.cma(); },
+                   "True when large all_reduce/broadcast copy directly between ranks' buffers (CMA).")
+      .def_prop_ro("cma_bcast_min", [](PyShmColl& s) { return s.shm_.cma_bcast_min(); },
+                   "Broadcasts of at least this many bytes take the CMA path (agreed by all ranks).")
+      .def_prop_ro("cma_calls",
+                   [](PyShmColl& s) { return std::make_pair(s.shm_.cma_all_reduces(), s.shm_.cma_broadcasts()); },
+                   "(all_reduces, broadcasts) that took the CMA path so far.")
       .def("all_reduce_inplace",
            [](PyShmColl& s, nb::handle x, int code) {
              // The latency path: code = dtype * 8 + op, pre-validated by the caller.

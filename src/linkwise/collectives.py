@@ -37,12 +37,41 @@ from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from 
 _BARRIER_CODE = _FAST_CODES[(np.dtype(np.uint8), "sum")]
 
 
+_NEVER = (1 << 63) - 1
+
+
+def _cma_settings(local_size: int, size: int) -> tuple:
+    """The executor's single-copy (CMA) settings: (enable, all_reduce min, broadcast min,
+    chunk, piece, threads). Threads default to the cores this process may use divided by the
+    ranks sharing the host (at most 8), so a many-core host moves a big message with several
+    cores per rank; 1 when cores are scarce. Default thresholds (docs/benchmarks.md):
+    - 4 MiB: below, NumPy arrays have 4 KiB pages (it asks for huge pages from 4 MiB on), and
+      process_vm_readv/writev pay ~1 us per page (4 GB/s measured, 15 GB/s on huge pages);
+    - all_reduce: only with several threads per rank; with one, the kernel's copies lose to
+      the copy-through-shared-memory path's memcpy (2-core VM, A/B runs);
+    - broadcast: from 8 MiB (below, the ring through the segment stays in cache and wins, 2
+      ranks A/B), up to 4 ranks (with 16, the readers all pinning the root's pages at once ran
+      slower than the ring on the 64-core host).
+    The executor takes rank 0's sizes, so every rank picks the same protocol."""
+    threads = config.get("LINKWISE_COLL_THREADS")
+    if threads <= 0:
+        ranks = max(local_size, config.get("LINKWISE_LOCAL_SIZE") or 1, 1)
+        threads = max(1, min(8, len(os.sched_getaffinity(0)) // ranks))
+    ar_min = config.get("LINKWISE_COLL_CMA_MIN") or (4 << 20 if threads > 1 else _NEVER)
+    bc_min = config.get("LINKWISE_COLL_CMA_BCAST_MIN") or (8 << 20 if size <= 4 else _NEVER)
+    return (config.get("LINKWISE_SHM_CMA"), ar_min, bc_min, config.get("LINKWISE_COLL_CMA_CHUNK"),
+            config.get("LINKWISE_COLL_CMA_PIECE"), threads)
+
+
 class CollectivesMixin:
     """Mixed into Communicator; uses self._native, self.rank, self.size, self.timeout."""
 
     # The shared-memory executor while the in-place all_reduce latency path may use it: set
     # when attached, cleared for good once async collectives exist (they need issue order).
     _fast_shm = None
+    # Large two-rank broadcasts go point-to-point (one single-copy message) unless the
+    # executor has its own single-copy (CMA) broadcast; known once the executor is attached.
+    _pair_bcast_p2p = True
 
     # -- plumbing ------------------------------------------------------------------------
     def _next_seq(self) -> int:
@@ -135,8 +164,8 @@ class CollectivesMixin:
         first such call together and attach the segment there (a collective step)."""
         if kind not in ("all_reduce", "broadcast") or self.size == 1:
             return None
-        if kind == "broadcast" and self.size == 2 and nbytes >= LARGE_PAIR_BCAST:
-            return None  # one single-copy message beats two copies through shared memory
+        if kind == "broadcast" and self.size == 2 and nbytes >= LARGE_PAIR_BCAST and self._pair_bcast_p2p:
+            return None  # without CMA in the executor: one single-copy message beats two copies
         algo = os.environ.get("LINKWISE_ALGO", "") if _env_set(b"LINKWISE_ALGO") else ""
         if algo and not (algo == "direct" and kind == "all_reduce"):
             return None
@@ -167,7 +196,8 @@ class CollectivesMixin:
         finally:
             if self.rank == 0 and shm is not None:
                 shm.unlink()  # every rank has mapped it (or setup failed): no one else may open it
-        shm.connect(self.timeout)
+        shm.connect(self.timeout, *_cma_settings(self.local_size, self.size))
+        self._pair_bcast_p2p = shm.cma_bcast_min > LARGE_PAIR_BCAST  # agreed: same on every rank
         if self.__dict__.get("_coll_worker") is None and _ENV is not None:
             self._fast_shm = shm
         return shm
@@ -235,7 +265,7 @@ class CollectivesMixin:
         fast = self._fast_shm
         if (fast is not None and out is None and not async_op and type(x) is np.ndarray and self._native is not None
                 and x.dtype.kind in "biufc" and type(root) is int and 0 <= root < self.size
-                and (self.size != 2 or x.nbytes < LARGE_PAIR_BCAST)
+                and (self.size != 2 or x.nbytes < LARGE_PAIR_BCAST or not self._pair_bcast_p2p)
                 and not (_ENV.get(b"LINKWISE_ALGO") or _ENV.get(b"LINKWISE_CHECK"))):
             fast.broadcast(x, root, self.timeout)  # the latency path (buffer checks happen there)
             return x

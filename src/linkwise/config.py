@@ -100,6 +100,19 @@ declare("LINKWISE_ALGO", "", _choice("", "ring", "tree", "chain", "direct"),
 declare("LINKWISE_CHUNK_SIZE", 0, _size, "pipelining chunk of ring/chain collectives in bytes; 0 = default (512K)")
 declare("LINKWISE_CHECK", False, _bool,
         "verify before each collective that all ranks agree on size/dtype/op/root (raise ValueError if not)")
+# Shared-memory collectives on one host (read when a communicator attaches its executor).
+declare("LINKWISE_SHM_CMA", True, _bool,
+        "large single-host all_reduce/broadcast copy straight between the ranks' buffers "
+        "(process_vm_readv/writev) when permitted; 0 forces the copy-through-shared-memory paths")
+declare("LINKWISE_COLL_CMA_MIN", 0, _size,
+        "all_reduce of at least this many bytes uses that single-copy path; 0 = 4M with several "
+        "threads per rank (LINKWISE_COLL_THREADS), never with one (kernel copies lose to memcpy there)")
+declare("LINKWISE_COLL_CMA_BCAST_MIN", 0, _size,
+        "broadcast of at least this many bytes uses it; 0 = 8M up to 4 ranks, never with more")
+declare("LINKWISE_COLL_CMA_CHUNK", 128 << 10, _size, "bytes a single-copy all_reduce reduces per step")
+declare("LINKWISE_COLL_CMA_PIECE", 256 << 10, _size, "bytes per piece of a single-copy broadcast")
+declare("LINKWISE_COLL_THREADS", 0, int,
+        "threads per rank for single-copy collectives; 0 = usable cores / ranks on this host, at most 8")
 # GPU data plane (linkwise.cuda), read when a communicator's GpuComm is built.
 declare("LINKWISE_P2P_DISABLE", False, _bool,
         "never map peers' GPU memory: stage every GPU transfer through pinned host memory")

@@ -2,9 +2,7 @@
 
 #include <poll.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/syscall.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +12,7 @@
 
 #include "core/status.h"
 #include "core/wait.h"
+#include "transport/shm/cma.h"
 
 namespace linkwise {
 
@@ -240,36 +239,8 @@ class ShmLink : public PeerLink {
     }
   }
 
-  void copy_from_peer(char* out, uint64_t remote_addr, size_t n) {
-    size_t done = 0;
-    while (done < n) {
-      struct iovec local = {out + done, n - done};
-      struct iovec remote = {reinterpret_cast<void*>(remote_addr + done), n - done};
-      ssize_t got = process_vm_readv(static_cast<pid_t>(peer_pid_), &local, 1, &remote, 1, 0);
-      if (got < 0 && errno == EINTR) continue;
-      check_copy(got, "process_vm_readv from");
-      done += static_cast<size_t>(got);
-    }
-  }
-
-  void copy_to_peer(uint64_t remote_addr, const char* in, size_t n) {
-    size_t done = 0;
-    while (done < n) {
-      struct iovec local = {const_cast<char*>(in) + done, n - done};
-      struct iovec remote = {reinterpret_cast<void*>(remote_addr + done), n - done};
-      ssize_t got = process_vm_writev(static_cast<pid_t>(peer_pid_), &local, 1, &remote, 1, 0);
-      if (got < 0 && errno == EINTR) continue;
-      check_copy(got, "process_vm_writev to");
-      done += static_cast<size_t>(got);
-    }
-  }
-
-  void check_copy(ssize_t got, const char* what) {
-    if (got > 0) return;
-    if (got < 0 && errno == ESRCH) throw Error(ErrorKind::Peer, "rank " + std::to_string(peer_rank_) + " died", peer_rank_);
-    if (got == 0) throw Error(ErrorKind::Peer, "rank " + std::to_string(peer_rank_) + " memory vanished", peer_rank_);
-    fail_errno(std::string(what) + " rank " + std::to_string(peer_rank_));
-  }
+  void copy_from_peer(char* out, uint64_t remote_addr, size_t n) { cma_read(peer_pid_, peer_rank_, out, remote_addr, n); }
+  void copy_to_peer(uint64_t remote_addr, const char* in, size_t n) { cma_write(peer_pid_, peer_rank_, remote_addr, in, n); }
 
   InboxView self_, peer_;
   int rank_, peer_rank_;
@@ -284,21 +255,11 @@ class ShmLink : public PeerLink {
   uint64_t in_head_ = 0;
 };
 
-// True when this process can read `pid`'s memory at `addr` and finds `expect` there.
-bool probe_pull(int64_t pid, const void* addr, uint64_t expect) {
-  uint64_t got = 0;
-  struct iovec local = {&got, sizeof(got)};
-  struct iovec remote = {const_cast<void*>(addr), sizeof(got)};
-  return process_vm_readv(static_cast<pid_t>(pid), &local, 1, &remote, 1, 0) == sizeof(got) && got == expect;
-}
-
 }  // namespace
 
 ShmTransport::ShmTransport(const std::string& name, int rank, int nranks, size_t ring_bytes)
     : rank_(rank), nranks_(nranks) {
-  // Let peers (not only our ancestors) read our memory for single-copy messages, where the
-  // Yama LSM restricts ptrace-class access. Harmless elsewhere.
-  prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+  cma_allow_peers();  // peers read our memory for single-copy messages
   ring_bytes = round_pow2(ring_bytes);
   size_t total = header_bytes(nranks) + sizeof(RingControl) * nranks + ring_bytes * nranks;
   own_ = ShmSegment::create_private(name, total);  // zero-filled; no name in /dev/shm
@@ -324,7 +285,7 @@ std::unique_ptr<PeerLink> ShmTransport::connect(int peer, const std::string& pee
   InboxView pv = view_of(seg.data(), nranks_, h->ring_bytes);
   // Single-copy needs permission to read the peer's memory (ptrace rules, containers): probe
   // it by reading the magic number at the address where the peer mapped its own inbox.
-  bool can_pull = probe_pull(peer_pid, reinterpret_cast<const void*>(h->owner_base), kMagic);
+  bool can_pull = cma_probe(peer_pid, reinterpret_cast<const void*>(h->owner_base), kMagic);
   own_view_.header->can_pull_from[peer].store(can_pull ? 1 : 0, std::memory_order_relaxed);
   peers_.push_back(std::move(seg));
   return std::make_unique<ShmLink>(own_view_, pv, rank_, peer, peer_pid);

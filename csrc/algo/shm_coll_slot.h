@@ -1,0 +1,81 @@
+// Internal to the shared-memory collectives (shm_coll.cc, shm_cma.cc): one rank's Slot in
+// the collective segment, and helpers both files use. See algo/shm_coll.h for the protocols.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "algo/shm_coll.h"
+#include "algo/shm_kernels.h"
+
+namespace linkwise {
+
+struct alignas(64) Line {
+  std::atomic<uint32_t> v;
+};
+struct alignas(64) Line64 {
+  std::atomic<uint64_t> v;
+};
+
+constexpr size_t kSlotHeader = 4096;
+
+inline bool reached(uint32_t have, uint32_t want) { return static_cast<int32_t>(have - want) >= 0; }
+
+// Copies n bytes; with stream (and n >= 4 KiB) through non-temporal stores, for destinations
+// that will not be read again soon (a big message's user buffer): no read-for-ownership.
+void copy_out(void* dst, const void* src, size_t n, bool stream);
+
+// Combines v(0), ..., v(n-1) (element pointers, fetched once each, in rank order) into res
+// and writes the result to out as well: the last combination in one pass when a fused kernel
+// exists (algo/shm_kernels.h; then the caller fences streamed stores), else reduce3 + copy_out.
+// `res` may be the buffer v(0) returned (exact alias).
+template <class V>
+void combine_store(int n, char* res, char* out, V&& v, size_t m, DType t, RedOp op, bool stream) {
+  const char* first = v(0);
+  const char* second = v(1);
+  if (n == 2) {
+    if (reduce_store2(res, out, first, second, m, t, op, stream)) return;
+    reduce3(res, first, second, m, t, op);
+  } else {
+    reduce3(res, first, second, m, t, op);
+    for (int q = 2; q < n - 1; ++q) reduce_into(res, v(q), m, t, op);
+    const char* last = v(n - 1);
+    if (reduce_store2(res, out, res, last, m, t, op, stream)) return;
+    reduce_into(res, last, m, t, op);
+  }
+  if (op == RedOp::Avg) avg_finish(res, m, t, n);
+  copy_out(out, res, m * dtype_size(t), stream);
+}
+
+// Every field is written by the slot's owner only, except y_work/y_done (see shm_coll.h).
+struct ShmColl::Slot {
+  struct Header {
+    int64_t pid;
+    uint64_t self_addr;  // where the owner mapped this slot: peers probe CMA by reading `pid` there
+    Line a_in, a_res, b_in, c_in, c_done, sleepers;
+    Line failed;  // 1 + the rank blamed, once a collective failed on the owner (then never cleared)
+    // connect(): the owner's probe result and settings, valid once hello == 1.
+    Line hello;
+    uint32_t cma_ok;  // the owner may read and write every peer's memory (and wants to)
+    uint64_t ar_min, bc_min, chunk, piece;
+    // CMA all-reduce: this round's buffers (owner's addresses), then x_in = round.
+    Line x_in, x_done;
+    uint64_t x_src, x_dst;
+    // CMA broadcast: this round's buffer, y_work = round<<32 | pieces claimed, y_done =
+    // round<<32 | pieces copied, then y_in = round; y_fin = round once all pieces landed.
+    Line y_in, y_fin;
+    Line64 y_work, y_done;
+    uint64_t y_addr;
+  };
+  static_assert(sizeof(Header) <= kSlotHeader, "slot header fits its page");
+  Header& h() { return *reinterpret_cast<Header*>(this); }
+  char* base() { return reinterpret_cast<char*>(this); }
+  char* two_in() { return base() + kSlotHeader; }
+  char* two_res() { return two_in() + kTwoPiece; }
+  char* one(uint32_t round) { return two_res() + kTwoPiece + (round & 1) * kOneMax; }
+  char* bc(uint64_t piece) { return two_res() + kTwoPiece + 2 * kOneMax + (piece % kBcSlots) * kBcPiece; }
+  static constexpr size_t bytes() { return kSlotHeader + 2 * kTwoPiece + 2 * kOneMax + kBcSlots * kBcPiece; }
+};
+
+}  // namespace linkwise
