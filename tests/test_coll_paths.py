@@ -43,6 +43,16 @@ def _out_of_place_all_reduce(comm):
         comm.all_reduce(np.ones(10, np.float32), out=np.zeros(9, np.float32))
     with pytest.raises(ValueError, match="out must"):
         comm.all_reduce(np.ones(10, np.float32), out=np.zeros(10, np.float64))
+    # The latency path checks out's buffer natively: same errors, raised before any rank waits.
+    ro = np.zeros(10, np.float32)
+    ro.setflags(write=False)
+    with pytest.raises(ValueError, match="read-only"):
+        comm.all_reduce(np.ones(10, np.float32), out=ro)
+    with pytest.raises(ValueError, match="contiguous"):
+        comm.all_reduce(np.ones(10, np.float32), out=np.zeros((10, 2), np.float32)[:, 0])
+    out = np.zeros(10, np.float32)  # and the communicator still works afterwards
+    comm.all_reduce(np.full(10, comm.rank + 1, np.float32), out=out)
+    np.testing.assert_array_equal(out, np.full(10, comm.size * (comm.size + 1) / 2, np.float32))
     return "ok"
 
 

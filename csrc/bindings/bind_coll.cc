@@ -278,6 +278,22 @@ void bind_coll(nb::module_& m) {
              });
            },
            nb::arg("x"), nb::arg("code"))
+      .def("all_reduce_into",
+           [](PyShmColl& s, nb::handle x, nb::handle out, int code) {
+             // The out-of-place latency path: the caller checked that out has x's dtype and
+             // size; code = dtype * 8 + op, pre-validated. Buffer checks (writable, contiguous)
+             // happen here.
+             HeldBuffer hx, ho;
+             acquire_buffer(x, false, "all_reduce", hx);
+             acquire_buffer(out, true, "all_reduce", ho);
+             if (ho.bytes() != hx.bytes()) throw nb::value_error("all_reduce: out must have as many bytes as x");
+             const DType t = static_cast<DType>(code >> 3);
+             nb::gil_scoped_release nogil;
+             s.guarded([&] {
+               s.shm_.all_reduce(hx.ptr(), ho.ptr(), hx.bytes() / dtype_size(t), t, static_cast<RedOp>(code & 7), s.timeout_);
+             });
+           },
+           nb::arg("x"), nb::arg("out"), nb::arg("code"))
       .def("unlink", [](PyShmColl& s) { s.shm_.unlink(); })
       .def_prop_ro("segment_name", [](PyShmColl& s) { return s.shm_.segment_name(); })
       .def("all_reduce",

@@ -241,9 +241,8 @@ class CollectivesMixin:
             if code is not None and out is None:
                 fast.all_reduce_inplace(x, code)
                 return x
-            if (code is not None and type(out) is np.ndarray and out.dtype == x.dtype and out.size == x.size
-                    and out.flags.c_contiguous and out.flags.writeable):
-                fast.all_reduce(x, out, code >> 3, code & 7, self.timeout)
+            if code is not None and type(out) is np.ndarray and out.dtype is x.dtype and out.size == x.size:
+                fast.all_reduce_into(x, out, code)  # writable / contiguous checked natively
                 return out
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
             return _gpu_coll.dispatch(self, "all_reduce", x, out=out, red=op, async_op=async_op,
