@@ -7,18 +7,14 @@
 #include <emmintrin.h>
 #endif
 
+#include "core/reduce_ops.h"
+
 namespace linkwise {
 
 namespace {
 
-// Same element operations as core/reduce.cc (keep them identical: results must match).
-struct Sum { template <class T> static T f(T a, T b) { return a + b; } };
-struct Prod { template <class T> static T f(T a, T b) { return a * b; } };
-struct Min { template <class T> static T f(T a, T b) { return b < a ? b : a; } };
-struct Max { template <class T> static T f(T a, T b) { return a < b ? b : a; } };
-struct Band { template <class T> static T f(T a, T b) { return a & b; } };
-struct Bor { template <class T> static T f(T a, T b) { return a | b; } };
-struct Bxor { template <class T> static T f(T a, T b) { return a ^ b; } };
+using namespace elem;  // the element operations (core/reduce_ops.h)
+
 // 8-bit products through unsigned int (as reduce.cc), then truncated.
 struct Prod8 {
   template <class T> static T f(T a, T b) { return static_cast<T>(static_cast<unsigned>(a) * static_cast<unsigned>(b)); }

@@ -6,19 +6,14 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/reduce_ops.h"
 #include "core/status.h"
 
 namespace linkwise {
 
 namespace {
 
-struct Sum { template <class T> static T f(T a, T b) { return a + b; } };
-struct Prod { template <class T> static T f(T a, T b) { return a * b; } };
-struct Min { template <class T> static T f(T a, T b) { return b < a ? b : a; } };
-struct Max { template <class T> static T f(T a, T b) { return a < b ? b : a; } };
-struct Band { template <class T> static T f(T a, T b) { return a & b; } };
-struct Bor { template <class T> static T f(T a, T b) { return a | b; } };
-struct Bxor { template <class T> static T f(T a, T b) { return a ^ b; } };
+using namespace elem;  // the element operations (core/reduce_ops.h)
 
 // Integer sum/prod wrap: do them in the unsigned type of the same width (no UB).
 template <class T> struct Unsigned { using type = T; };
