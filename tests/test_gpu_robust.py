@@ -15,29 +15,13 @@ import time
 import pytest
 
 from multirank import run_ranks
+from test_gpu_collectives import SAFE_ENV, _nranks, _setup
 
 pytestmark = pytest.mark.gpu
 
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 STAGED_ENV = {**SAFE_ENV, "LINKWISE_P2P_DISABLE": "1", "LINKWISE_CHUNK_SIZE": "4096"}
 DEAD_TIMEOUT = 30.0   # LINKWISE_TIMEOUT while a peer dies: PeerError must come long before
 PROMPT_S = 8.0        # ... within this many seconds of the survivor starting to wait
-
-
-def _nranks() -> int:
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        return min(4, pynvml.nvmlDeviceGetCount())
-    except Exception:  # noqa: BLE001
-        return 0
-
-
-def _setup(comm):
-    import torch
-    g = comm.cuda()
-    torch.cuda.set_device(g.device)
-    return g, torch
 
 
 # -- a dead peer -------------------------------------------------------------------------------
