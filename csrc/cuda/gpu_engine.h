@@ -95,7 +95,7 @@ class GpuEngine {
   size_t oneshot_max = 256 * 1024;  // all_reduce auto: one-shot up to this many bytes
   size_t bcast_sag_min = 1 << 20;  // broadcast: scatter + all-gather from this many bytes
   int max_blocks = 64;              // blocks for bandwidth-bound launches
-  int reg_blocks = 0;               // blocks of reg_reduce_kernel; 0 = one per SM
+  int reg_blocks = 0;               // blocks of reg_reduce_kernel; 0 = SMs/4 (all_reduce), SMs/2
 
  private:
   int blocks_for(size_t bytes, size_t per_block) const;

@@ -127,7 +127,8 @@ declare("LINKWISE_GPU_BCAST_REG_MIN", 128 << 20, _size,
 declare("LINKWISE_GPU_CHAIN_PIECE", 0, _size, "piece of the GPU broadcast chain; 0 = size/8")
 declare("LINKWISE_GPU_REG_REDUCE_MIN", 64 << 20, _size,
         "GPU all_reduce/reduce_scatter this large read peers' registered buffers directly")
-declare("LINKWISE_GPU_REG_REDUCE_BLOCKS", 0, int, "blocks of that kernel; 0 = one per SM")
+declare("LINKWISE_GPU_REG_REDUCE_BLOCKS", 0, int,
+        "blocks of that kernel; 0 = a quarter of the SMs (all_reduce), half (reduce_scatter)")
 # Read by the C++ engine itself (getenv), declared here for linkwise info.
 declare("LINKWISE_GPU_LL_MAX", 32 << 10, int,
         "GPU all_reduce/broadcast up to this many bytes (at most 131072) use the LL kernels; 0 = off")

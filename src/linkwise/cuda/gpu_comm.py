@@ -115,7 +115,7 @@ class GpuComm:
         self._red_reg_min = config.get("LINKWISE_GPU_REG_REDUCE_MIN")
         if not config.get("LINKWISE_GPU_REG"):
             self._red_reg_min = 1 << 62
-        self._engine.reg_blocks = config.get("LINKWISE_GPU_REG_REDUCE_BLOCKS")  # 0: one per SM
+        self._engine.reg_blocks = config.get("LINKWISE_GPU_REG_REDUCE_BLOCKS")  # 0: engine default
         # The chain beats the scratch broadcast kernel only from ~128 MiB (docs/benchmarks.md).
         self._bcast_reg_min = max(self._reg_min, config.get("LINKWISE_GPU_BCAST_REG_MIN"))
         self._staged = None
