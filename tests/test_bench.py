@@ -134,6 +134,23 @@ def test_missing_system_is_skipped(monkeypatch, tmp_path):
     assert "# gloo: skipped" in r.stdout and "# mpi: skipped" in r.stdout
 
 
+def test_device_cuda_without_gpu_is_one_clear_error(monkeypatch, capsys):
+    """No CUDA build or no visible GPU: one line and status 2, before any rank starts."""
+    import importlib
+
+    from linkwise.bench import cli
+    gpu_comm = importlib.import_module("linkwise.cuda.gpu_comm")  # the package's gpu_comm is a function
+    monkeypatch.setattr(gpu_comm, "unavailable_reason", lambda: "no CUDA device is visible")
+    assert cli.main(["all_reduce", "--device", "cuda", "-N", "2", "-b", "8", "-e", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "linkwise bench: --device cuda: no CUDA device is visible", err
+    # the reason itself: this build and machine (CPU-only here) give a non-empty one
+    monkeypatch.undo()
+    reason = gpu_comm.unavailable_reason()
+    assert reason == "" or "CUDA" in reason
+    assert gpu_comm.available() == (reason == "")
+
+
 def test_report_ratio_columns():
     row = {"size": 1024, "count": 256, "type": "float", "redop": "sum", "root": -1,
            "oop": {"time_us": 10.0, "algbw": 0.1024, "busbw": 0.1024, "wrong": 0}, "ip": {"na": "x"}}

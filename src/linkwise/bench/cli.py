@@ -75,6 +75,11 @@ def _normalise(args) -> list[str]:
     device = getattr(args, "device", "cpu")
     if device == "cuda" and args.test == "p2p":
         raise ValueError("--device cuda: use the sendrecv test for GPU point-to-point")
+    if device == "cuda":
+        from ..cuda.gpu_comm import unavailable_reason
+        why = unavailable_reason()
+        if why:  # say it once here rather than as a traceback from every rank
+            raise ValueError(f"--device cuda: {why}")
     for s in others:
         gpu_sys = s.startswith("nccl")
         if gpu_sys != (device == "cuda"):

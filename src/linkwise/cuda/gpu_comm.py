@@ -68,10 +68,19 @@ def _native():
     return n
 
 
+def unavailable_reason() -> str:
+    """Why the GPU data plane cannot run in this process ('' when it can)."""
+    n = _native()
+    if not hasattr(n, "_GpuEngine"):
+        return "linkwise was built without CUDA (set LINKWISE_CUDA=ON and rebuild where nvcc is found)"
+    if n.cuda_device_count() <= 0:
+        return "no CUDA device is visible"
+    return ""
+
+
 def available() -> bool:
     """True when the extension was built with CUDA and a device is visible."""
-    n = _native()
-    return hasattr(n, "_GpuEngine") and n.cuda_device_count() > 0
+    return not unavailable_reason()
 
 
 def select_device(comm) -> int:
