@@ -70,6 +70,53 @@ def under_mpirun() -> bool:
     return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
 
 
+# -- torch.distributed, shared by Gloo (here) and NCCL (gpu.py) -----------------------------
+def torch_reduce_ops(dist, avg: bool = False) -> dict:
+    ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
+           "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if avg:
+        ops["avg"] = dist.ReduceOp.AVG
+    return ops
+
+
+def bind_torch_dist(dist, name: str, ops: dict, coll: str, inplace: bool, op: str, root: int,
+                    rank: int, size: int, send, recv):
+    """The torch.distributed forms the Gloo and NCCL backends share, on tensors send / recv:
+    the op check, all_reduce / broadcast / reduce (in place only, on recv), the sendrecv ring
+    and all_to_all. None for all_gather and reduce_scatter, whose buffers differ per backend."""
+    if coll in ("all_reduce", "reduce", "reduce_scatter") and op not in ops:
+        raise Unsupported(f"{name} has no {op}")
+    rop = ops.get(op)
+    if coll in ("all_reduce", "broadcast", "reduce"):
+        if not inplace:  # torch.distributed has only the in-place form of these
+            raise Unsupported(f"torch.distributed {coll} is in place only")
+        if coll == "all_reduce":
+            return lambda: dist.all_reduce(recv, op=rop)
+        if coll == "broadcast":
+            return lambda: dist.broadcast(recv, src=root)
+        return lambda: dist.reduce(recv, dst=root, op=rop)
+    if coll in ("sendrecv", "all_to_all") and inplace:
+        raise Unsupported(f"{coll} in place")
+    if coll == "sendrecv":
+        nxt, prv = (rank + 1) % size, (rank - 1) % size
+
+        def sendrecv():
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, prv),
+                                             dist.P2POp(dist.isend, send, nxt)]):
+                w.wait()
+        return sendrecv
+    if coll == "all_to_all":
+        return lambda: dist.all_to_all_single(recv, send)
+    return None
+
+
+def destroy_process_group(dist) -> None:
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+
+
 # -- Gloo ---------------------------------------------------------------------------------
 class GlooBackend(Backend):
     """torch.distributed with Gloo on CPU tensors that share memory with NumPy buffers."""
@@ -83,8 +130,7 @@ class GlooBackend(Backend):
         dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
                                 world_size=size)
         self.rank, self.size = rank, size
-        self._ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
-                     "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        self._ops = torch_reduce_ops(dist)
 
     def _t(self, x: np.ndarray):
         return self.torch.from_numpy(x)
@@ -116,34 +162,11 @@ class GlooBackend(Backend):
 
     def bind(self, coll, send, recv, inplace, op, root):
         d = self.dist
-        if coll in ("all_reduce", "reduce", "reduce_scatter") and op not in self._ops:
-            raise Unsupported(f"gloo has no {op}")
+        fn = bind_torch_dist(d, "gloo", self._ops, coll, inplace, op, root, self.rank, self.size,
+                             self._t(send), self._t(recv))
+        if fn is not None:
+            return fn
         rop = self._ops.get(op)
-        if coll in ("all_reduce", "broadcast", "reduce"):
-            if not inplace:  # torch.distributed has only the in-place form of these
-                raise Unsupported(f"torch.distributed {coll} is in place only")
-            t = self._t(recv)
-            if coll == "all_reduce":
-                return lambda: d.all_reduce(t, op=rop)
-            if coll == "broadcast":
-                return lambda: d.broadcast(t, src=root)
-            return lambda: d.reduce(t, dst=root, op=rop)
-        if coll == "sendrecv":
-            if inplace:
-                raise Unsupported("sendrecv in place")
-            s, r = self._t(send), self._t(recv)
-            nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-
-            def sendrecv():
-                works = d.batch_isend_irecv([d.P2POp(d.irecv, r, prv), d.P2POp(d.isend, s, nxt)])
-                for w in works:
-                    w.wait()
-            return sendrecv
-        if coll == "all_to_all":
-            if inplace:
-                raise Unsupported("all_to_all in place")
-            s, r = self._t(send), self._t(recv)
-            return lambda: d.all_to_all_single(r, s)
         src, dst = inplace_views(coll, send, recv, self.rank, self.size) if inplace else (send, recv)
         s, r = self._t(src), self._t(dst)
         if coll == "all_gather":
@@ -154,10 +177,7 @@ class GlooBackend(Backend):
         raise Unsupported(coll)
 
     def close(self):
-        try:
-            self.dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort
-            pass
+        destroy_process_group(self.dist)
 
 
 # -- MPI ----------------------------------------------------------------------------------

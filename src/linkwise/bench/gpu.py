@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from .backends import Backend, LinkwiseBackend, Unsupported
+from .compare import bind_torch_dist, destroy_process_group, torch_reduce_ops
 
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
@@ -217,44 +218,19 @@ class NcclBackend(GpuBackend):
         self.dist = dist
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
                                 world_size=self.size, device_id=self.torch.device("cuda", device))
-        self._ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
-                     "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
+        self._ops = torch_reduce_ops(dist, avg=True)
 
     def bind(self, coll, send, recv, inplace, op, root):
         d = self.dist
-        if coll in ("all_reduce", "reduce", "reduce_scatter") and op not in self._ops:
-            raise Unsupported(f"nccl has no {op}")
-        rop = self._ops.get(op)
         x, out, s, r = self._pair(coll, send, recv, inplace)
-        if coll in ("all_reduce", "broadcast", "reduce"):
-            if not inplace:  # torch.distributed has only the in-place form of these
-                raise Unsupported(f"torch.distributed {coll} is in place only")
-            if coll == "all_reduce":
-                return lambda: d.all_reduce(r, op=rop)
-            if coll == "broadcast":
-                return lambda: d.broadcast(r, src=root)
-            return lambda: d.reduce(r, dst=root, op=rop)
-        if coll == "sendrecv":
-            if inplace:
-                raise Unsupported("sendrecv in place")
-            nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-
-            def sendrecv():
-                for w in d.batch_isend_irecv([d.P2POp(d.irecv, r, prv), d.P2POp(d.isend, s, nxt)]):
-                    w.wait()
-            return sendrecv
-        if coll == "all_to_all":
-            if inplace:
-                raise Unsupported("all_to_all in place")
-            return lambda: d.all_to_all_single(r, s)
+        fn = bind_torch_dist(d, "nccl", self._ops, coll, inplace, op, root, self.rank, self.size, s, r)
+        if fn is not None:
+            return fn
         if coll == "all_gather":
             return lambda: d.all_gather_into_tensor(out, x)
         if coll == "reduce_scatter":
-            return lambda: d.reduce_scatter_tensor(out, x, op=rop)
+            return lambda: d.reduce_scatter_tensor(out, x, op=self._ops.get(op))
         raise Unsupported(coll)
 
     def close(self):
-        try:
-            self.dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort
-            pass
+        destroy_process_group(self.dist)
