@@ -66,7 +66,7 @@ def _cma_settings(local_size: int, size: int) -> tuple:
 class CollectivesMixin:
     """Mixed into Communicator; uses self._native, self.rank, self.size, self.timeout."""
 
-    # The shared-memory executor while the in-place all_reduce latency path may use it: set
+    # The shared-memory executor while the latency paths (all_reduce, broadcast) may use it: set
     # when attached, cleared for good once async collectives exist (they need issue order).
     _fast_shm = None
     # Large two-rank broadcasts go point-to-point (one single-copy message) unless the
