@@ -88,3 +88,27 @@ def test_barrier_waits_for_the_last_rank(nranks, mixed_forms, transport_env):
         for late, waited in enumerate(row):
             if rank != late:
                 assert waited > 0.15, (rank, late, waited)
+
+
+def _timeout_set_after_init(comm):
+    import time
+
+    import linkwise
+    x = np.ones(4, np.float32)
+    comm.all_reduce(x)  # attaches the shared-memory executor: later calls take the latency path
+    if comm.rank == 1:
+        time.sleep(4)  # never joins the next all_reduce
+        return "idle"
+    comm.timeout = 0.5  # set after init: the latency path must honour it, not the init value
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(x)
+    except linkwise.TimeoutError:
+        return time.monotonic() - t0
+    return "no timeout"
+
+
+def test_latency_path_honours_a_timeout_set_after_init():
+    out = run_ranks(2, _timeout_set_after_init, expect_fail=True, timeout=60)
+    kind, waited = out[0]
+    assert kind == "ok" and isinstance(waited, float) and waited < 3.0, out

@@ -55,7 +55,6 @@ class PyShmColl {
   }
   std::shared_ptr<NativeComm> comm_;
   ShmColl shm_;
-  double timeout_ = 300.0;
 };
 
 struct CollJob {
@@ -254,7 +253,6 @@ void bind_coll(nb::module_& m) {
              o.threads = threads;
              nb::gil_scoped_release nogil;  // waits for every rank (a barrier through the segment)
              s.guarded([&] { s.shm_.connect(o, timeout); });
-             s.timeout_ = timeout;
            },
            nb::arg("timeout"), nb::arg("cma"), nb::arg("ar_min"), nb::arg("bc_min"), nb::arg("chunk"),
            nb::arg("piece"), nb::arg("threads"),
@@ -266,54 +264,29 @@ void bind_coll(nb::module_& m) {
       .def_prop_ro("cma_calls",
                    [](PyShmColl& s) { return std::make_pair(s.shm_.cma_all_reduces(), s.shm_.cma_broadcasts()); },
                    "(all_reduces, broadcasts) that took the CMA path so far.")
-      .def("all_reduce_inplace",
-           [](PyShmColl& s, nb::handle x, int code) {
-             // The latency path: code = dtype * 8 + op, pre-validated by the caller.
-             HeldBuffer hx;
-             acquire_buffer(x, true, "all_reduce", hx);
-             const DType t = static_cast<DType>(code >> 3);
-             nb::gil_scoped_release nogil;
-             s.guarded([&] {
-               s.shm_.all_reduce(hx.ptr(), hx.ptr(), hx.bytes() / dtype_size(t), t, static_cast<RedOp>(code & 7), s.timeout_);
-             });
-           },
-           nb::arg("x"), nb::arg("code"))
-      .def("all_reduce_into",
-           [](PyShmColl& s, nb::handle x, nb::handle out, int code) {
-             // The out-of-place latency path: the caller checked that out has x's dtype and
-             // size; code = dtype * 8 + op, pre-validated. Buffer checks (writable, contiguous)
-             // happen here.
-             HeldBuffer hx, ho;
-             acquire_buffer(x, false, "all_reduce", hx);
-             acquire_buffer(out, true, "all_reduce", ho);
-             if (ho.bytes() != hx.bytes()) throw nb::value_error("all_reduce: out must have as many bytes as x");
-             const DType t = static_cast<DType>(code >> 3);
-             nb::gil_scoped_release nogil;
-             s.guarded([&] {
-               s.shm_.all_reduce(hx.ptr(), ho.ptr(), hx.bytes() / dtype_size(t), t, static_cast<RedOp>(code & 7), s.timeout_);
-             });
-           },
-           nb::arg("x"), nb::arg("out"), nb::arg("code"))
       .def("unlink", [](PyShmColl& s) { s.shm_.unlink(); })
       .def_prop_ro("segment_name", [](PyShmColl& s) { return s.shm_.segment_name(); })
       .def("all_reduce",
-           [](PyShmColl& s, nb::handle x, nb::handle out, int dtype, int op, double timeout) {
+           [](PyShmColl& s, nb::handle x, nb::handle out, int code, double timeout) {
+             // code = dtype * 8 + op, validated by the caller (the Python latency paths check
+             // only that out has x's dtype and size); out may be x (in place). The buffer
+             // checks (writable, contiguous) happen here.
              HeldBuffer hx, ho;
-             acquire_buffer(x, false, "all_reduce", hx);
-             const void* in = hx.ptr();
-             void* o = const_cast<void*>(in);
-             if (!out.is(x)) {
+             const bool in_place = out.is(x);
+             acquire_buffer(x, in_place, "all_reduce", hx);
+             void* o = const_cast<void*>(hx.ptr());
+             if (!in_place) {
                acquire_buffer(out, true, "all_reduce", ho);
                if (ho.bytes() != hx.bytes())
                  throw nb::value_error("all_reduce: out must have as many bytes as x");
                o = ho.ptr();
              }
-             const DType t = static_cast<DType>(dtype);
+             const DType t = static_cast<DType>(code >> 3);
              const size_t count = hx.bytes() / dtype_size(t);
              nb::gil_scoped_release nogil;
-             s.guarded([&] { s.shm_.all_reduce(in, o, count, t, static_cast<RedOp>(op), timeout); });
+             s.guarded([&] { s.shm_.all_reduce(hx.ptr(), o, count, t, static_cast<RedOp>(code & 7), timeout); });
            },
-           nb::arg("x"), nb::arg("out"), nb::arg("dtype"), nb::arg("op"), nb::arg("timeout"))
+           nb::arg("x"), nb::arg("out"), nb::arg("code"), nb::arg("timeout"))
       .def("broadcast",
            [](PyShmColl& s, nb::handle buf, int root, double timeout) {
              HeldBuffer hb;

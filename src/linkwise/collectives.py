@@ -133,7 +133,7 @@ class CollectivesMixin:
             xr, outr = _raw(x), _raw(out)
             if inline:
                 if kind == "all_reduce":
-                    shm.all_reduce(xr, outr, DTYPES[dtype], OPS[op], self.timeout)
+                    shm.all_reduce(xr, outr, DTYPES[dtype] * 8 + OPS[op], self.timeout)
                 else:
                     shm.broadcast(outr, root, self.timeout)
                 return result
@@ -239,10 +239,10 @@ class CollectivesMixin:
             # The latency paths: straight to shared memory (x's buffer checks happen there).
             code = _FAST_CODES.get((x.dtype, op))
             if code is not None and out is None:
-                fast.all_reduce_inplace(x, code)
+                fast.all_reduce(x, x, code, self.timeout)
                 return x
             if code is not None and type(out) is np.ndarray and out.dtype is x.dtype and out.size == x.size:
-                fast.all_reduce_into(x, out, code)  # writable / contiguous checked natively
+                fast.all_reduce(x, out, code, self.timeout)  # writable / contiguous checked natively
                 return out
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
             return _gpu_coll.dispatch(self, "all_reduce", x, out=out, red=op, async_op=async_op,
@@ -417,7 +417,7 @@ class CollectivesMixin:
                 token = self._barrier_token = np.zeros(1, np.uint8)
             fast = self._fast_shm
             if fast is not None and not async_op:
-                fast.all_reduce_inplace(token, _BARRIER_CODE)
+                fast.all_reduce(token, token, _BARRIER_CODE, self.timeout)
                 return None
             return self._run("all_reduce", token, token, "uint8", "sum", 0, 1, 1, async_op, None)
         return self._run("barrier", None, None, "uint8", "", 0, 0, 0, async_op, None)
