@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from multirank import run_ranks
+from test_gpu_collectives import SAFE_ENV
 
 
 class FakeCuda:
@@ -66,9 +67,6 @@ def _cpu_body(comm, _):
 def test_host_path_unaffected_and_clear_errors(n):
     for errs in run_ranks(n, _cpu_body, None, timeout=120):
         assert errs == []
-
-
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _gpu_body(comm, sizes):

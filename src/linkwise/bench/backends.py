@@ -102,7 +102,6 @@ class LinkwiseBackend(Backend):
             comm = linkwise.init()
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
-        self._one = np.zeros(1, np.float64)
 
     def available(self, coll: str) -> bool:
         if coll == "sendrecv":

@@ -144,10 +144,3 @@ def count_wrong(got: np.ndarray, want: np.ndarray, op: str = "sum") -> int:
     else:
         bad = got != want
     return int(np.count_nonzero(bad))
-
-
-def fmt_size(nbytes: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift} {unit}"
-    return f"{nbytes} B"

@@ -35,8 +35,6 @@ import numpy as np
 from .backends import Backend, LinkwiseBackend, Unsupported
 from .compare import bind_torch_dist, destroy_process_group, torch_reduce_ops
 
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
 GRAPH_REPLAYS = 10
 
 
@@ -45,9 +43,6 @@ def how_timing(graph: bool) -> str:
         return (f"CUDA graphs: -n ops captured in one graph, {GRAPH_REPLAYS} replays between CUDA "
                 "events on the bench stream")
     return "CUDA events around back-to-back ops on the bench stream, no CUDA graphs"
-
-
-HOW_TIMING = how_timing(False)
 
 
 def missing_nccl() -> Optional[str]:

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
 
 from . import compare
 
@@ -134,7 +133,3 @@ def mpi_how(nranks: int, extra: str = "") -> str:
     return "second launch right after linkwise's: " + " ".join(
         os.path.basename(c) if k == 0 else c for k, c in enumerate(compare.mpirun_command(nranks, extra))
         if not c.startswith("LINKWISE") and c != "-x" and c != "PYTHONPATH")
-
-
-def shm_leftovers(job: Optional[str] = None) -> list[str]:
-    return glob.glob(f"/dev/shm/linkwise-{job or ''}*")
