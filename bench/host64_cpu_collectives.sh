@@ -4,9 +4,11 @@
 #   bash bench/host64_cpu_collectives.sh OUTDIR
 # (no registry there: builds the CPU part with the image's cmake/ninja/nanobind).
 # Everything goes to OUTDIR/host64.txt (the device tool returns at most 8 files), plus the
-# JSON of each comparison sweep. After the sweeps (the defaults), the same all_reduce sizes
-# with the single-copy path off (LINKWISE_SHM_CMA=0: the copy-through-shared-memory path) and
-# with it on but one thread per rank, to see what each part brings on this host.
+# JSON of each comparison sweep. First the host's memory-copy floor (bench/copy_floor.py: 16
+# and 64 processes copying 16 MiB each at once); after the sweeps (the defaults), variant rows
+# at 2 and 16 MiB: lanes off (LINKWISE_COLL_LANE_MIN=1G: one thread per rank in the
+# copy-through-shared-memory paths, as before lanes) and lanes instead of the single-copy path
+# (LINKWISE_COLL_CMA_MIN / _BCAST_MIN=1G), to see what each brings on this host.
 set -uo pipefail
 out=${1:-/tmp/lw-host64}
 mkdir -p "$out"
@@ -31,10 +33,13 @@ from multirank import run_ranks
 from linkwise.collectives import _cma_settings
 def body(comm):
     x = np.ones(1 << 20, np.float32); comm.all_reduce(x)
-    return bool(comm._shm.cma), comm._shm.cma_calls, _cma_settings(comm.local_size, comm.size)[-1], float(x[0])
-print(f"{sys.argv[1]} ranks: (cma, cma_calls, threads, x[0]) =", run_ranks(int(sys.argv[1]), body)[0])
+    x = np.ones(1 << 19, np.float32); comm.all_reduce(x); comm.broadcast(x)
+    return bool(comm._shm.cma), comm._shm.cma_calls, comm._shm.lane_calls, _cma_settings(comm.local_size, comm.size)[-1], float(x[0])
+print(f"{sys.argv[1]} ranks: (cma, cma_calls after 4 MiB + 2 MiB all_reduce, lane_calls after 2 MiB all_reduce + bcast, threads, x[0]) =", run_ranks(int(sys.argv[1]), body)[0])
 PY
 done
+stamp "copy floor"
+timeout 30 python3 bench/copy_floor.py -p 16 64 -s 16M -k 20 2>&1 | tee -a "$log"
 for n in 4 16; do
   for coll in all_reduce broadcast; do
     stamp "linkwise bench $coll -N $n -b 8 -e 16M -f 8 -n 20 -w 5 --compare mpi,gloo"
@@ -42,13 +47,19 @@ for n in 4 16; do
         --compare mpi,gloo --no-progress --json "$out/${coll}_n${n}.json" 2>&1 | tee -a "$log"
   done
 done
-for n in 4 16; do
-  for variant in "LINKWISE_SHM_CMA=0" "LINKWISE_COLL_THREADS=1 LINKWISE_COLL_CMA_MIN=1M"; do
-    stamp "$variant linkwise bench all_reduce -N $n -b 1M -e 16M -f 4 -n 20 -w 5"
-    env $variant timeout 30 python3 -m linkwise.cli bench all_reduce -N "$n" -b 1M -e 16M -f 4 -n 20 -w 5 \
-        --no-progress 2>&1 | grep -v '^#' | tee -a "$log"
-  done
-done
-stamp "tests/test_coll_cma.py"
-timeout 60 python3 -m pytest -q -x tests/test_coll_cma.py 2>&1 | tail -3 | tee -a "$log"
+while read -r n coll b e variant; do
+  stamp "$variant linkwise bench $coll -N $n -b $b -e $e -f 8 -n 20 -w 5"
+  env $variant timeout 30 python3 -m linkwise.cli bench "$coll" -N "$n" -b "$b" -e "$e" -f 8 -n 20 -w 5 \
+      --no-progress 2>&1 | grep -v '^#' | tee -a "$log"
+done <<'EOF'
+4 all_reduce 2M 2M LINKWISE_COLL_LANE_MIN=1G
+4 broadcast 2M 2M LINKWISE_COLL_LANE_MIN=1G
+4 all_reduce 16M 16M LINKWISE_COLL_CMA_MIN=1G
+4 broadcast 16M 16M LINKWISE_COLL_CMA_BCAST_MIN=1G
+16 all_reduce 2M 2M LINKWISE_COLL_LANE_MIN=1G
+16 broadcast 2M 2M LINKWISE_COLL_LANE_MIN=1G
+16 all_reduce 16M 16M LINKWISE_COLL_CMA_MIN=1G
+EOF
+stamp "tests/test_coll_lanes.py"
+timeout 60 python3 -m pytest -q -x tests/test_coll_lanes.py 2>&1 | tail -3 | tee -a "$log"
 stamp done

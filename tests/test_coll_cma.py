@@ -198,7 +198,7 @@ def test_default_thresholds(monkeypatch):
     for name in ("LINKWISE_COLL_CMA_MIN", "LINKWISE_COLL_CMA_BCAST_MIN", "LINKWISE_LOCAL_SIZE", "LINKWISE_SHM_CMA"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LINKWISE_COLL_THREADS", "1")
-    enable, ar_min, bc_min, _, _, threads = _cma_settings(2, 2)
+    enable, ar_min, bc_min, _, _, _, threads = _cma_settings(2, 2)
     assert (enable, ar_min, bc_min, threads) == (True, _NEVER, 8 << 20, 1)
     monkeypatch.setenv("LINKWISE_COLL_THREADS", "4")
     assert _cma_settings(16, 16)[1:3] == (4 << 20, _NEVER)

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -76,7 +77,7 @@ ShmColl::~ShmColl() {
   for (char* p : scratch_) std::free(p);
 }
 
-void ShmColl::connect(const CmaOptions& opt, double timeout) {
+void ShmColl::connect(const ShmCollOptions& opt, double timeout) {
   timeout_ = timeout;
   pidfds_.assign(n_, -1);
   pids_.assign(n_, 0);
@@ -96,6 +97,8 @@ void ShmColl::connect(const CmaOptions& opt, double timeout) {
   me.bc_min = opt.bc_min;
   me.chunk = opt.chunk;
   me.piece = opt.piece;
+  me.lane_min = opt.lane_min;
+  me.lanes = static_cast<uint64_t>(std::clamp(opt.threads, 1, kMaxLanes));
   publish(me.hello.v, 1);
   bool all = true;
   for (int r = 0; r < n_; ++r) {
@@ -108,9 +111,11 @@ void ShmColl::connect(const CmaOptions& opt, double timeout) {
   opt_.bc_min = std::max<size_t>(1, zero.bc_min);
   opt_.chunk = std::max<size_t>(4096, zero.chunk & ~size_t(63));
   opt_.piece = std::max<size_t>(4096, zero.piece);
+  opt_.lane_min = std::max<size_t>(4096, zero.lane_min);
   opt_.threads = std::max(1, opt.threads);
+  lanes_ = static_cast<int>(std::clamp<uint64_t>(zero.lanes, 1, kMaxLanes));
   cma_ = all;
-  if (cma_) pool_ = std::make_unique<ForkJoin>(opt_.threads);
+  pool_ = std::make_unique<ForkJoin>(opt_.threads);  // helpers start on the first run that needs them
 }
 
 ShmColl::Slot* ShmColl::slot(int r) const {
@@ -206,42 +211,77 @@ void ShmColl::one_shot(const void* in, void* out, size_t count, DType t, RedOp o
   if (op == RedOp::Avg) avg_finish(out, count, t, n_);
 }
 
+// Lanes of a message (see shm_coll.h): every rank computes the same from agreed settings.
+int ShmColl::lanes_for(size_t bytes) const {
+  if (lanes_ <= 1) return 1;
+  return static_cast<int>(std::clamp<size_t>(bytes / opt_.lane_min, 1, static_cast<size_t>(lanes_)));
+}
+
+// Runs lane(0..lanes-1) on this rank's threads; one lane runs on the calling thread alone.
+void ShmColl::run_lanes(int lanes, const std::function<void(int)>& lane) {
+  if (lanes == 1) return lane(0);
+  pool_->run(lanes, [&](int l, int) {
+    try {
+      lane(l);
+    } catch (const Error& e) {
+      mark_failed(e.peer());  // now, so peers waiting on my other lanes give up too
+      throw;
+    }
+  });
+}
+
 void ShmColl::two_shot(const void* in, void* out, size_t count, DType t, RedOp op) {
   const size_t es = dtype_size(t);
-  const size_t piece = kTwoPiece / es;
+  const int lanes = lanes_for(count * es);
+  if (lanes > 1) ++lane_ar_calls_;
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
+  const bool stream = count * es >= kStreamMin;
+  run_lanes(lanes, [&](int l) {
+    const size_t first = part_off(count, lanes, l), cnt = part_off(count, lanes, l + 1) - first;
+    two_shot_lane(l, lanes, src + first * es, dst + first * es, cnt, t, op, stream);
+  });
+}
+
+// One lane's stripe (in/out point at its first element), in rounds of 1/lanes of the areas.
+void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, size_t count, DType t, RedOp op,
+                            bool stream) {
+  const size_t es = dtype_size(t);
+  const size_t area = (kTwoPiece / static_cast<size_t>(lanes)) & ~size_t(63);
+  const size_t piece = area / es;
   Slot* me = slot(rank_);
+  char* my_in = me->two_in() + lane * area;
+  char* my_res = me->two_res() + lane * area;
+  auto& a_in = me->h().a_in[lane].v;
+  auto& a_res = me->h().a_res[lane].v;
   for (size_t base = 0; base < count; base += piece) {
     const size_t cnt = std::min(piece, count - base);
-    const uint32_t r = ++two_round_;
+    const uint32_t r = ++two_round_[lane];
     for (int j = 0; j < n_; ++j) {
       if (j == rank_) continue;
       const size_t off = part_off(cnt, n_, j), len = part_off(cnt, n_, j + 1) - off;
-      std::memcpy(me->two_in() + off * es, src + (base + off) * es, len * es);
+      std::memcpy(my_in + off * es, src + (base + off) * es, len * es);
     }
-    publish(me->h().a_in.v, r);
+    publish(a_in, r);
     for (int q = 0; q < n_; ++q)
-      if (q != rank_) wait_ge(q, slot(q)->h().a_in.v, r, "all_reduce");
+      if (q != rank_) wait_ge(q, slot(q)->h().a_in[lane].v, r, "all_reduce");
     // My segment, combined in rank order, a sub-block at a time so the copy-out hits cache.
     const size_t off = part_off(cnt, n_, rank_), len = part_off(cnt, n_, rank_ + 1) - off;
     const size_t sub = std::max<size_t>(1, kSub / es);
     auto val = [&](int q, size_t o) -> const char* {
-      return q == rank_ ? src + (base + o) * es : slot(q)->two_in() + o * es;
+      return q == rank_ ? src + (base + o) * es : slot(q)->two_in() + lane * area + o * es;
     };
-    const bool stream = count * es >= kStreamMin;
     for (size_t s = 0; s < len; s += sub) {
       const size_t o = off + s, m = std::min(sub, len - s);
-      char* res = me->two_res() + o * es;
-      combine_store(n_, res, dst + (base + o) * es, [&](int q) { return val(q, o); }, m, t, op, stream);
+      combine_store(n_, my_res + o * es, dst + (base + o) * es, [&](int q) { return val(q, o); }, m, t, op, stream);
     }
     if (stream) stream_fence();
-    publish(me->h().a_res.v, r);
+    publish(a_res, r);
     for (int q = 0; q < n_; ++q) {
       if (q == rank_) continue;
-      wait_ge(q, slot(q)->h().a_res.v, r, "all_reduce");
+      wait_ge(q, slot(q)->h().a_res[lane].v, r, "all_reduce");
       const size_t qo = part_off(cnt, n_, q), ql = part_off(cnt, n_, q + 1) - qo;
-      copy_out(dst + (base + qo) * es, slot(q)->two_res() + qo * es, ql * es, count * es >= kStreamMin);
+      copy_out(dst + (base + qo) * es, slot(q)->two_res() + lane * area + qo * es, ql * es, stream);
     }
   }
 }
@@ -259,25 +299,54 @@ void ShmColl::broadcast(void* buf, size_t bytes, int root, double timeout) {
 }
 
 void ShmColl::ring_broadcast(void* buf, size_t bytes, int root) {
+  const int lanes = lanes_for(bytes);
+  if (lanes != bc_lanes_) {
+    if (rank_ == root) ring_drain();  // the ring's areas move: no one may still read the old ones
+    bc_lanes_ = lanes;
+  }
+  if (lanes > 1) ++lane_bc_calls_;
   char* b = static_cast<char*>(buf);
+  const bool stream = bytes >= kStreamMin;
+  run_lanes(lanes, [&](int l) {
+    // Stripes of whole cache lines (the last one takes the rest).
+    const size_t first = part_off(bytes / 64, lanes, l) * 64;
+    const size_t end = l + 1 == lanes ? bytes : part_off(bytes / 64, lanes, l + 1) * 64;
+    ring_lane(l, lanes, b + first, end - first, root, stream);
+  });
+}
+
+// One lane's stripe, in pieces of 1/lanes of a ring slot.
+void ShmColl::ring_lane(int lane, int lanes, char* b, size_t bytes, int root, bool stream) {
+  const size_t lp = (kBcPiece / static_cast<size_t>(lanes)) & ~size_t(63);
   Slot* rs = slot(root);
-  for (size_t off = 0; off < bytes; off += kBcPiece) {
-    const size_t len = std::min(kBcPiece, bytes - off);
-    const uint64_t i = piece_++;
+  for (size_t off = 0; off < bytes; off += lp) {
+    const size_t len = std::min(lp, bytes - off);
+    const uint64_t i = piece_[lane]++;
+    char* area = rs->bc(i) + lane * lp;
     if (rank_ == root) {
       if (i >= static_cast<uint64_t>(kBcSlots)) {
         const uint32_t need = static_cast<uint32_t>(i - kBcSlots + 1);  // readers done with this slot's old piece
         for (int q = 0; q < n_; ++q)
-          if (q != root) wait_ge(q, slot(q)->h().c_done.v, need, "broadcast");
+          if (q != root) wait_ge(q, slot(q)->h().c_done[lane].v, need, "broadcast");
       }
-      std::memcpy(rs->bc(i), b + off, len);
-      publish(rs->h().c_done.v, static_cast<uint32_t>(i + 1));
-      publish(rs->h().c_in.v, static_cast<uint32_t>(i + 1));
+      std::memcpy(area, b + off, len);
+      publish(rs->h().c_done[lane].v, static_cast<uint32_t>(i + 1));
+      publish(rs->h().c_in[lane].v, static_cast<uint32_t>(i + 1));
     } else {
-      wait_ge(root, rs->h().c_in.v, static_cast<uint32_t>(i + 1), "broadcast");
-      copy_out(b + off, rs->bc(i), len, bytes >= kStreamMin);
-      publish(slot(rank_)->h().c_done.v, static_cast<uint32_t>(i + 1));
+      wait_ge(root, rs->h().c_in[lane].v, static_cast<uint32_t>(i + 1), "broadcast");
+      copy_out(b + off, area, len, stream);
+      publish(slot(rank_)->h().c_done[lane].v, static_cast<uint32_t>(i + 1));
     }
+  }
+}
+
+// The new root, before the ring's areas move: wait until every other rank copied every
+// piece of the earlier broadcasts (each rank's c_done reached the agreed piece count).
+void ShmColl::ring_drain() {
+  for (int l = 0; l < kMaxLanes; ++l) {
+    if (piece_[l] == 0) continue;
+    for (int q = 0; q < n_; ++q)
+      if (q != rank_) wait_ge(q, slot(q)->h().c_done[l].v, static_cast<uint32_t>(piece_[l]), "broadcast");
   }
 }
 

@@ -15,11 +15,23 @@
 //     out → a_res=r → wait all a_res>=r → copy the others' segments from their res. A peer
 //     rewrites `in` only after everyone's a_res reached r (they finished reading it), and
 //     `res` only after everyone's a_in reached r+1 (they finished copying from it).
+//   Lanes (two-shot and broadcast, with helper threads): a message of at least 2 × lane_min
+//     bytes is cut into L = min(lanes, bytes / lane_min) stripes (L agreed: the same on every
+//     rank), and lane l runs the protocol above on stripe l with its own counters
+//     (a_in[l], ..., c_done[l]), its own round / piece numbers and 1/L of the areas, so the
+//     lanes never wait for one another and each rank's lanes may run on any of its threads
+//     (ForkJoin hands them out in increasing order, so the lowest unfinished lane is running
+//     on every rank: no deadlock even when a rank has fewer threads than lanes). Areas move
+//     when L changes between calls: two-shot needs nothing for that (a rank starts a call
+//     only after it finished every lane of the previous one, so a peer that published a_in
+//     of the new call has read all it needed); for the broadcast the root first waits until
+//     every rank copied every piece of earlier broadcasts (ring_drain), since readers may
+//     still be copying when the root returns.
 //   one-shot round r: copy in to half r&1 → b_in=r → wait all b_in>=r → combine all n in
 //     rank order. Half r&1 is rewritten in round r+2, after everyone's b_in reached r+1.
-//   broadcast piece i (numbered across calls): the root waits until every other rank's
-//     c_done >= i-kBcSlots+1, copies piece i into ring slot i%kBcSlots, sets c_in=c_done=i+1;
-//     a reader waits for root.c_in >= i+1, copies it out, sets its c_done=i+1.
+//   broadcast piece i of a lane (numbered across calls): the root waits until every other
+//     rank's c_done >= i-kBcSlots+1, copies piece i into ring slot i%kBcSlots, sets
+//     c_in=c_done=i+1; a reader waits for root.c_in >= i+1, copies it out, sets its c_done=i+1.
 //   CMA all-reduce round r (large messages, when every rank may read and write every other
 //     rank's memory with process_vm_readv/writev): publish my in/out addresses, x_in=r →
 //     wait all x_in>=r → for each chunk of MY segment (part_off(count, n, rank)): read that
@@ -54,12 +66,16 @@
 // into memory that the caller frees or reuses after the error.
 // Threading: one call at a time per object (the Python layer uses it for blocking calls
 // only, which a correct program issues from one thread at a time in collective order). The
-// CMA paths may spread a rank's work over `threads` helper threads (ForkJoin) internally.
+// CMA paths and the lanes spread a rank's work over `threads` helper threads (ForkJoin)
+// internally; wait_ge/publish/mark_failed are safe from those threads (they only touch the
+// segment's atomics and settings fixed in connect()). A lane that fails marks the rank
+// failed at once, so peers waiting on its other lanes give up instead of timing out.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -71,14 +87,15 @@ namespace linkwise {
 
 class ForkJoin;
 
-// Settings of the single-copy (CMA) paths; see connect().
-struct CmaOptions {
+// Settings of the single-copy (CMA) paths and of the helper threads; see connect().
+struct ShmCollOptions {
   bool enable = true;         // false: never use CMA (force the copy-through-segment paths)
   size_t ar_min = 256 << 10;  // all-reduces of at least this many bytes use CMA
   size_t bc_min = 256 << 10;  // broadcasts of at least this many bytes use CMA
   size_t chunk = 128 << 10;   // all-reduce: bytes reduced per step (fits L2 twice)
   size_t piece = 256 << 10;   // broadcast: bytes per claimed piece
-  int threads = 1;            // threads per rank for CMA copies (this rank only)
+  size_t lane_min = 256 << 10;  // two-shot / ring broadcast: bytes per lane at least
+  int threads = 1;            // helper threads per rank (this rank's own; rank 0's sets the lanes)
 };
 
 class ShmColl {
@@ -88,6 +105,7 @@ class ShmColl {
   static constexpr size_t kOneMax = 32 << 10;     // one-shot up to this many bytes
   static constexpr size_t kBcPiece = 256 << 10;  // 256 KiB: ~15% faster than 128 KiB at 1-4 MiB
   static constexpr int kBcSlots = 8;
+  static constexpr int kMaxLanes = 8;  // counters per lane live in the slot header
 
   static size_t segment_bytes(int n);
   // create: rank 0 makes the segment (ftruncate to segment_bytes(n)); others open it.
@@ -96,14 +114,18 @@ class ShmColl {
   // After every rank has constructed its ShmColl (a barrier): learn the peers' pids, probe
   // whether CMA works with each of them, and wait until every rank has done so (a barrier
   // through the segment). CMA is used only if every rank enabled it and every probe passed;
-  // the thresholds, chunk and piece are rank 0's; threads are this rank's own.
-  void connect(const CmaOptions& opt, double timeout);
+  // the thresholds, chunk, piece, lane_min and the lane count (its threads, at most
+  // kMaxLanes) are rank 0's; threads are this rank's own.
+  void connect(const ShmCollOptions& opt, double timeout);
   bool cma() const { return cma_; }
   // The agreed smallest CMA broadcast (SIZE_MAX when CMA is off): the same on every rank.
   size_t cma_bcast_min() const { return cma_ ? opt_.bc_min : SIZE_MAX; }
   // How many all-reduces / broadcasts took the CMA path (tests check that they ran).
   uint64_t cma_all_reduces() const { return cma_ar_calls_; }
   uint64_t cma_broadcasts() const { return cma_bc_calls_; }
+  // How many two-shot all-reduces / ring broadcasts ran on more than one lane.
+  uint64_t lane_all_reduces() const { return lane_ar_calls_; }
+  uint64_t lane_broadcasts() const { return lane_bc_calls_; }
   void unlink() { seg_.unlink(); }
   const std::string& segment_name() const { return seg_.name(); }  // what the others open
 
@@ -118,10 +140,15 @@ class ShmColl {
   void publish(std::atomic<uint32_t>& word, uint32_t value);
   bool peer_gone(int peer);
   void one_shot(const void* in, void* out, size_t count, DType t, RedOp op);
+  int lanes_for(size_t bytes) const;
+  void run_lanes(int lanes, const std::function<void(int)>& lane);
   void two_shot(const void* in, void* out, size_t count, DType t, RedOp op);
+  void two_shot_lane(int lane, int lanes, const char* in, char* out, size_t count, DType t, RedOp op, bool stream);
   void cma_all_reduce(const void* in, void* out, size_t count, DType t, RedOp op);
   void cma_chunk(size_t o, size_t m, DType t, RedOp op, bool stream, int thread);
   void ring_broadcast(void* buf, size_t bytes, int root);
+  void ring_lane(int lane, int lanes, char* buf, size_t bytes, int root, bool stream);
+  void ring_drain();
   void cma_broadcast(void* buf, size_t bytes, int root);
   void cma_take_pieces(int q, int root, uint32_t r, uint64_t src, uint64_t dst, size_t bytes);
   void mark_failed(int culprit);
@@ -132,15 +159,18 @@ class ShmColl {
   int rank_, n_;
   double spin_us_;
   double timeout_ = 300.0;
-  uint32_t two_round_ = 0, one_round_ = 0, x_round_ = 0, y_round_ = 0;
-  uint64_t piece_ = 0;  // broadcast pieces so far (counters carry it modulo 2^32)
+  uint32_t one_round_ = 0, x_round_ = 0, y_round_ = 0;
+  uint32_t two_round_[kMaxLanes] = {};  // per lane
+  uint64_t piece_[kMaxLanes] = {};      // broadcast pieces so far per lane (counters carry it modulo 2^32)
+  int lanes_ = 1;                       // agreed lane count (rank 0's threads, at most kMaxLanes)
+  int bc_lanes_ = 1;                    // lanes of the last ring broadcast (its areas)
   std::vector<int> pidfds_;
   std::vector<int64_t> pids_;
   bool cma_ = false;
-  uint64_t cma_ar_calls_ = 0, cma_bc_calls_ = 0;
+  uint64_t cma_ar_calls_ = 0, cma_bc_calls_ = 0, lane_ar_calls_ = 0, lane_bc_calls_ = 0;
   int cma_busy_ = 0;  // inside a CMA round (1 all-reduce, 2 broadcast): peers may touch my buffers
   int y_root_ = 0;    // the current CMA broadcast's root
-  CmaOptions opt_;
+  ShmCollOptions opt_;
   std::unique_ptr<ForkJoin> pool_;
   std::vector<char*> scratch_;  // per thread: 2 * opt_.chunk bytes, allocated on first use
   std::vector<uint64_t> x_src_, x_dst_;  // this CMA round's buffers of every rank

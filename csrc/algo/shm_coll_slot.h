@@ -53,12 +53,13 @@ struct ShmColl::Slot {
   struct Header {
     int64_t pid;
     uint64_t self_addr;  // where the owner mapped this slot: peers probe CMA by reading `pid` there
-    Line a_in, a_res, b_in, c_in, c_done, sleepers;
+    Line a_in[kMaxLanes], a_res[kMaxLanes], c_in[kMaxLanes], c_done[kMaxLanes];  // per lane
+    Line b_in, sleepers;
     Line failed;  // 1 + the rank blamed, once a collective failed on the owner (then never cleared)
     // connect(): the owner's probe result and settings, valid once hello == 1.
     Line hello;
     uint32_t cma_ok;  // the owner may read and write every peer's memory (and wants to)
-    uint64_t ar_min, bc_min, chunk, piece;
+    uint64_t ar_min, bc_min, chunk, piece, lane_min, lanes;
     // CMA all-reduce: this round's buffers (owner's addresses), then x_in = round.
     Line x_in, x_done;
     uint64_t x_src, x_dst;

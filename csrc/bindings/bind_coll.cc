@@ -243,19 +243,20 @@ void bind_coll(nb::module_& m) {
            nb::arg("native"), nb::arg("name"), nb::arg("create"), nb::arg("spin_us"))
       .def("connect",
            [](PyShmColl& s, double timeout, bool cma, size_t ar_min, size_t bc_min, size_t chunk, size_t piece,
-              int threads) {
-             CmaOptions o;
+              size_t lane_min, int threads) {
+             ShmCollOptions o;
              o.enable = cma;
              o.ar_min = ar_min;
              o.bc_min = bc_min;
              o.chunk = chunk;
              o.piece = piece;
+             o.lane_min = lane_min;
              o.threads = threads;
              nb::gil_scoped_release nogil;  // waits for every rank (a barrier through the segment)
              s.guarded([&] { s.shm_.connect(o, timeout); });
            },
            nb::arg("timeout"), nb::arg("cma"), nb::arg("ar_min"), nb::arg("bc_min"), nb::arg("chunk"),
-           nb::arg("piece"), nb::arg("threads"),
+           nb::arg("piece"), nb::arg("lane_min"), nb::arg("threads"),
            "Learn the peers, probe single-copy (CMA) access, agree on its use with every rank.")
       .def_prop_ro("cma", [](PyShmColl& s) { return s.shm_.cma(); },
                    "True when large all_reduce/broadcast copy directly between ranks' buffers (CMA).")
@@ -264,6 +265,9 @@ void bind_coll(nb::module_& m) {
       .def_prop_ro("cma_calls",
                    [](PyShmColl& s) { return std::make_pair(s.shm_.cma_all_reduces(), s.shm_.cma_broadcasts()); },
                    "(all_reduces, broadcasts) that took the CMA path so far.")
+      .def_prop_ro("lane_calls",
+                   [](PyShmColl& s) { return std::make_pair(s.shm_.lane_all_reduces(), s.shm_.lane_broadcasts()); },
+                   "(all_reduces, broadcasts) that ran on several lanes (helper threads) so far.")
       .def("unlink", [](PyShmColl& s) { s.shm_.unlink(); })
       .def_prop_ro("segment_name", [](PyShmColl& s) { return s.shm_.segment_name(); })
       .def("all_reduce",

@@ -41,10 +41,13 @@ _NEVER = (1 << 63) - 1
 
 
 def _cma_settings(local_size: int, size: int) -> tuple:
-    """The executor's single-copy (CMA) settings: (enable, all_reduce min, broadcast min,
-    chunk, piece, threads). Threads default to the cores this process may use divided by the
-    ranks sharing the host (at most 8), so a many-core host moves a big message with several
-    cores per rank; 1 when cores are scarce. Default thresholds (docs/benchmarks.md):
+    """The executor's single-copy (CMA) and helper-thread settings: (enable, all_reduce min,
+    broadcast min, chunk, piece, lane min, threads). Threads default to the cores this process
+    may use divided by the ranks sharing the host (at most 8), so a many-core host moves a big
+    message with several cores per rank; 1 when cores are scarce. With several threads, the
+    copy-through-shared-memory two-shot all_reduce and ring broadcast run a message of at
+    least 2 × lane min bytes as up to `threads` independent lanes (rank 0's threads decide the
+    count). Default thresholds (docs/benchmarks.md):
     - 4 MiB: below, NumPy arrays have 4 KiB pages (it asks for huge pages from 4 MiB on), and
       process_vm_readv/writev pay ~1 us per page (4 GB/s measured, 15 GB/s on huge pages);
     - all_reduce: only with several threads per rank; with one, the kernel's copies lose to
@@ -60,7 +63,7 @@ def _cma_settings(local_size: int, size: int) -> tuple:
     ar_min = config.get("LINKWISE_COLL_CMA_MIN") or (4 << 20 if threads > 1 else _NEVER)
     bc_min = config.get("LINKWISE_COLL_CMA_BCAST_MIN") or (8 << 20 if size <= 4 else _NEVER)
     return (config.get("LINKWISE_SHM_CMA"), ar_min, bc_min, config.get("LINKWISE_COLL_CMA_CHUNK"),
-            config.get("LINKWISE_COLL_CMA_PIECE"), threads)
+            config.get("LINKWISE_COLL_CMA_PIECE"), config.get("LINKWISE_COLL_LANE_MIN"), threads)
 
 
 class CollectivesMixin:

@@ -111,8 +111,12 @@ declare("LINKWISE_COLL_CMA_BCAST_MIN", 0, _size,
         "broadcast of at least this many bytes uses it; 0 = 8M up to 4 ranks, never with more")
 declare("LINKWISE_COLL_CMA_CHUNK", 128 << 10, _size, "bytes a single-copy all_reduce reduces per step")
 declare("LINKWISE_COLL_CMA_PIECE", 256 << 10, _size, "bytes per piece of a single-copy broadcast")
+declare("LINKWISE_COLL_LANE_MIN", 256 << 10, _size,
+        "with several threads per rank, a two-shot all_reduce or ring broadcast of at least 2x this "
+        "many bytes runs as min(threads, bytes / this) lanes, one thread each")
 declare("LINKWISE_COLL_THREADS", 0, int,
-        "threads per rank for single-copy collectives; 0 = usable cores / ranks on this host, at most 8")
+        "threads per rank for single-copy collectives and lanes; 0 = usable cores / ranks on this "
+        "host, at most 8")
 # GPU data plane (linkwise.cuda), read when a communicator's GpuComm is built.
 declare("LINKWISE_P2P_DISABLE", False, _bool,
         "never map peers' GPU memory: stage every GPU transfer through pinned host memory")

@@ -1,0 +1,182 @@
+"""Lanes of the copy-through-shared-memory collectives (algo/shm_coll.cc): a two-shot
+all_reduce or ring broadcast cut into stripes that helper threads run as independent
+protocols, against the NumPy reference. Every op and dtype, in place and out=, sizes 0, 1,
+odd, one round per lane and several rounds (a lane's area is 2 MiB / lanes), 1 to 8 ranks,
+ranks with fewer threads than lanes, lane counts changing between calls (the broadcast's
+areas move), and a rank killed mid-collective.
+
+LINKWISE_COLL_THREADS forces helper threads (so a 2-core CI machine runs them too),
+LINKWISE_COLL_LANE_MIN=4K lets small messages use several lanes, LINKWISE_SHM_CMA=0 keeps
+the single-copy paths out, and the executor's lane counters prove the lanes ran."""
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+from coll_ref import DTYPES, check_equal, data, np_dtype, ops_for, reduce_ref
+from multirank import run_ranks
+
+LANE_ENV = {"LINKWISE_COLL_THREADS": "3", "LINKWISE_COLL_LANE_MIN": "4K", "LINKWISE_SHM_CMA": "0"}
+
+
+def _sizes(dtype: str, big: bool) -> list:
+    """Element counts: 0 and 1 (one-shot), just above the one-shot limit (32 KiB; 3 lanes of
+    ~11 KB), an odd count of a few lanes, and with `big` several rounds per lane (~2.9 MB)."""
+    es = np.dtype(np_dtype(dtype)).itemsize
+    sizes = [0, 1, (32 << 10) // es + 3, 60_001]
+    return sizes + [2_900_017 // es] if big else sizes
+
+
+def _all_reduce_matrix(comm, dtypes, big):
+    checked = 0
+    for dt in dtypes:
+        for op in ops_for(dt):
+            for count in _sizes(dt, big and op in ("sum", "max")):
+                want = reduce_ref([data(r, count, dt, op) for r in range(comm.size)], op, dt)
+                avg_float = op == "avg" and dt not in ("int8", "uint8", "int32", "int64")
+                x = data(comm.rank, count, dt, op)
+                comm.all_reduce(x, op=op)
+                check_equal(x, want, f"in place {dt} {op} {count}", avg_float)
+                x = data(comm.rank, count, dt, op)
+                keep = x.copy()
+                out = np.full(count, 7, np_dtype(dt))
+                comm.all_reduce(x, op=op, out=out)
+                check_equal(out, want, f"out= {dt} {op} {count}", avg_float)
+                check_equal(x, keep, f"input untouched {dt} {op} {count}")
+                checked += 2
+    return checked
+
+
+def _lane_calls(comm):
+    return comm._shm.lane_calls if comm.size > 1 else (0, 0)
+
+
+def _all_reduce_body(comm, dtypes, big):
+    checked = _all_reduce_matrix(comm, dtypes, big)
+    return checked, _lane_calls(comm)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_all_reduce_every_dtype_and_op(n):
+    got = run_ranks(n, _all_reduce_body, DTYPES, False, env=LANE_ENV, timeout=240)
+    for checked, (ar_lanes, _) in got:
+        # the two sizes above the one-shot limit of every (dtype, op), both forms, ran on lanes
+        assert ar_lanes == checked // 2, (checked, ar_lanes)
+
+
+@pytest.mark.parametrize("n", [1, 5, 8])
+def test_all_reduce_rank_counts(n):
+    got = run_ranks(n, _all_reduce_body, ["float32", "int8"], n == 5, env=LANE_ENV, timeout=240)
+    if n > 1:
+        assert all(ar > 0 for _, (ar, _) in got)
+
+
+def _uneven_threads_body(comm):
+    # Set before the executor attaches (the first collective): rank 0 has 4 threads (4
+    # lanes), the others 1 or 2, so they run several lanes one after another.
+    os.environ["LINKWISE_COLL_THREADS"] = str(4 if comm.rank == 0 else 1 + comm.rank % 2)
+    checked = _all_reduce_matrix(comm, ["float32", "int64"], True)
+    return checked, _broadcast_matrix(comm, ["float32"], True), _lane_calls(comm)
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_fewer_threads_than_lanes(n):
+    got = run_ranks(n, _uneven_threads_body, env=LANE_ENV, timeout=240)
+    for _, _, (ar, bc) in got:
+        assert ar > 0 and bc > 0
+
+
+def _bitwise_body(comm):
+    """Random float32 sums: every rank gets the same bits, those of a rank-order left fold."""
+    n = 300_007  # 1.2 MB: 3 lanes
+    mine = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+    out = np.empty(n, np.float32)
+    comm.all_reduce(mine, out=out)
+    want = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    for r in range(1, comm.size):
+        want = want + np.random.default_rng(r).standard_normal(n).astype(np.float32)
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+    assert comm._shm.lane_calls[0] == 1
+    return out.view(np.uint32)[::997].tolist()
+
+
+def test_same_bits_everywhere():
+    got = run_ranks(3, _bitwise_body, env=LANE_ENV)
+    assert got[0] == got[1] == got[2]
+
+
+def _broadcast_matrix(comm, dtypes, big):
+    """Every root, in place and out=; sizes alternate so the lane count changes between
+    calls (1 lane below 8 KiB, 2, 3) and with `big` the ring wraps within a lane."""
+    checked = 0
+    counts = [0, 1, 7, 2_047, 3_001, 20_011] + ([800_003] if big else [])
+    for dt in dtypes:
+        for count in counts:
+            for root in range(comm.size):
+                ref = data(root, count, dt, "sum", salt=7)
+                x = ref.copy() if comm.rank == root else np.full(count, 3, np_dtype(dt))
+                comm.broadcast(x, root=root)
+                check_equal(x, ref, f"broadcast {dt} {count} root {root}")
+                src = ref.copy() if comm.rank == root else np.zeros(count, np_dtype(dt))
+                out = np.full(count, 5, np_dtype(dt))
+                comm.broadcast(src, root=root, out=out)
+                check_equal(out, ref, f"broadcast out= {dt} {count} root {root}")
+                if comm.rank == root:
+                    check_equal(src, ref, "root's input untouched")
+                checked += 2
+    return checked
+
+
+def _broadcast_body(comm, dtypes, big):
+    return _broadcast_matrix(comm, dtypes, big), _lane_calls(comm)
+
+
+@pytest.mark.parametrize("n,big", [(1, False), (2, True), (3, True), (5, False), (8, False)])
+def test_broadcast(n, big):
+    got = run_ranks(n, _broadcast_body, ["float32", "uint8"], big, env=LANE_ENV, timeout=240)
+    if n > 1:
+        assert all(bc > 0 for _, (_, bc) in got)
+
+
+def _back_to_back_body(comm):
+    """Broadcasts of changing size and root with no other collective between them: the
+    root of a call may refill ring areas that the previous call's readers still copy from."""
+    rng = np.random.default_rng(11)
+    for i in range(60):
+        count = int(rng.choice([100, 5_000, 40_000, 300_000]))
+        root = int(rng.integers(comm.size))
+        ref = data(root, count, "int32", "sum", salt=i)
+        x = ref.copy() if comm.rank == root else np.zeros(count, np.int32)
+        comm.broadcast(x, root=root)
+        check_equal(x, ref, f"back-to-back {i} count {count} root {root}")
+    return _lane_calls(comm)[1]
+
+
+def test_broadcast_lane_changes_back_to_back():
+    assert all(bc > 0 for bc in run_ranks(4, _back_to_back_body, env=LANE_ENV, timeout=240))
+
+
+def _die_body(comm, kind):
+    x = np.ones(300_001, np.float32)
+    if comm.rank == 2:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    from linkwise.errors import PeerError
+    try:
+        for _ in range(1_000_000):
+            if kind == "all_reduce":
+                comm.all_reduce(x, op="max")
+            else:
+                comm.broadcast(x, root=0)
+    except PeerError as exc:
+        return f"PeerError peer={exc.peer} lanes={comm._shm.lane_calls}"
+    return "finished"
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "broadcast"])
+def test_rank_killed_mid_collective(kind):
+    out = run_ranks(3, _die_body, kind, env=LANE_ENV, expect_fail=True, timeout=60)
+    assert out[2][0] == "died"
+    for status, val in out[:2]:
+        assert status == "ok" and val.startswith("PeerError peer=2"), (status, val)
