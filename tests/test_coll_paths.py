@@ -43,6 +43,10 @@ def _out_of_place_all_reduce(comm):
         comm.all_reduce(np.ones(10, np.float32), out=np.zeros(9, np.float32))
     with pytest.raises(ValueError, match="out must"):
         comm.all_reduce(np.ones(10, np.float32), out=np.zeros(10, np.float64))
+    with pytest.raises(ValueError, match="out must be a float32 array of 10 elements, got int32"):
+        comm.all_reduce(np.ones(10, np.float32), out=np.zeros(10, np.int32))  # same bytes, other dtype
+    with pytest.raises(ValueError, match="out must"):
+        comm.all_reduce(np.ones(10, np.float32), out=np.zeros(5, np.float64))
     # The latency path checks out's buffer natively: same errors, raised before any rank waits.
     ro = np.zeros(10, np.float32)
     ro.setflags(write=False)

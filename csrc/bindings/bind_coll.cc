@@ -272,17 +272,22 @@ void bind_coll(nb::module_& m) {
       .def_prop_ro("segment_name", [](PyShmColl& s) { return s.shm_.segment_name(); })
       .def("all_reduce",
            [](PyShmColl& s, nb::handle x, nb::handle out, int code, double timeout) {
-             // code = dtype * 8 + op, validated by the caller (the Python latency paths check
-             // only that out has x's dtype and size); out may be x (in place). The buffer
-             // checks (writable, contiguous) happen here.
+             // code = dtype * 8 + op, validated by the caller for x's dtype; out may be x (in
+             // place). Every check of out (same dtype and size as x, writable, contiguous)
+             // happens here, with the messages of the general path.
              HeldBuffer hx, ho;
              const bool in_place = out.is(x);
              acquire_buffer(x, in_place, "all_reduce", hx);
              void* o = const_cast<void*>(hx.ptr());
              if (!in_place) {
                acquire_buffer(out, true, "all_reduce", ho);
-               if (ho.bytes() != hx.bytes())
-                 throw nb::value_error("all_reduce: out must have as many bytes as x");
+               if (ho.bytes() != hx.bytes() || ho.dtype() != hx.dtype()) {
+                 const size_t xs = hx.view.itemsize, os = ho.view.itemsize;
+                 throw nb::value_error(("all_reduce: out must be a " + dtype_name(hx.dtype()) + " array of " +
+                                        std::to_string(hx.bytes() / (xs ? xs : 1)) + " elements, got " +
+                                        dtype_name(ho.dtype()) + " with " + std::to_string(ho.bytes() / (os ? os : 1)))
+                                           .c_str());
+               }
                o = ho.ptr();
              }
              const DType t = static_cast<DType>(code >> 3);
