@@ -25,6 +25,11 @@ _U8 = DTYPES["uint8"]
 # (NumPy dtype, op) -> (dtype code, op code) for the all_reduce fast path (valid pairs only).
 _FAST_CODES = {(np.dtype(d), o): c * 8 + oc for d, c in DTYPES.items() if d != "bfloat16"
                for o, oc in OPS.items() if o in ("sum", "prod", "min", "max", "avg") or d.startswith(("int", "uint"))}
+# The same as op -> {NumPy dtype: code}: looked up without building and hashing a tuple
+# (~90 ns less per call on the 2-core VM; the 8-byte all_reduce is timed against Open MPI).
+_FAST_CODES_BY_OP: dict = {}
+for (_dt, _op), _code in _FAST_CODES.items():
+    _FAST_CODES_BY_OP.setdefault(_op, {})[_dt] = _code
 _NAMES = {np.dtype(d): d for d in DTYPES if d != "bfloat16"}
 try:
     _ENV = os.environ._data  # bytes -> bytes on POSIX; a dict lookup instead of ~0.5 us per get

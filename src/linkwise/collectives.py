@@ -30,11 +30,12 @@ import numpy as np
 from . import _gpu_coll, config
 from .plan.schedule import LARGE_PAIR_BCAST, default_schedule
 from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from here
-    _ENV, _FAST_CODES, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, CollectiveRequest, _as_array,
+    _ENV, _FAST_CODES, _FAST_CODES_BY_OP, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, CollectiveRequest, _as_array,
     _dtype_label, _dtype_name, _env_set, _host_out, _native_module, _raw)
 
 
 _BARRIER_CODE = _FAST_CODES[(np.dtype(np.uint8), "sum")]
+_ndarray = np.ndarray  # one global lookup instead of two in the latency paths
 
 
 _NEVER = (1 << 63) - 1
@@ -236,16 +237,17 @@ class CollectivesMixin:
         """Combine x across ranks with op; every rank gets bitwise the same result (in x, or out).
 
         A CUDA array runs on the GPU data plane, enqueued on `stream` (else its current stream)."""
-        fast = self._fast_shm
-        if (fast is not None and not async_op and dtype is None and type(x) is np.ndarray
-                and self._native is not None and not (_ENV.get(b"LINKWISE_ALGO") or _ENV.get(b"LINKWISE_CHECK"))):
+        fast = self._fast_shm  # None once closed
+        if (fast is not None and type(x) is _ndarray and not async_op and dtype is None
+                and not (_ENV.get(b"LINKWISE_ALGO") or _ENV.get(b"LINKWISE_CHECK"))):
             # The latency paths: straight to shared memory (x's buffer checks happen there).
-            code = _FAST_CODES.get((x.dtype, op))
+            codes = _FAST_CODES_BY_OP.get(op)
+            code = codes.get(x.dtype) if codes is not None else None
             if code is not None:
                 if out is None:
                     fast.all_reduce(x, x, code, self.timeout)
                     return x
-                if type(out) is np.ndarray:
+                if type(out) is _ndarray:
                     # out's dtype, size, writability and layout are checked natively (cheaper
                     # than here: this path is timed at 8 bytes).
                     fast.all_reduce(x, out, code, self.timeout)
@@ -268,7 +270,7 @@ class CollectivesMixin:
                   stream: Any = None):
         """Copy root's x to every rank (into x, or into out). CUDA arrays: on the GPU, on `stream`."""
         fast = self._fast_shm
-        if (fast is not None and out is None and not async_op and type(x) is np.ndarray and self._native is not None
+        if (fast is not None and out is None and not async_op and type(x) is _ndarray
                 and x.dtype.kind in "biufc" and type(root) is int and 0 <= root < self.size
                 and (self.size != 2 or x.nbytes < LARGE_PAIR_BCAST or not self._pair_bcast_p2p)
                 and not (_ENV.get(b"LINKWISE_ALGO") or _ENV.get(b"LINKWISE_CHECK"))):

@@ -205,6 +205,7 @@ class Communicator(CollectivesMixin):
             self._gpu_comm = None
         self._native.abort("the communicator was closed")
         self._native = None
+        self._fast_shm = None  # the latency paths end here; later calls take the general path and raise
         if self._store is not None and self.comm_id == "world":
             self._store.close()
         self._store = None
