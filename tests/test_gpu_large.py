@@ -137,6 +137,24 @@ def test_reg_reduce_kernel_variants():
         _check(run_ranks(_nranks(), _body, cases, env=env, timeout=300))
 
 
+def test_reg_all_reduce_pipeline_pieces_and_direct():
+    """all_reduce's two-stream pipeline (reg_pipeline.cu, the default) with piece counts that
+    leave short and empty pieces (1, 3, 64 and 100, clamped to 64) and a small grid, and the
+    one-kernel direct form (LINKWISE_GPU_AR_ALGO=direct): every dtype and op, odd sizes,
+    misaligned, in place and out=, bitwise against the rank-order reference."""
+    cases = [("ar", c, d, o, off, ip) for d in DTYPES for o in ("sum", "max")
+             for c, off, ip in ((1, 0, True), (9, 1, False), (65537, 0, False), (300001, 1, True))]
+    cases += [("ar", c, "float32", o, 0, False) for o in OPS for c in (1000, 4099)]
+    for extra in ({"LINKWISE_GPU_AR_PIECES": "1"},
+                  {"LINKWISE_GPU_AR_PIECES": "3", "LINKWISE_GPU_REG_REDUCE_BLOCKS": "7"},
+                  {"LINKWISE_GPU_AR_PIECES": "64"}, {"LINKWISE_GPU_AR_PIECES": "100"},
+                  {"LINKWISE_GPU_AR_ALGO": "direct"}):
+        _check(run_ranks(_nranks(), _body, cases, env={**REG_RED_ENV, **extra}, timeout=300))
+    if _nranks() >= 4:  # 3 ranks: chunks that do not divide evenly, some pieces empty
+        odd = [("ar", c, "bfloat16", "sum", 1, ip) for c in (2, 12345) for ip in (True, False)]
+        _check(run_ranks(3, _body, odd, env={**REG_RED_ENV, "LINKWISE_GPU_AR_PIECES": "5"}, timeout=300))
+
+
 def _bcast_body(comm, sizes):
     """Registered broadcast (pull scatter-allgather from 3 ranks, else the chain) from every
     root, odd byte counts, misaligned starts; x is a fresh tensor each time."""
@@ -166,10 +184,14 @@ BCAST_SIZES = [1, 5, 4095, 4097, 123457, (3 << 20) + 1]
 
 
 def test_reg_broadcast_pull_scatter_allgather_and_chain():
+    """The two-stream pull scatter-allgather (the default from 3 ranks) with 1, 3, 8 (default)
+    and 32 rounds (more pieces than bytes at the small sizes), and the chain."""
     env = {**SAFE_ENV, "LINKWISE_GPU_REG_MIN": "1", "LINKWISE_GPU_BCAST_REG_MIN": "1"}
     n = _nranks()
     pull = {"LINKWISE_GPU_BCAST_ALGO": "pull"}
-    for extra in ({**pull, "LINKWISE_GPU_BCAST_ROUNDS": "3"}, pull, {"LINKWISE_GPU_CHAIN_PIECE": "4096"}):
+    for extra in ({**pull, "LINKWISE_GPU_BCAST_ROUNDS": "3"}, {}, {"LINKWISE_GPU_BCAST_ROUNDS": "1"},
+                  {"LINKWISE_GPU_BCAST_ROUNDS": "32"},
+                  {"LINKWISE_GPU_BCAST_ALGO": "chain", "LINKWISE_GPU_CHAIN_PIECE": "4096"}):
         _check(run_ranks(n, _bcast_body, BCAST_SIZES, env={**env, **extra}, timeout=300))
     if n >= 4:  # 3 ranks: two non-roots
         _check(run_ranks(3, _bcast_body, BCAST_SIZES,

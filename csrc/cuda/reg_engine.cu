@@ -33,19 +33,6 @@
 namespace linkwise::cuda {
 namespace {
 
-struct SigArgs {
-  int np = 0;            // posts: kind pk[i] += pa[i] on peer pp[i]
-  int pk[kMaxRanks], pp[kMaxRanks];
-  uint64_t pa[kMaxRanks];
-  int nw = 0;            // waits: our sig[wk[i]][wp[i]] >= want[i]
-  int wk[kMaxRanks], wp[kMaxRanks];
-  uint64_t want[kMaxRanks];
-  int all_kind = -1;     // rendezvous: post +1 to every peer, wait all_want[p] from each
-  uint64_t all_want[kMaxRanks];
-  void post(int kind, int peer, uint64_t add) { pk[np] = kind, pp[np] = peer, pa[np] = add, ++np; }
-  void wait(int kind, int peer, uint64_t v) { wk[nw] = kind, wp[nw] = peer, want[nw] = v, ++nw; }
-};
-
 __global__ void sig_kernel(DevComm c, SigArgs a) {
   const int t = threadIdx.x;
   if (t < c.nranks && t != c.rank) {
@@ -166,11 +153,16 @@ void GpuEngine::reg_release() {
   impl_->reg_cache.clear();
 }
 
-namespace {
 void launch_sig(const DevComm& c, const SigArgs& a, cudaStream_t s) {
   sig_kernel<<<1, 32, 0, s>>>(c, a);
 }
-}  // namespace
+
+void rendezvous(EngineImpl& im, int rank, int nranks, cudaStream_t s) {
+  SigArgs a;
+  a.all_kind = kSigRendezvous;
+  for (int p = 0; p < nranks; ++p) a.all_want[p] = p == rank ? 0 : ++im.seen[kSigRendezvous][p];
+  launch_sig(im.dev, a, s);
+}
 
 void GpuEngine::all_gather_reg(uintptr_t out, size_t nbytes, uintptr_t stream) {
   if (nbytes == 0) return;
@@ -197,81 +189,6 @@ void GpuEngine::all_gather_reg(uintptr_t out, size_t nbytes, uintptr_t stream) {
   check_launch("all_gather");
 }
 
-namespace {
-// Every rank posts +1 to every peer and waits for each peer's matching post (kSigRendezvous):
-// on return (on the GPU) every peer's stream has reached this point.
-void rendezvous(EngineImpl& im, int rank, int nranks, cudaStream_t s) {
-  SigArgs a;
-  a.all_kind = kSigRendezvous;
-  for (int p = 0; p < nranks; ++p) a.all_want[p] = p == rank ? 0 : ++im.seen[kSigRendezvous][p];
-  launch_sig(im.dev, a, s);
-}
-
-// Pipelined pull scatter + all-gather (3+ ranks). The m = nranks-1 non-roots split x into
-// P = m * rounds pieces; piece k belongs to non-root idx(k % m) (idx: position among the
-// non-roots), which pulls it from the root; the other non-roots pull it from its owner. Each
-// byte leaves the root once and enters every non-root once, and no rank waits for a piece
-// that is not already done, so the copy engines stay busy. Ordering contract:
-//  (1) the root posts kSigChain +1 to every non-root (its x is final: its producer ran
-//      earlier on the root's stream); non-roots wait for it before their first pull;
-//  (2) round t on non-root j: pull own piece of round t from the root; post kSigChain +1 to
-//      every other non-root (the post fences after the copy: it is visible first); wait for
-//      each other non-root q's post of round t-1, then pull q's piece of round t-1 from q's x;
-//  (3) exit rendezvous: nobody's stream moves on (to reuse x) while a peer still reads it.
-void bcast_pull_sag(EngineImpl& im, int rank_, int nranks_, char* xp, size_t nbytes, int root,
-                    int rounds, cudaStream_t s) {
-  auto check = [&](cudaError_t e) {
-    if (e != cudaSuccess)
-      throw Error(ErrorKind::Internal, "rank " + std::to_string(rank_) + ": GPU broadcast failed: " +
-                                           cudaGetErrorString(e));
-  };
-  const int m = nranks_ - 1;
-  auto idx = [&](int p) { return p < root ? p : p - 1; };
-  auto rank_of = [&](int i) { return i < root ? i : i + 1; };
-  const size_t P = static_cast<size_t>(m) * rounds;
-  size_t piece = (nbytes + P - 1) / P;
-  piece = (piece + 4095) / 4096 * 4096;
-  auto copy_piece = [&](size_t k, int from) {
-    size_t off = k * piece;
-    if (off >= nbytes) return;
-    size_t n = nbytes - off < piece ? nbytes - off : piece;
-    check(cudaMemcpyAsync(xp + off, im.reg[0][from] + off, n, cudaMemcpyDefault, s));
-  };
-  if (rank_ == root) {
-    SigArgs a;
-    for (int p = 0; p < nranks_; ++p)
-      if (p != root) a.post(kSigChain, p, 1);
-    launch_sig(im.dev, a, s);
-    check(cudaGetLastError());
-  } else {
-    for (int q = 0; q < nranks_; ++q)
-      if (!im.reg[0][q]) throw Error(ErrorKind::Invalid, "broadcast_reg: buffers not mapped");
-    const int me = idx(rank_);
-    SigArgs a;
-    a.wait(kSigChain, root, ++im.seen[kSigChain][root]);
-    launch_sig(im.dev, a, s);
-    check(cudaGetLastError());
-    for (int t = 0; t <= rounds; ++t) {
-      if (t < rounds) copy_piece(static_cast<size_t>(t) * m + me, root);
-      SigArgs b;
-      for (int i = 0; i < m; ++i) {
-        if (i == me) continue;
-        if (t < rounds) b.post(kSigChain, rank_of(i), 1);
-        if (t > 0) b.wait(kSigChain, rank_of(i), ++im.seen[kSigChain][rank_of(i)]);
-      }
-      launch_sig(im.dev, b, s);
-      check(cudaGetLastError());
-      if (t > 0)
-        for (int j = 1; j < m; ++j) {  // rotated, so no owner serves two pullers at once
-          int i = (me + j) % m;
-          copy_piece(static_cast<size_t>(t - 1) * m + i, rank_of(i));
-        }
-    }
-  }
-  rendezvous(im, rank_, nranks_, s);
-  check(cudaGetLastError());
-}
-}  // namespace
 
 // Large all_reduce / reduce_scatter from registered user buffers. Ordering contract, per call
 // (every rank issues the same calls in the same order; the buffers were mapped by reg_map):
@@ -301,17 +218,8 @@ void GpuEngine::reduce_reg(uintptr_t own_dst, size_t offset, size_t len, bool pu
   if (push)
     for (int p = 0; p < nranks_; ++p)
       if (p != rank_) a.dst[a.ndst++] = im.reg[1][p] + offset * es;
-  if (sm_count_ == 0) LW_CUDA(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_), what);
   const int variant = reg_reduce_variant();
-  const int threads = reg_reduce_threads(variant);
-  size_t per_block = static_cast<size_t>(threads) * 2 * (16 / es);  // elements one block covers per step
-  size_t want = (len + per_block - 1) / per_block;
-  // Default grid (reg_blocks 0), from the block sweep on 4xH200 (docs/benchmarks.md): a
-  // quarter of the SMs for all_reduce (it also pushes to every peer), half for reduce_scatter;
-  // one block per SM was 2-7% slower.
-  const int dflt = (push ? sm_count_ / 4 : sm_count_ / 2) * (kThreads / threads);
-  size_t cap = static_cast<size_t>(reg_blocks > 0 ? reg_blocks : dflt > 0 ? dflt : 1);
-  int blocks = static_cast<int>(want < 1 ? 1 : want < cap ? want : cap);
+  const int blocks = reg_grid(len, es, variant, push);
   rendezvous(im, rank_, nranks_, s);
   check_launch(what);
   if (len > 0) {
@@ -322,6 +230,20 @@ void GpuEngine::reduce_reg(uintptr_t own_dst, size_t offset, size_t len, bool pu
   check_launch(what);
 }
 
+int GpuEngine::reg_grid(size_t len, size_t es, int variant, bool quarter) {
+  if (sm_count_ == 0)
+    LW_CUDA(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_), "reg_reduce");
+  const int threads = reg_reduce_threads(variant);
+  size_t per_block = static_cast<size_t>(threads) * 2 * (16 / es);  // elements one block covers per step
+  size_t want = (len + per_block - 1) / per_block;
+  // Default grid (reg_blocks 0), from the block sweep on 4xH200 (docs/benchmarks.md): a
+  // quarter of the SMs for the pushing all_reduce (it also stores to every peer), half for
+  // reduce_scatter and the pipelined all_reduce; one block per SM was 2-7% slower.
+  const int dflt = (quarter ? sm_count_ / 4 : sm_count_ / 2) * (kThreads / threads);
+  size_t cap = static_cast<size_t>(reg_blocks > 0 ? reg_blocks : dflt > 0 ? dflt : 1);
+  return static_cast<int>(want < 1 ? 1 : want < cap ? want : cap);
+}
+
 void GpuEngine::all_reduce_reg(size_t count, int dtype, int op, uintptr_t stream) {
   const size_t es = dtype_size(dtype);
   if (es == 0) throw Error(ErrorKind::Type, "all_reduce: unsupported dtype code");
@@ -330,6 +252,16 @@ void GpuEngine::all_reduce_reg(size_t count, int dtype, int op, uintptr_t stream
   size_t chunk = ((count + nranks_ - 1) / nranks_ + V - 1) / V * V;  // chunk r starts 16-byte aligned
   size_t lo = chunk * rank_ < count ? chunk * rank_ : count;
   size_t hi = lo + chunk < count ? lo + chunk : count;
+  // Default: the two-stream pipeline (reg_pipeline.cu); LINKWISE_GPU_AR_ALGO=direct selects
+  // the one-kernel form that pushes the reduced chunk to every peer (measured in
+  // docs/benchmarks.md).
+  const char* algo = std::getenv("LINKWISE_GPU_AR_ALGO");
+  if (!(algo && std::strcmp(algo, "direct") == 0)) {
+    const char* p = std::getenv("LINKWISE_GPU_AR_PIECES");
+    int pieces = p && std::atoi(p) > 0 ? std::atoi(p) : 8;
+    all_reduce_pipe(count, chunk, dtype, op, pieces, stream);
+    return;
+  }
   // Our own out is slot 1 of our rank (our own pointer, not a mapping).
   reduce_reg(reinterpret_cast<uintptr_t>(impl_->reg[1][rank_] + lo * es), lo, hi - lo, true,
              dtype, op, stream, "all_reduce");
@@ -349,13 +281,13 @@ void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece
   EngineImpl& im = *impl_;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   char* xp = reinterpret_cast<char*>(x);
-  // The chain is the default: the one-stream pull scatter-allgather measured slower (its
-  // root pulls and peer pulls do not overlap); LINKWISE_GPU_BCAST_ALGO=pull selects it.
+  // 3+ ranks: the two-stream pull scatter-allgather (reg_pipeline.cu) by default;
+  // LINKWISE_GPU_BCAST_ALGO=chain selects the chain below (the only form for 2 ranks).
   const char* algo = std::getenv("LINKWISE_GPU_BCAST_ALGO");
-  if (nranks_ >= 3 && algo && std::strcmp(algo, "pull") == 0) {
+  if (nranks_ >= 3 && !(algo && std::strcmp(algo, "chain") == 0)) {
     const char* r = std::getenv("LINKWISE_GPU_BCAST_ROUNDS");
     int rounds = r && std::atoi(r) > 0 ? std::atoi(r) : 8;
-    bcast_pull_sag(*impl_, rank_, nranks_, xp, nbytes, root, rounds, s);
+    broadcast_pull(xp, nbytes, root, rounds, stream);
     return;
   }
   const int pos = (rank_ - root + nranks_) % nranks_;
