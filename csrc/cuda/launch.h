@@ -63,16 +63,6 @@ struct RegReduceArgs {
   int nsrc = 0, ndst = 0, nranks = 0;
   bool avg = false;
   size_t len = 0;
-  // Pipelined form (pieces > 0): [0, len) is reduced as `pieces` consecutive pieces of
-  // piece_len elements (a multiple of 16 / element size; the last ones may be short or
-  // empty). The last block to finish piece k (counted in arrive[k], our Control's
-  // piece_arrive) fences at system scope and adds 1 to *post[i] for every i < npost (the
-  // peers' sig[kSigPiece][rank]): every element of piece k is then final in dst[0..ndst).
-  int pieces = 0;
-  size_t piece_len = 0;
-  unsigned int* arrive = nullptr;
-  uint64_t* post[kMaxRanks] = {};
-  int npost = 0;
 };
 // variant: 2 = default (2 packs x 8 sources in flight per thread, kThreads threads); 1 and 4
 // are tuning variants for float32/float16/bfloat16 sum (others take the default);

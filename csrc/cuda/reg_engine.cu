@@ -14,6 +14,8 @@
 //  * broadcast: a chain root -> root+1 -> ... ; rank i pulls piece k from rank i-1's x once
 //    i-1 posted kSigChain for it, then posts it to i+1; at the end it posts kSigChainDone to
 //    i-1 and waits for i+1's, so nobody's x changes while its successor still reads it.
+//    From 3 ranks LINKWISE_GPU_BCAST_ALGO selects a scatter-allgather instead: "push" (one
+//    kernel, bcast_push.cu) or "pull" (copy engines on two streams, reg_pipeline.cu).
 //  * send/recv: the sender posts kSigP2pReady and waits kSigP2pDone; the receiver waits
 //    ready, pulls the sender's x, posts done.
 //  * all_reduce / reduce_scatter (large): rendezvous -> reg_reduce_kernel -> rendezvous; the
@@ -218,8 +220,17 @@ void GpuEngine::reduce_reg(uintptr_t own_dst, size_t offset, size_t len, bool pu
   if (push)
     for (int p = 0; p < nranks_; ++p)
       if (p != rank_) a.dst[a.ndst++] = im.reg[1][p] + offset * es;
+  if (sm_count_ == 0) LW_CUDA(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_), what);
   const int variant = reg_reduce_variant();
-  const int blocks = reg_grid(len, es, variant, push);
+  const int threads = reg_reduce_threads(variant);
+  size_t per_block = static_cast<size_t>(threads) * 2 * (16 / es);  // elements one block covers per step
+  size_t want = (len + per_block - 1) / per_block;
+  // Default grid (reg_blocks 0), from the block sweep on 4xH200 (docs/benchmarks.md): a
+  // quarter of the SMs for all_reduce (it also pushes to every peer), half for reduce_scatter;
+  // one block per SM was 2-7% slower.
+  const int dflt = (push ? sm_count_ / 4 : sm_count_ / 2) * (kThreads / threads);
+  size_t cap = static_cast<size_t>(reg_blocks > 0 ? reg_blocks : dflt > 0 ? dflt : 1);
+  int blocks = static_cast<int>(want < 1 ? 1 : want < cap ? want : cap);
   rendezvous(im, rank_, nranks_, s);
   check_launch(what);
   if (len > 0) {
@@ -230,20 +241,6 @@ void GpuEngine::reduce_reg(uintptr_t own_dst, size_t offset, size_t len, bool pu
   check_launch(what);
 }
 
-int GpuEngine::reg_grid(size_t len, size_t es, int variant, bool quarter) {
-  if (sm_count_ == 0)
-    LW_CUDA(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_), "reg_reduce");
-  const int threads = reg_reduce_threads(variant);
-  size_t per_block = static_cast<size_t>(threads) * 2 * (16 / es);  // elements one block covers per step
-  size_t want = (len + per_block - 1) / per_block;
-  // Default grid (reg_blocks 0), from the block sweep on 4xH200 (docs/benchmarks.md): a
-  // quarter of the SMs for the pushing all_reduce (it also stores to every peer), half for
-  // reduce_scatter and the pipelined all_reduce; one block per SM was 2-7% slower.
-  const int dflt = (quarter ? sm_count_ / 4 : sm_count_ / 2) * (kThreads / threads);
-  size_t cap = static_cast<size_t>(reg_blocks > 0 ? reg_blocks : dflt > 0 ? dflt : 1);
-  return static_cast<int>(want < 1 ? 1 : want < cap ? want : cap);
-}
-
 void GpuEngine::all_reduce_reg(size_t count, int dtype, int op, uintptr_t stream) {
   const size_t es = dtype_size(dtype);
   if (es == 0) throw Error(ErrorKind::Type, "all_reduce: unsupported dtype code");
@@ -252,16 +249,6 @@ void GpuEngine::all_reduce_reg(size_t count, int dtype, int op, uintptr_t stream
   size_t chunk = ((count + nranks_ - 1) / nranks_ + V - 1) / V * V;  // chunk r starts 16-byte aligned
   size_t lo = chunk * rank_ < count ? chunk * rank_ : count;
   size_t hi = lo + chunk < count ? lo + chunk : count;
-  // Default: the two-stream pipeline (reg_pipeline.cu); LINKWISE_GPU_AR_ALGO=direct selects
-  // the one-kernel form that pushes the reduced chunk to every peer (measured in
-  // docs/benchmarks.md).
-  const char* algo = std::getenv("LINKWISE_GPU_AR_ALGO");
-  if (!(algo && std::strcmp(algo, "direct") == 0)) {
-    const char* p = std::getenv("LINKWISE_GPU_AR_PIECES");
-    int pieces = p && std::atoi(p) > 0 ? std::atoi(p) : 8;
-    all_reduce_pipe(count, chunk, dtype, op, pieces, stream);
-    return;
-  }
   // Our own out is slot 1 of our rank (our own pointer, not a mapping).
   reduce_reg(reinterpret_cast<uintptr_t>(impl_->reg[1][rank_] + lo * es), lo, hi - lo, true,
              dtype, op, stream, "all_reduce");
@@ -281,13 +268,16 @@ void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece
   EngineImpl& im = *impl_;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   char* xp = reinterpret_cast<char*>(x);
-  // 3+ ranks: the two-stream pull scatter-allgather (reg_pipeline.cu) by default;
-  // LINKWISE_GPU_BCAST_ALGO=chain selects the chain below (the only form for 2 ranks).
+  // 3+ ranks, LINKWISE_GPU_BCAST_ALGO: "push" = one-kernel push scatter-allgather
+  // (bcast_push.cu), "pull" = two-stream pull scatter-allgather (reg_pipeline.cu); else the
+  // chain below (the only form for 2 ranks). Measured in docs/benchmarks.md.
   const char* algo = std::getenv("LINKWISE_GPU_BCAST_ALGO");
-  if (nranks_ >= 3 && !(algo && std::strcmp(algo, "chain") == 0)) {
+  const bool push = algo && std::strcmp(algo, "push") == 0, pull = algo && std::strcmp(algo, "pull") == 0;
+  if (nranks_ >= 3 && (push || pull)) {
     const char* r = std::getenv("LINKWISE_GPU_BCAST_ROUNDS");
     int rounds = r && std::atoi(r) > 0 ? std::atoi(r) : 8;
-    broadcast_pull(xp, nbytes, root, rounds, stream);
+    if (push) broadcast_push(xp, nbytes, root, rounds, stream);
+    else broadcast_pull(xp, nbytes, root, rounds, stream);
     return;
   }
   const int pos = (rank_ - root + nranks_) % nranks_;

@@ -1,25 +1,14 @@
-// Two-stream pipelines on registered user buffers: large all_reduce and broadcast (3+ ranks).
+// Two-stream pull scatter-allgather broadcast on registered user buffers (3+ ranks; opt-in,
+// LINKWISE_GPU_BCAST_ALGO=pull; measured in docs/benchmarks.md).
 //
-// Both overlap two kinds of inbound NVLink traffic that one stream would serialise: the
-// caller's stream does the first half of the work piece by piece and the engine's side
-// stream (EngineImpl::side, forked from and joined back into the caller's stream inside the
-// call) pulls, with the copy engines, what the peers have finished so far. Synchronisation is
-// the sig counters of reg_engine.cu (cumulative totals kept on the host, bounded device waits
-// with abort polling, so a dead peer still ends in PeerError).
-//
-// all_reduce_pipe (rank r owns chunk r of `chunk` elements; chunk r split into `pieces`
-// pieces of piece_len elements, the same split on every rank):
-//  (1) caller's stream: entry rendezvous (every x final, every out free), fork the side
-//      stream, then one reg_reduce_kernel in its pipelined form: it reduces chunk r of every
-//      rank's x (NVLink loads) into our own out, piece after piece, and after piece k its last
-//      block posts kSigPiece +1 to every peer (contract in launch.h: the piece is final in our
-//      out before the post is visible);
-//  (2) side stream, for each piece k: wait for every peer's k-th kSigPiece post, then pull
-//      piece k of chunk q from peer q's out into our out (copy engine; rotated order);
-//  (3) join, exit rendezvous: nobody's stream moves on (to reuse x or out) before every peer
-//      has finished reading our x (its kernel) and our out (its pulls).
-// In place (out == x) is safe: we overwrite piece k of chunk q in our x only after peer q
-// posted piece k, i.e. after its kernel read it; peer q reads nothing else of ours in chunk q.
+// It overlaps two kinds of inbound NVLink traffic that one stream would serialise: the
+// caller's stream pulls this rank's pieces from the root, piece by piece, and the engine's
+// side stream (EngineImpl::side, forked from and joined back into the caller's stream inside
+// the call) pulls, with the copy engines, what the other non-roots have finished so far.
+// Synchronisation is the sig counters of reg_engine.cu (cumulative totals kept on the host,
+// bounded device waits with abort polling, so a dead peer still ends in PeerError). Each
+// wait-kernel / copy step costs ~6-8 us of stream turnaround on 4xH200, which is why this
+// form loses to the chain and to bcast_push.cu's one-kernel form.
 //
 // broadcast_pull (m = nranks-1 non-roots; x split into m * rounds pieces; piece k belongs to
 // non-root idx(k % m), its position among the non-roots):
@@ -29,8 +18,7 @@
 //  non-root j, side stream (forked at entry, when x is free to write): for each round t wait
 //      for every other non-root's t-th post, then pull their round-t pieces from their x;
 //  join, exit rendezvous (nobody's x changes while a peer still reads it).
-// The root's egress carries each byte once, every non-root receives each byte once, and the
-// two streams keep both kinds of pulls in flight at once (the one-stream form did not).
+// The root's egress carries each byte once, every non-root receives each byte once.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -70,56 +58,6 @@ void release_side(EngineImpl& im) {
   if (im.join) cudaEventDestroy(im.join);
   if (im.side) cudaStreamDestroy(im.side);
   im.side = nullptr, im.fork = im.join = nullptr;
-}
-
-void GpuEngine::all_reduce_pipe(size_t count, size_t chunk, int dtype, int op, int pieces,
-                                uintptr_t stream) {
-  DeviceGuard g(device_);
-  EngineImpl& im = *impl_;
-  auto s = reinterpret_cast<cudaStream_t>(stream);
-  const size_t es = dtype_size(dtype), V = 16 / es;
-  for (int r = 0; r < nranks_; ++r)
-    if (!im.reg[0][r] || !im.reg[1][r]) throw Error(ErrorKind::Invalid, "all_reduce: buffers not mapped");
-  if (pieces > kMaxPieces) pieces = kMaxPieces;
-  size_t piece_len = ((chunk + pieces - 1) / pieces + V - 1) / V * V;  // keeps 16-byte alignment
-  const int P = static_cast<int>((chunk + piece_len - 1) / piece_len);  // same on every rank
-  auto lo_of = [&](int q) { return chunk * q < count ? chunk * q : count; };
-  auto hi_of = [&](int q) { return lo_of(q) + chunk < count ? lo_of(q) + chunk : count; };
-  const size_t lo = lo_of(rank_), len = hi_of(rank_) - lo;
-  RegReduceArgs a;
-  a.nsrc = nranks_, a.nranks = nranks_, a.avg = op == kAvg, a.len = len;
-  for (int q = 0; q < nranks_; ++q) a.src[q] = im.reg[0][q] + lo * es;
-  a.dst[a.ndst++] = im.reg[1][rank_] + lo * es;
-  a.pieces = P, a.piece_len = piece_len;
-  a.arrive = reinterpret_cast<Control*>(im.own)->piece_arrive;
-  for (int q = 0; q < nranks_; ++q)
-    if (q != rank_) a.post[a.npost++] = &reinterpret_cast<Control*>(im.dev.base[q])->sig[kSigPiece][rank_];
-  const int variant = 2;  // the default kernel (the tuning variants were no faster)
-  const int blocks = reg_grid(len, es, variant, false);
-  rendezvous(im, rank_, nranks_, s);
-  check_launch("all_reduce");
-  LW_CUDA(fork_side(im, s), "all_reduce (side stream)");
-  launch_reg_reduce(dtype, op, a, blocks, variant, s);  // also with len 0: it posts P times
-  check_launch("all_reduce");
-  char* out = im.reg[1][rank_];
-  for (int k = 0; k < P; ++k) {
-    SigArgs w;
-    for (int q = 0; q < nranks_; ++q)
-      if (q != rank_) w.wait(kSigPiece, q, ++im.seen[kSigPiece][q]);
-    launch_sig(im.dev, w, im.side);
-    check_launch("all_reduce");
-    for (int i = 1; i < nranks_; ++i) {
-      const int q = (rank_ + i) % nranks_;
-      const size_t plo = lo_of(q) + k * piece_len < hi_of(q) ? lo_of(q) + k * piece_len : hi_of(q);
-      const size_t phi = plo + piece_len < hi_of(q) ? plo + piece_len : hi_of(q);
-      if (phi > plo)
-        LW_CUDA(cudaMemcpyAsync(out + plo * es, im.reg[1][q] + plo * es, (phi - plo) * es,
-                                cudaMemcpyDefault, im.side), "all_reduce");
-    }
-  }
-  LW_CUDA(join_side(im, s), "all_reduce (side stream)");
-  rendezvous(im, rank_, nranks_, s);
-  check_launch("all_reduce");
 }
 
 void GpuEngine::broadcast_pull(char* xp, size_t nbytes, int root, int rounds, uintptr_t stream) {

@@ -30,21 +30,23 @@
 namespace linkwise::cuda {
 namespace {
 
-// Elements [lo, hi) of the slice, grid-strided (lo is a multiple of Pack<T>::kN when vec).
 // Variants (tuning, launch_reg_reduce): kUnroll packs per thread per step, kGroup sources
-// loaded together (nranks > kGroup: several groups, in order).
-template <typename T, class Op, int kUnroll, int kGroup>
-__device__ __forceinline__ void reduce_range(const RegReduceArgs& a, size_t lo, size_t hi, bool vec) {
+// loaded together (nranks > kGroup: several groups, in order), kTh threads per block (its
+// register cap: the loads in flight must fit without spilling).
+template <typename T, class Op, int kUnroll, int kGroup, int kTh>
+__global__ void __launch_bounds__(kTh) reg_reduce_kernel(RegReduceArgs a) {
   using A = typename AccT<T>::type;
   constexpr int V = Pack<T>::kN;
   Op op;
   const int ns = a.nsrc, nd = a.ndst;
+  bool vec = true;
+  for (int s = 0; s < ns; ++s) vec &= aligned16(a.src[s]);
+  for (int d = 0; d < nd; ++d) vec &= aligned16(a.dst[d]);
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const size_t len = hi - lo;
   size_t done = 0;
   if (vec) {
-    const size_t nvec = len / V, v0 = lo / V;
+    const size_t nvec = a.len / V;
     for (size_t base = tid; base < nvec; base += kUnroll * stride) {
       A acc[kUnroll][V];
       for (int g = 0; g < ns; g += kGroup) {
@@ -54,7 +56,7 @@ __device__ __forceinline__ void reduce_range(const RegReduceArgs& a, size_t lo, 
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
             size_t i = base + u * stride;
-            if (g + s < ns && i < nvec) p[u][s].u = reinterpret_cast<const uint4*>(a.src[g + s])[v0 + i];
+            if (g + s < ns && i < nvec) p[u][s].u = reinterpret_cast<const uint4*>(a.src[g + s])[i];
           }
 #pragma unroll
         for (int s = 0; s < kGroup; ++s) {
@@ -74,48 +76,18 @@ __device__ __forceinline__ void reduce_range(const RegReduceArgs& a, size_t lo, 
 #pragma unroll
         for (int k = 0; k < V; ++k)
           r.v[k] = down<T>(a.avg ? acc[u][k] / static_cast<A>(a.nranks) : acc[u][k]);
-        for (int d = 0; d < nd; ++d) reinterpret_cast<uint4*>(a.dst[d])[v0 + i] = r.u;
+        for (int d = 0; d < nd; ++d) reinterpret_cast<uint4*>(a.dst[d])[i] = r.u;
       }
     }
     done = nvec * V;
   }
-  for (size_t i = lo + done + tid; i < hi; i += stride) {
+  for (size_t i = done + tid; i < a.len; i += stride) {
     A acc = up<T>(static_cast<const T*>(a.src[0])[i]);
     for (int s = 1; s < ns; ++s) acc = op(acc, up<T>(static_cast<const T*>(a.src[s])[i]));
     T r = down<T>(a.avg ? acc / static_cast<A>(a.nranks) : acc);
     for (int d = 0; d < nd; ++d) static_cast<T*>(a.dst[d])[i] = r;
   }
-}
-
-// kTh threads per block (its register cap: the loads in flight must fit without spilling).
-// Pipelined form (a.pieces > 0, contract in launch.h): blocks go through the pieces in order
-// without waiting for each other; after piece k each thread fences at system scope, then the
-// block counts itself in arrive[k], and the last block posts to the peers.
-template <typename T, class Op, int kUnroll, int kGroup, int kTh>
-__global__ void __launch_bounds__(kTh) reg_reduce_kernel(RegReduceArgs a) {
-  bool vec = true;
-  for (int s = 0; s < a.nsrc; ++s) vec &= aligned16(a.src[s]);
-  for (int d = 0; d < a.ndst; ++d) vec &= aligned16(a.dst[d]);
-  if (a.pieces == 0) {
-    reduce_range<T, Op, kUnroll, kGroup>(a, 0, a.len, vec);
-    __threadfence_system();
-    return;
-  }
-  for (int k = 0; k < a.pieces; ++k) {
-    size_t lo = k * a.piece_len < a.len ? k * a.piece_len : a.len;
-    size_t hi = lo + a.piece_len < a.len ? lo + a.piece_len : a.len;
-    reduce_range<T, Op, kUnroll, kGroup>(a, lo, hi, vec);
-    __threadfence_system();  // this thread's stores of piece k, before the block's arrival
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      unsigned int prev = atomicAdd(&a.arrive[k], 1u);
-      if (prev == gridDim.x - 1) {  // every block is done with piece k
-        a.arrive[k] = 0;            // read again only by a later launch (stream order)
-        __threadfence_system();
-        for (int i = 0; i < a.npost; ++i) red_release_sys_add(a.post[i], 1);
-      }
-    }
-  }
+  __threadfence_system();
 }
 
 template <typename T, class Op> struct RegReduce {
