@@ -19,8 +19,9 @@
 //      ends, every byte of x has arrived. Nobody reads another rank's x and all stores into
 //      our x are complete at kernel end, so no exit rendezvous is needed (the next registered
 //      operation starts with its own entry rendezvous).
-// Waits are wait_ge (bounded, abort polling): a dead peer ends in PeerError, the kernel
-// finishing without the data. Pieces per call are at most kMaxPieces (rounds clamped).
+// Waits are wait_ge (bounded, abort polling), as in every registered path: a wait that gives
+// up lets the kernel finish without the data and the host raises (PeerError / TimeoutError)
+// at its next call. Pieces per call are at most kMaxPieces (rounds clamped).
 #include <cuda_runtime.h>
 
 #include <cstdlib>
