@@ -16,7 +16,7 @@ export PYTHONPATH=$PWD/src
 t0=$(date +%s)
 stamp() { echo "== $1: $(( $(date +%s) - t0 )) s" | tee -a $OUT/log.txt; }
 ( cmake -S . -B build/dev -G Ninja -DLINKWISE_CUDA=ON -DPython_EXECUTABLE=$(which python3) -DCMAKE_BUILD_TYPE=Release >/dev/null \
-  && cmake --build build/dev -j16 >$OUT/build.txt 2>&1 ) || { tail -40 $OUT/build.txt; exit 1; }
+  && cmake --build build/dev -j$(nproc) >$OUT/build.txt 2>&1 ) || { tail -40 $OUT/build.txt; exit 1; }
 cp build/dev/_native*.so src/linkwise/
 stamp build
 N=${N:-4}

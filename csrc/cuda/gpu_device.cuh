@@ -61,9 +61,14 @@ struct Control {
   // kernels, never by peers.
   uint64_t seq;
   unsigned int done_blocks;
+  // One-kernel registered broadcast (bcast_push.cu): piece_arrive[k] counts the blocks of the
+  // running kernel that finished piece k; the last one resets it to 0 (so it is 0 between
+  // launches) and posts kSigPiece to the peers. Written only by this rank's own kernels.
+  unsigned int piece_arrive[64];
 };
+constexpr int kMaxPieces = 64;  // piece_arrive's length
 enum SigKind : int { kSigChain = 0, kSigChainDone = 1, kSigP2pReady = 2, kSigP2pDone = 3,
-                     kSigRendezvous = 4 };
+                     kSigRendezvous = 4, kSigPiece = 5 };
 static_assert(sizeof(Control) <= kControlStructBytes, "Control must fit its reserved bytes");
 constexpr uint64_t kErrTimeout = 1, kErrAborted = 2;
 
