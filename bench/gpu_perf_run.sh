@@ -2,6 +2,8 @@
 # One device call for the GPU performance work: build, then the phases named in $PHASES
 # (default: small tune bench), every output under $OUT. Usage (repo root, on the device):
 #   PHASES="small tune bench" bash bench/gpu_perf_run.sh
+# llsweep: bench/gpu_ll_sweep.py (LL kernel variants and sizes, NCCL called directly in the
+#        same run) under LINKWISE_GPU_TUNE=1
 # small: bench/gpu_tune.py --small with the LL kernels and without (LINKWISE_GPU_LL_MAX=0)
 # tune:  bench/gpu_tune.py $TUNE_ARGS (default --reduce --bcast: registered-path sweeps, NCCL
 #        in the same run; --final: the >= 64 MiB comparison with default settings)
@@ -14,7 +16,7 @@ export PYTHONPATH=$PWD/src
 t0=$(date +%s)
 stamp() { echo "== $1: $(( $(date +%s) - t0 )) s" | tee -a $OUT/log.txt; }
 ( cmake -S . -B build/dev -G Ninja -DLINKWISE_CUDA=ON -DPython_EXECUTABLE=$(which python3) -DCMAKE_BUILD_TYPE=Release >/dev/null \
-  && cmake --build build/dev -j16 >$OUT/build.txt 2>&1 ) || { tail -40 $OUT/build.txt; exit 1; }
+  && cmake --build build/dev -j$(nproc) >$OUT/build.txt 2>&1 ) || { tail -40 $OUT/build.txt; exit 1; }
 cp build/dev/_native*.so src/linkwise/
 stamp build
 N=${N:-4}
@@ -22,6 +24,9 @@ L="python3 -m linkwise.cli launch -n $N"
 B="python3 -m linkwise.cli bench"
 for ph in ${PHASES:-small tune bench}; do
   case $ph in
+    llsweep)
+      LINKWISE_TIMEOUT=20 LINKWISE_GPU_TUNE=1 timeout ${SWEEP_T:-100} $L bench/gpu_ll_sweep.py --json $OUT/sweep.json 2>&1 | grep -v Warn > $OUT/sweep.txt
+      tail -40 $OUT/sweep.txt ;;
     small)
       LINKWISE_GPU_TUNE=1 timeout 60 $L bench/gpu_tune.py --small --json $OUT/small.json 2>&1 | grep -v Warn | tail -40 ;;
     final)

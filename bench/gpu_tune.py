@@ -12,6 +12,9 @@
           on the same tensors.
 --bcast   large broadcast: scratch kernel, chain, pull scatter-allgather over
           LINKWISE_GPU_BCAST_ROUNDS, and NCCL.
+--bcast-forms  registered broadcast forms against NCCL called directly (cupy), same tensors:
+          chain, two-stream pull, one-kernel push over LINKWISE_GPU_BCAST_ROUNDS / _BLOCKS /
+          _UNROLL, and the scratch kernel below 128 MiB; every root checked bitwise on every rank.
 --final   the >= 64 MiB comparison with default settings: linkwise (comm.<op>), NCCL through
           torch.distributed and NCCL called directly (cupy.cuda.nccl), same tensors, float32;
           busbw with nccl-tests' factors. (On-GPU inputs: the CLI sweep's NumPy inputs and
@@ -36,6 +39,7 @@ def main() -> int:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--reduce", action="store_true")
     ap.add_argument("--bcast", action="store_true")
+    ap.add_argument("--bcast-forms", action="store_true")
     ap.add_argument("--final", action="store_true",
                     help="large all_reduce, reduce_scatter, all_gather, broadcast with the default "
                          "settings, against nccl (torch.distributed) and nccl-cupy, float32")
@@ -69,7 +73,7 @@ def main() -> int:
         return 1e6 * time_ops(torch, stream, fn, iters, warm, graph, barrier, helper.max_over_ranks)
 
     dist = None
-    if a.reduce or a.bcast or a.final:
+    if a.reduce or a.bcast or a.final or a.bcast_forms:
         import torch.distributed as dist
         from linkwise.bench.runner import _share_port
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_share_port(helper)}",
@@ -186,6 +190,9 @@ def main() -> int:
             os.environ.pop("LINKWISE_GPU_BCAST_ROUNDS", None)
             g._bcast_reg_min = reg_min
 
+    if a.bcast_forms:
+        bcast_forms(a, comm, g, torch, t_us, say)
+
     if a.final:
         from linkwise.bench.gpu_nccl import NcclDirectBackend
         direct = NcclDirectBackend(helper, g.device)
@@ -236,6 +243,62 @@ def main() -> int:
     g.close()
     comm.close()
     return 0
+
+
+BCAST_KNOBS = ("LINKWISE_GPU_BCAST_ALGO", "LINKWISE_GPU_BCAST_ROUNDS", "LINKWISE_GPU_BCAST_BLOCKS",
+               "LINKWISE_GPU_BCAST_UNROLL", "LINKWISE_GPU_CHAIN_PIECE")
+
+
+def bcast_forms(a, comm, g, torch, t_us, say) -> None:
+    from linkwise.bench import common
+    from linkwise.bench.backends import LinkwiseBackend
+    from linkwise.bench.gpu_nccl import NcclDirectBackend
+    helper = LinkwiseBackend(comm)
+    direct = NcclDirectBackend(helper, g.device)
+    c, rank, n = direct.c, comm.rank, comm.size
+    st = torch.cuda.current_stream().cuda_stream  # the bench stream (made current)
+    saved = g._bcast_reg_min
+    for size in [common.parse_size(v) for v in a.sizes.split(",")]:
+        cnt = size // 4
+        it = max(5, min(20, int(4e9 / size)))
+        x = torch.empty(cnt, device="cuda")
+        torch.manual_seed(size)
+        xr = torch.randn(cnt, device="cuda")
+        nc = t_us(lambda: c.broadcast(x.data_ptr(), x.data_ptr(), cnt, 7, 0, st), it)
+        bc = [("chain", {"LINKWISE_GPU_BCAST_ALGO": "chain"})]
+        bc += [(f"pull r{r}", {"LINKWISE_GPU_BCAST_ALGO": "pull", "LINKWISE_GPU_BCAST_ROUNDS": str(r)})
+               for r in (4,)]
+        bc += [(f"push r{r} b{b} u{u}", {"LINKWISE_GPU_BCAST_ALGO": "push", "LINKWISE_GPU_BCAST_ROUNDS": str(r),
+                                          "LINKWISE_GPU_BCAST_BLOCKS": str(b), "LINKWISE_GPU_BCAST_UNROLL": str(u)})
+               for r, b, u in ((8, 128, 4), (21, 128, 4), (21, 256, 4), (21, 512, 4), (21, 128, 8),
+                               (8, 256, 8), (21, 256, 8))]
+        if size < 128 << 20:
+            bc.append(("scratch", {}))
+        for name, env in bc:
+            for k in BCAST_KNOBS:
+                os.environ.pop(k, None)
+            os.environ.update(env)
+            g._bcast_reg_min = 1 << 62 if name == "scratch" else 0
+            g._chain_piece = int(env.get("LINKWISE_GPU_CHAIN_PIECE", 0))
+            ok = True
+            for root in range(n):
+                if rank == root:
+                    x.copy_(xr)
+                else:
+                    x.zero_()
+                g.broadcast(x, root=root)
+                torch.cuda.synchronize()
+                ok &= bool(torch.equal(x, xr))
+            ok = helper.max_over_ranks(0.0 if ok else 1.0) == 0.0  # right on every rank
+            us = t_us(lambda: g.broadcast(x, root=0), it)
+            say({"what": "bcast-forms", "op": "broadcast", "algo": name, "bytes": size, "us": round(us, 1),
+                 "ok": ok, "busbw": round(size / us / 1e3, 1), "nccl_cupy_busbw": round(size / nc / 1e3, 1)})
+        for k in BCAST_KNOBS:
+            os.environ.pop(k, None)
+        g._chain_piece = 0
+        del x, xr
+    g._bcast_reg_min = saved
+    direct.close()
 
 
 if __name__ == "__main__":

@@ -138,8 +138,8 @@ def test_reg_reduce_kernel_variants():
 
 
 def _bcast_body(comm, sizes):
-    """Registered broadcast (pull scatter-allgather from 3 ranks, else the chain) from every
-    root, odd byte counts, misaligned starts; x is a fresh tensor each time."""
+    """Registered broadcast (the form the environment selects) from every root, odd byte
+    counts, misaligned starts, twice in a row; x is a fresh tensor each time."""
     g, torch = _setup(comm)
     n, r = comm.size, comm.rank
     errors = []
@@ -149,11 +149,13 @@ def _bcast_body(comm, sizes):
             src = (torch.arange(nbytes, dtype=torch.int64) * 13 + 7 * root + i) % 251
             buf = torch.zeros(nbytes + off, dtype=torch.uint8, device="cuda")
             x = buf[off:]
-            if r == root:
-                x.copy_(src)
-            g.broadcast(x, root=root)
-            if not torch.equal(x.cpu(), src.to(torch.uint8)):
-                errors.append(f"rank {r} broadcast {nbytes} B root {root} +{off}: wrong")
+            for rep in range(2):  # the second call overwrites the first's result everywhere
+                want = ((src + rep) % 251).to(torch.uint8)
+                if r == root:
+                    x.copy_(want)
+                g.broadcast(x, root=root)
+                if not torch.equal(x.cpu(), want):
+                    errors.append(f"rank {r} broadcast {nbytes} B root {root} +{off} call {rep}: wrong")
             if not torch.equal(buf[:off].cpu(), torch.zeros(off, dtype=torch.uint8)):
                 errors.append(f"rank {r} broadcast {nbytes} B root {root}: wrote before x")
     if n > 1 and g._engine.reg_cached() == 0:
@@ -165,12 +167,27 @@ def _bcast_body(comm, sizes):
 BCAST_SIZES = [1, 5, 4095, 4097, 123457, (3 << 20) + 1]
 
 
-def test_reg_broadcast_pull_scatter_allgather_and_chain():
-    env = {**SAFE_ENV, "LINKWISE_GPU_REG_MIN": "1", "LINKWISE_GPU_BCAST_REG_MIN": "1"}
-    n = _nranks()
-    pull = {"LINKWISE_GPU_BCAST_ALGO": "pull"}
-    for extra in ({**pull, "LINKWISE_GPU_BCAST_ROUNDS": "3"}, pull, {"LINKWISE_GPU_CHAIN_PIECE": "4096"}):
-        _check(run_ranks(n, _bcast_body, BCAST_SIZES, env={**env, **extra}, timeout=300))
-    if n >= 4:  # 3 ranks: two non-roots
-        _check(run_ranks(3, _bcast_body, BCAST_SIZES,
-                         env={**env, **pull, "LINKWISE_GPU_BCAST_ROUNDS": "5"}, timeout=300))
+_PUSH = {"LINKWISE_GPU_BCAST_ALGO": "push"}
+_PULL = {"LINKWISE_GPU_BCAST_ALGO": "pull"}
+BCAST_FORMS = {
+    "push-r1-b3-u8": {**_PUSH, "LINKWISE_GPU_BCAST_ROUNDS": "1", "LINKWISE_GPU_BCAST_BLOCKS": "3",
+                      "LINKWISE_GPU_BCAST_UNROLL": "8"},
+    "push-r3-b7": {**_PUSH, "LINKWISE_GPU_BCAST_ROUNDS": "3", "LINKWISE_GPU_BCAST_BLOCKS": "7"},
+    "push-r64-b256": {**_PUSH, "LINKWISE_GPU_BCAST_ROUNDS": "64", "LINKWISE_GPU_BCAST_BLOCKS": "256"},
+    "push": _PUSH,
+    "pull-r1": {**_PULL, "LINKWISE_GPU_BCAST_ROUNDS": "1"},
+    "pull-r3": {**_PULL, "LINKWISE_GPU_BCAST_ROUNDS": "3"},
+    "chain-4k": {"LINKWISE_GPU_BCAST_ALGO": "chain", "LINKWISE_GPU_CHAIN_PIECE": "4096"},
+}
+
+
+@pytest.mark.parametrize("form", list(BCAST_FORMS))
+def test_reg_broadcast_forms(form):
+    """Registered broadcast, every form: the one-kernel push scatter-allgather (bcast_push.cu)
+    with 1 to 64 rounds (clamped to the piece limit; more pieces than bytes at the small sizes),
+    3 to 256 blocks and both unrolls, the two-stream pull scatter-allgather, and the chain with
+    4 KiB pieces (the only form for 2 ranks); on 4 ranks, then (push, pull) on 3."""
+    env = {**SAFE_ENV, "LINKWISE_GPU_REG_MIN": "1", "LINKWISE_GPU_BCAST_REG_MIN": "1", **BCAST_FORMS[form]}
+    _check(run_ranks(_nranks(), _bcast_body, BCAST_SIZES, env=env, timeout=300))
+    if _nranks() >= 4 and form in ("push-r3-b7", "pull-r3"):  # 3 ranks: two non-roots
+        _check(run_ranks(3, _bcast_body, BCAST_SIZES, env=env, timeout=300))

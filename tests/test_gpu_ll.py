@@ -1,10 +1,11 @@
 """Small all_reduce / broadcast on the LL kernels (csrc/cuda/ll_kernels.cu: data and flag in one
 8-byte store, lines zeroed by the reader), against NumPy references.
 
-Messages of 1 .. 32 KiB (LINKWISE_GPU_LL_MAX) take them; the tests cross that boundary, use
-every dtype and op, misaligned buffers, in place and out=, every root, interleave LL epochs
-with the flag kernels (two-shot, scatter-allgather broadcast) on the same slots' parities, and
-replay captured LL operations many times (a stale line would be accepted as fresh there).
+Messages of 1 .. 256 KiB (LINKWISE_GPU_LL_MAX) take them (two phases from 192 KiB with 3+
+ranks: test_gpu_ll_twophase.py); the tests use every dtype and op, misaligned buffers, in place
+and out=, every root, interleave LL epochs with the flag kernels (two-shot, larger messages,
+scatter-allgather broadcast) on the same slots' parities, and replay captured LL operations
+many times (a stale line would be accepted as fresh there).
 Results must equal the rank-order reference bitwise and be identical on every rank.
 """
 from __future__ import annotations
@@ -16,7 +17,8 @@ from test_gpu_collectives import DTYPES, OPS, SAFE_ENV, _allreduce_body, _check,
 
 pytestmark = pytest.mark.gpu
 
-# 8192 float32 = 32 KiB: the last LL size; 8193: the flag kernels.
+# 8192 / 8193 float32: around the old 32 KiB LL limit (both LL now; the 256 KiB limit and the
+# flag kernels above it: test_gpu_ll_twophase.py COUNTS).
 LL_SIZES = [1, 3, 7, 64, 1000, 4097, 8192, 8193]
 
 

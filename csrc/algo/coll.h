@@ -75,10 +75,20 @@ class CollCtx {
     for (auto& r : rs) wait(r);
     rs.clear();
   }
-  // After a failure mid-collective: fail every pending request of the communicator (the
-  // design's rule: a failed communicator is aborted, never left hanging), so none still
-  // points into this call's buffers once the exception leaves it.
-  void abort_after_failure() { e_.abort("a collective failed on this rank"); }
+  // After a failure mid-collective (call from the catch block): fail every pending request of
+  // the communicator (the design's rule: a failed communicator is aborted, never left
+  // hanging), so none still points into this call's buffers once the exception leaves it,
+  // and tell the peers, blaming the rank the failure names (Engine::abort_and_notify).
+  void abort_after_failure() {
+    int blame = -1;
+    try {
+      throw;
+    } catch (const Error& e) {
+      if (e.kind() == ErrorKind::Peer) blame = e.peer();
+    } catch (...) {
+    }
+    e_.abort_and_notify("a collective failed on this rank", blame);
+  }
   void send(int peer, const void* buf, size_t bytes, int step) { wait(isend(peer, buf, bytes, step)); }
   void recv(int peer, void* buf, size_t bytes, int step) { wait(irecv(peer, buf, bytes, step)); }
 

@@ -36,7 +36,38 @@ struct EngineImpl {
   char* reg[2][kMaxRanks] = {};  // per call: buffer `slot` of every rank, as mapped here
   // sig counters: what we have added on each peer (posted) and awaited from each (seen).
   uint64_t posted[6][kMaxRanks] = {}, seen[6][kMaxRanks] = {};
+  // Two-stream pipelines (reg_pipeline.cu): a second stream of this engine's device and the
+  // events that fork it from / join it back into the caller's stream. Created on first use,
+  // destroyed by GpuEngine::close; used only inside one call (joined before it returns).
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
 };
+
+// Registered-path synchronisation (reg_engine.cu, sig_kernel): one launch posts
+// sig[pk[i]][rank] += pa[i] on peer pp[i] (after a system fence: every earlier write of the
+// stream, copy-engine writes included, is visible first), then waits our sig[wk[i]][wp[i]] >=
+// want[i]; all_kind >= 0 adds a rendezvous (post +1 to every peer, wait all_want[p] from each).
+struct SigArgs {
+  int np = 0;
+  int pk[kMaxRanks], pp[kMaxRanks];
+  uint64_t pa[kMaxRanks];
+  int nw = 0;
+  int wk[kMaxRanks], wp[kMaxRanks];
+  uint64_t want[kMaxRanks];
+  int all_kind = -1;
+  uint64_t all_want[kMaxRanks];
+  void post(int kind, int peer, uint64_t add) { pk[np] = kind, pp[np] = peer, pa[np] = add, ++np; }
+  void wait(int kind, int peer, uint64_t v) { wk[nw] = kind, wp[nw] = peer, want[nw] = v, ++nw; }
+};
+void launch_sig(const DevComm& c, const SigArgs& a, cudaStream_t s);
+// Every rank posts +1 to every peer and waits for each peer's matching post (kSigRendezvous):
+// on return (on the GPU) every peer's stream has reached this point.
+void rendezvous(EngineImpl& im, int rank, int nranks, cudaStream_t s);
+// fork_side: im.side (created on first use) starts after everything enqueued on s so far;
+// join_side: s continues after everything enqueued on im.side so far (reg_pipeline.cu).
+cudaError_t fork_side(EngineImpl& im, cudaStream_t s);
+cudaError_t join_side(EngineImpl& im, cudaStream_t s);
+void release_side(EngineImpl& im);
 
 // Makes `device` current for the scope and restores the caller's device (torch and cupy
 // keep their own notion of the current device).

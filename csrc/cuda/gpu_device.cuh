@@ -41,7 +41,7 @@ constexpr int kPhases = 2;
 // Per rank: the Control block, then the LL region (ll.cuh: 2 parities x kMaxRanks slots of
 // kLLSlotBytes, written only by the LL kernels), then the data regions. All zeroed at setup.
 constexpr size_t kControlStructBytes = 64 * 1024;
-constexpr size_t kLLSlotBytes = 256 * 1024;
+constexpr size_t kLLSlotBytes = 512 * 1024;
 constexpr size_t kControlBytes = kControlStructBytes + 2 * kMaxRanks * kLLSlotBytes;
 
 struct Control {
@@ -54,14 +54,21 @@ struct Control {
   // (red.release.sys.add, after __threadfence_system) and we wait on (ld.acquire.sys). Both
   // sides know the cumulative totals on the host (issue order), as with p2p_data / p2p_ack.
   uint64_t sig[6][kMaxRanks];
-  // Device-side epoch numbering (epoch_begin / epoch_end below): the epoch of the last
-  // collective kernel that finished on this rank, and how many blocks of the running one are
-  // done. Written only by this rank's own kernels, never by peers.
+  // Device-side epoch numbering (epoch_begin / epoch_arrive / epoch_end below): seq =
+  // (epoch of this rank's last collective kernel << kArrivalBits; 52 bits, never wraps) | how
+  // many blocks of a running epoch_arrive kernel have arrived (0 between kernels), and how
+  // many blocks of a running epoch_end kernel are done. Written only by this rank's own
+  // kernels, never by peers.
   uint64_t seq;
   unsigned int done_blocks;
+  // One-kernel registered broadcast (bcast_push.cu): piece_arrive[k] counts the blocks of the
+  // running kernel that finished piece k; the last one resets it to 0 (so it is 0 between
+  // launches) and posts kSigPiece to the peers. Written only by this rank's own kernels.
+  unsigned int piece_arrive[64];
 };
+constexpr int kMaxPieces = 64;  // piece_arrive's length
 enum SigKind : int { kSigChain = 0, kSigChainDone = 1, kSigP2pReady = 2, kSigP2pDone = 3,
-                     kSigRendezvous = 4 };
+                     kSigRendezvous = 4, kSigPiece = 5 };
 static_assert(sizeof(Control) <= kControlStructBytes, "Control must fit its reserved bytes");
 constexpr uint64_t kErrTimeout = 1, kErrAborted = 2;
 
@@ -168,16 +175,23 @@ __device__ __forceinline__ bool wait_ge(const DevComm& c, const uint64_t* p, uin
 
 // Epochs live on the device so that a collective can be captured in a CUDA graph and replayed:
 // nothing the host passes changes from call to call. Every collective kernel (one launch = one
-// epoch) reads epoch = seq + 1 at its start (all blocks read the same value: seq only changes
-// once every block has finished, see epoch_end), and its last block to finish advances seq.
+// epoch) numbers itself seq's epoch + 1, the same in all its blocks, and leaves seq =
+// epoch << kArrivalBits for the next one, in one of two ways:
+//  * epoch_begin (every thread reads seq) + epoch_end (the last block to finish, counted in
+//    done_blocks, advances seq once every block has read it);
+//  * epoch_arrive (thread 0 of each block adds 1 to seq with one atomic, which returns the
+//    epoch and the block's arrival rank; the last block to arrive advances seq at once): no
+//    work at the kernel's end (the LL kernels, ll.cuh).
+// Both leave seq in the same state, so kernels of either kind may follow each other.
 // Ordering: kernels of one engine are stream-ordered, so the next kernel's read of seq comes
 // after the kernel boundary that publishes the increment. Ranks issue the same collectives in
 // the same order, so every rank numbers them alike, captured or not.
+constexpr int kArrivalBits = 12;  // grids of up to 4095 blocks
 __device__ __forceinline__ uint64_t epoch_begin(const DevComm& c) {
-  return *reinterpret_cast<volatile uint64_t*>(&c.ctrl(c.rank)->seq) + 1;
+  return (*reinterpret_cast<volatile uint64_t*>(&c.ctrl(c.rank)->seq) >> kArrivalBits) + 1;
 }
 
-// Called by every thread of every block at the very end of a collective kernel.
+// Called by every thread of every block at the very end of an epoch_begin kernel.
 __device__ __forceinline__ void epoch_end(const DevComm& c) {
   __syncthreads();  // every thread of this block has read seq (epoch_begin) before this point
   if (threadIdx.x == 0) {
@@ -187,9 +201,21 @@ __device__ __forceinline__ void epoch_end(const DevComm& c) {
     if (prev == gridDim.x - 1) {  // last block: every block has read seq
       __threadfence();
       k->done_blocks = 0;
-      *reinterpret_cast<volatile uint64_t*>(&k->seq) = k->seq + 1;
+      *reinterpret_cast<volatile uint64_t*>(&k->seq) = k->seq + (1ull << kArrivalBits);
     }
   }
+}
+
+// Thread 0 of each block, once, at the start of an epoch_arrive kernel: the kernel's epoch.
+// Every block's atomic comes before the last arrival's store (it saw them all counted), and
+// that store comes before the next kernel (kernel boundary).
+__device__ __forceinline__ uint64_t epoch_arrive(const DevComm& c) {
+  auto* s = reinterpret_cast<unsigned long long*>(&c.ctrl(c.rank)->seq);
+  const unsigned long long old = atomicAdd(s, 1ull);
+  const uint64_t epoch = (old >> kArrivalBits) + 1;
+  if ((old & ((1ull << kArrivalBits) - 1)) == gridDim.x - 1)
+    *reinterpret_cast<volatile unsigned long long*>(s) = epoch << kArrivalBits;
+  return epoch;
 }
 
 // Thread t < nranks (t != rank) of block 0 announces "epoch e started" to peer t.

@@ -87,6 +87,7 @@ void GpuEngine::close() {
   for (int r = 0; r < nranks_; ++r)
     if (impl_->opened[r]) cudaIpcCloseMemHandle(impl_->dev.base[r]);
   reg_release();
+  release_side(*impl_);
   cudaFree(impl_->own);
   cudaFreeHost(impl_->flags);
   delete impl_;

@@ -109,6 +109,10 @@ class GpuEngine {
   void reg_release();
   void reduce_reg(uintptr_t own_dst, size_t offset, size_t len, bool push, int dtype, int op,
                   uintptr_t stream, const char* what);
+  // Registered broadcast from 3 ranks (contracts in the files): pull scatter-allgather on two
+  // streams (reg_pipeline.cu), push scatter-allgather in one kernel (bcast_push.cu).
+  void broadcast_pull(char* x, size_t nbytes, int root, int rounds, uintptr_t stream);
+  void broadcast_push(char* x, size_t nbytes, int root, int rounds, uintptr_t stream);
   int sm_count_ = 0;
 
   int rank_, nranks_, device_;

@@ -3,22 +3,25 @@
 // needed. Device code; internal to csrc/cuda (ll_kernels.cu).
 //
 // Region: rank r's LL area (gpu_device.cuh kControlStructBytes .. kControlBytes) holds one
-// slot of kLLSlotBytes per (parity, src); ll_slot(c, r, par, src) is written only by rank src
-// (remote stores) and read only by rank r. Parity = epoch & 1, as for the data regions.
+// slot of kLLSlotBytes per (parity, src); ll_slot(c, r, par, src, half) is written only by
+// rank src (remote stores) and read only by rank r. Parity = epoch & 1, as for the data
+// regions. A slot has two halves (half 1 starts at kLLSlotBytes / 2): one-pass kernels use the
+// whole slot from half 0, two-phase kernels (ll_twophase.cu) one half per phase.
 //
 // Line format: u64 = (flag << 32) | 4 data bytes, flag = ll_flag(epoch) != 0. A 16-byte pack
-// of data is 4 lines (32 bytes), written with two st.volatile.v2.u64: each u64 element is a
-// single-copy-atomic access, so a reader never sees a line's flag without its data.
+// of data is 4 lines (32 bytes), written with two st.volatile.v2.u64 (ll_lines: where pack i's
+// two 16-byte halves live): each u64 element is a single-copy-atomic access, so a reader never
+// sees a line's flag without its data.
 //
 // Contracts:
 //  * every LL line a writer stores in an epoch is read exactly once by the slot's owner in
 //    that epoch, and the owner then stores 0 into it (ll_load_pack), so the region is all
 //    zeros between epochs: a stale line can never carry a matching flag (no wrap-around or
 //    leftover-data aliasing, whatever the epoch count);
-//  * a writer stores into ll_slot(peer, e&1, me) only after peer started epoch e-1
-//    (wait_peers_started), i.e. after peer's kernel of epoch e-2, resets included, finished;
-//    the chain reset -> kernel boundary -> peer's st.release of start -> our ld.acquire
-//    orders our new lines after the reset.
+//  * a writer stores into ll_slot(peer, e&1, me, *) only after peer started epoch e-1
+//    (ll_begin), i.e. after peer's kernel of epoch e-2, resets included, finished; the chain
+//    reset -> kernel boundary -> peer's st.release of start -> our ld.acquire orders our new
+//    lines after the reset.
 #pragma once
 
 #include <cstdint>
@@ -29,11 +32,38 @@ namespace linkwise::cuda {
 
 constexpr size_t kLLPackBytes = 32;  // 16 data bytes as 4 lines
 constexpr size_t kLLMaxData = kLLSlotBytes / 2;  // data bytes one LL slot carries
-constexpr size_t kLLDefaultMax = 32 * 1024;      // LINKWISE_GPU_LL_MAX default
+constexpr size_t kLLDefaultMax = 256 * 1024;     // LINKWISE_GPU_LL_MAX default
+// Two-phase kernels (3+ ranks) from this many bytes: LINKWISE_GPU_LL_TWOPHASE_MIN (all_reduce)
+// and LINKWISE_GPU_LL_BCAST2_MIN (broadcast) defaults.
+constexpr int kLLTwoPhaseMin = 192 * 1024, kLLBcast2Min = 192 * 1024;
 
-__device__ __forceinline__ uint64_t* ll_slot(const DevComm& c, int r, int par, int src) {
+// Variant bits of the LL kernels (LINKWISE_GPU_LL_VARIANT, tuning sweeps):
+//  kLLAtomicEpoch: epoch_arrive instead of epoch_begin/epoch_end (nothing at the kernel's end);
+//  kLLDeferAnnounce: an all_reduce announces its start after its stores, not before them
+//    (broadcast kernels ignore it: a root that defers ends later, measured slower);
+//  kLLWarpLines: pack i of warp group w = i / 32, lane l = i % 32, has its halves at
+//    w*1024 + l*16 and w*1024 + 512 + l*16 (a warp's store covers 512 contiguous bytes)
+//    instead of i*32 and i*32 + 16;
+//  kLLPdl: launched with programmatic dependent launch (launch side only, ll_kernels.cu).
+constexpr int kLLAtomicEpoch = 1, kLLDeferAnnounce = 2, kLLWarpLines = 4, kLLPdl = 8;
+// Default: all four (sweep on 4xH200, docs/benchmarks.md "third session").
+constexpr int kLLDefaultVariant = kLLAtomicEpoch | kLLDeferAnnounce | kLLWarpLines | kLLPdl;
+
+__device__ __forceinline__ uint64_t* ll_slot(const DevComm& c, int r, int par, int src,
+                                             int half = 0) {
   return reinterpret_cast<uint64_t*>(c.base[r] + kControlStructBytes +
-                                     (static_cast<size_t>(par) * kMaxRanks + src) * kLLSlotBytes);
+                                     (static_cast<size_t>(par) * kMaxRanks + src) * kLLSlotBytes +
+                                     static_cast<size_t>(half) * (kLLSlotBytes / 2));
+}
+
+struct LLLines {
+  uint64_t* a;  // lines 0, 1 of the pack (data bytes 0..7)
+  uint64_t* b;  // lines 2, 3 (data bytes 8..15)
+};
+__device__ __forceinline__ LLLines ll_lines(uint64_t* slot, size_t i, bool warp_lines) {
+  if (!warp_lines) return {slot + i * 4, slot + i * 4 + 2};
+  uint64_t* w = slot + (i >> 5) * 128 + (i & 31) * 2;
+  return {w, w + 64};
 }
 
 __device__ __forceinline__ uint32_t ll_flag(uint64_t epoch) {
@@ -41,84 +71,128 @@ __device__ __forceinline__ uint32_t ll_flag(uint64_t epoch) {
   return f ? f : 1u;
 }
 
-// Stores 16 data bytes d as 4 lines at line (32-byte aligned).
-__device__ __forceinline__ void ll_store_pack(uint64_t* line, uint4 d, uint32_t flag) {
+// Programmatic dependent launch: wait for the previous kernel in the stream (a no-op when we
+// were launched without the attribute), then let the next one be scheduled.
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Stores 16 data bytes d as 4 lines.
+__device__ __forceinline__ void ll_store_pack(LLLines l, uint4 d, uint32_t flag) {
   const uint64_t f = static_cast<uint64_t>(flag) << 32;
-  asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(line), "l"(f | d.x), "l"(f | d.y)
+  asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(l.a), "l"(f | d.x), "l"(f | d.y)
                : "memory");
-  asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(line + 2), "l"(f | d.z),
-               "l"(f | d.w)
+  asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(l.b), "l"(f | d.z), "l"(f | d.w)
                : "memory");
 }
 
-// Waits until the 4 lines at `line` carry `flag`, returns their data, and zeroes the lines.
-// When the wait gives up (gpu_device.cuh's WaitGuard: timeout, abort or an earlier failure;
-// the error is recorded) returns zeros.
-__device__ __forceinline__ uint4 ll_load_pack(const DevComm& c, uint64_t* line, uint32_t flag) {
+__device__ __forceinline__ void ll_zero(LLLines l) {
+  asm volatile("st.global.v2.u64 [%0], {%1, %1};" ::"l"(l.a), "l"(0ull) : "memory");
+  asm volatile("st.global.v2.u64 [%0], {%1, %1};" ::"l"(l.b), "l"(0ull) : "memory");
+}
+
+// Waits until the 4 lines carry `flag`, returns their data, and zeroes the lines. When the
+// wait gives up (gpu_device.cuh's WaitGuard: timeout, abort or an earlier failure; the error
+// is recorded) returns zeros.
+__device__ __forceinline__ uint4 ll_load_pack(const DevComm& c, LLLines l, uint32_t flag) {
   uint64_t a, b, d0, d1;
   WaitGuard guard;
   while (true) {
-    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(line) : "memory");
-    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(d0), "=l"(d1) : "l"(line + 2) : "memory");
+    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(l.a) : "memory");
+    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(d0), "=l"(d1) : "l"(l.b) : "memory");
     if ((a >> 32) == flag && (b >> 32) == flag && (d0 >> 32) == flag && (d1 >> 32) == flag) break;
     if (guard.give_up(c)) {
       a = b = d0 = d1 = 0;
       break;
     }
   }
-  asm volatile("st.global.v2.u64 [%0], {%1, %1};" ::"l"(line), "l"(0ull) : "memory");
-  asm volatile("st.global.v2.u64 [%0], {%1, %1};" ::"l"(line + 2), "l"(0ull) : "memory");
+  ll_zero(l);
   return make_uint4(static_cast<uint32_t>(a), static_cast<uint32_t>(b), static_cast<uint32_t>(d0),
                     static_cast<uint32_t>(d1));
 }
 
-// Epoch start of an LL writer (all_reduce, broadcast root): epoch_begin + announce_start +
-// wait_peers_started, with the start-flag loads (warp 1, lane t < nranks: acquire of start[t])
-// issued at once with the seq read (warp 0) instead of after it; the block barrier then orders
-// every thread's later stores after those acquires. Needs blockDim.x >= 64.
-__device__ __forceinline__ uint64_t ll_begin(const DevComm& c) {
+// Epoch start of an LL kernel. Every rank: the epoch (epoch_begin, or with kLLAtomicEpoch
+// epoch_arrive) and, unless a writer defers it (kLLDeferAnnounce: ll_announce after its
+// stores), announce_start. A writer (dst_mask: bit p = this rank stores into p's slots) also
+// waits until each such peer may be written (it started epoch e-1); the start-flag loads
+// (warp 1, lane t < nranks) are issued at once with the epoch read (warp 0); the block barrier
+// then orders every thread's later stores after those acquires. Needs blockDim.x >= 64.
+__device__ __forceinline__ uint64_t ll_begin(const DevComm& c, int var, uint32_t dst_mask) {
   __shared__ uint64_t seen[kMaxRanks];
+  __shared__ uint64_t arrived;
   const int t = threadIdx.x - 32;
-  if (t >= 0 && t < c.nranks && t != c.rank) seen[t] = ld_acquire_sys(&c.ctrl(c.rank)->start[t]);
-  const uint64_t epoch = epoch_begin(c);
+  const bool mine = t >= 0 && t < c.nranks && ((dst_mask >> t) & 1);
+  if (mine) seen[t] = ld_acquire_sys(&c.ctrl(c.rank)->start[t]);
+  uint64_t epoch = 0;
+  if (var & kLLAtomicEpoch) {
+    if (threadIdx.x == 0) arrived = epoch_arrive(c);
+  } else {
+    epoch = epoch_begin(c);
+  }
   __syncthreads();
-  announce_start(c, epoch);
-  if (t >= 0 && t < c.nranks && t != c.rank && epoch >= 2 && seen[t] < epoch - 1)
-    wait_ge(c, &c.ctrl(c.rank)->start[t], epoch - 1);
-  __syncthreads();
+  if (var & kLLAtomicEpoch) epoch = arrived;
+  if (!(dst_mask && (var & kLLDeferAnnounce))) announce_start(c, epoch);
+  if (dst_mask) {
+    if (mine && epoch >= 2 && seen[t] < epoch - 1)
+      wait_ge(c, &c.ctrl(c.rank)->start[t], epoch - 1);
+    __syncthreads();
+  }
   return epoch;
 }
 
-// Loads pack i of every peer q in [g0, g0 + G) (q != rank, q < nranks) from our
-// ll_slot(rank, par, q): all loads issued before any is waited on, then the missing ones
+// A writer's deferred announce (kLLDeferAnnounce), after its stores.
+__device__ __forceinline__ void ll_announce(const DevComm& c, int var, uint64_t epoch) {
+  if (var & kLLDeferAnnounce) announce_start(c, epoch);
+}
+
+// The epoch's end: epoch_end (without the cross-block counter when the grid is one block:
+// every thread of the block has read seq before the barrier, so thread 0 may advance it), or
+// nothing with kLLAtomicEpoch (epoch_arrive advanced seq).
+__device__ __forceinline__ void ll_end(const DevComm& c, int var) {
+  if (var & kLLAtomicEpoch) return;
+  if (gridDim.x > 1) {
+    epoch_end(c);
+    return;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    Control* k = c.ctrl(c.rank);
+    *reinterpret_cast<volatile uint64_t*>(&k->seq) = k->seq + (1ull << kArrivalBits);
+  }
+}
+
+// Loads pack i of every source q in [g0, g0 + G) with bit q of `mask` set from our
+// ll_slot(rank, par, q, half): all loads issued before any is waited on, then the missing ones
 // polled (timeout as ll_load_pack); the lines read are zeroed. d[k] = q's data (q = g0 + k).
 template <int G>
-__device__ __forceinline__ void ll_load_group(const DevComm& c, int g0, int par, size_t i,
-                                              uint32_t flag, uint4* d) {
+__device__ __forceinline__ void ll_load_group(const DevComm& c, int g0, uint32_t mask, int par,
+                                              int half, size_t i, bool warp_lines, uint32_t flag,
+                                              uint4* d) {
   uint64_t v[G][4];
-  bool need[G];
 #pragma unroll
   for (int k = 0; k < G; ++k) {
     const int q = g0 + k;
-    need[k] = q < c.nranks && q != c.rank;
-    if (need[k]) {
-      uint64_t* line = ll_slot(c, c.rank, par, q) + i * 4;
-      asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(v[k][0]), "=l"(v[k][1]) : "l"(line) : "memory");
-      asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(v[k][2]), "=l"(v[k][3]) : "l"(line + 2) : "memory");
+    if (q < kMaxRanks && ((mask >> q) & 1)) {
+      LLLines l = ll_lines(ll_slot(c, c.rank, par, q, half), i, warp_lines);
+      asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(v[k][0]), "=l"(v[k][1]) : "l"(l.a) : "memory");
+      asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(v[k][2]), "=l"(v[k][3]) : "l"(l.b) : "memory");
     }
   }
 #pragma unroll
   for (int k = 0; k < G; ++k) {
-    if (!need[k]) continue;
-    uint64_t* line = ll_slot(c, c.rank, par, g0 + k) + i * 4;
+    const int q = g0 + k;
+    if (q >= kMaxRanks || !((mask >> q) & 1)) continue;
+    LLLines l = ll_lines(ll_slot(c, c.rank, par, q, half), i, warp_lines);
     if ((v[k][0] >> 32) == flag && (v[k][1] >> 32) == flag && (v[k][2] >> 32) == flag &&
         (v[k][3] >> 32) == flag) {
-      asm volatile("st.global.v2.u64 [%0], {%1, %1};" ::"l"(line), "l"(0ull) : "memory");
-      asm volatile("st.global.v2.u64 [%0], {%1, %1};" ::"l"(line + 2), "l"(0ull) : "memory");
+      ll_zero(l);
       d[k] = make_uint4(static_cast<uint32_t>(v[k][0]), static_cast<uint32_t>(v[k][1]),
                         static_cast<uint32_t>(v[k][2]), static_cast<uint32_t>(v[k][3]));
     } else {
-      d[k] = ll_load_pack(c, line, flag);
+      d[k] = ll_load_pack(c, l, flag);
     }
   }
 }
@@ -157,21 +231,6 @@ __device__ __forceinline__ void store_pack(char* p, size_t i, size_t n, int elem
     else if (elem == 4) *reinterpret_cast<uint32_t*>(p + off + j) = v.w[j / 4];
     else if (elem == 2) *reinterpret_cast<uint16_t*>(p + off + j) = v.h[j / 2];
     else p[off + j] = v.b[j];
-  }
-}
-
-// epoch_end (gpu_device.cuh) without the cross-block counter when the grid is one block:
-// every thread of the block has read seq (epoch_begin) before the barrier, so thread 0 may
-// advance it; the next kernel reads it after the kernel boundary.
-__device__ __forceinline__ void epoch_end_small(const DevComm& c) {
-  if (gridDim.x > 1) {
-    epoch_end(c);
-    return;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    Control* k = c.ctrl(c.rank);
-    *reinterpret_cast<volatile uint64_t*>(&k->seq) = k->seq + 1;
   }
 }
 

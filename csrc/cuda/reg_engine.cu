@@ -14,6 +14,8 @@
 //  * broadcast: a chain root -> root+1 -> ... ; rank i pulls piece k from rank i-1's x once
 //    i-1 posted kSigChain for it, then posts it to i+1; at the end it posts kSigChainDone to
 //    i-1 and waits for i+1's, so nobody's x changes while its successor still reads it.
+//    From 3 ranks LINKWISE_GPU_BCAST_ALGO selects a scatter-allgather instead: "push" (one
+//    kernel, bcast_push.cu) or "pull" (copy engines on two streams, reg_pipeline.cu).
 //  * send/recv: the sender posts kSigP2pReady and waits kSigP2pDone; the receiver waits
 //    ready, pulls the sender's x, posts done.
 //  * all_reduce / reduce_scatter (large): rendezvous -> reg_reduce_kernel -> rendezvous; the
@@ -32,19 +34,6 @@
 
 namespace linkwise::cuda {
 namespace {
-
-struct SigArgs {
-  int np = 0;            // posts: kind pk[i] += pa[i] on peer pp[i]
-  int pk[kMaxRanks], pp[kMaxRanks];
-  uint64_t pa[kMaxRanks];
-  int nw = 0;            // waits: our sig[wk[i]][wp[i]] >= want[i]
-  int wk[kMaxRanks], wp[kMaxRanks];
-  uint64_t want[kMaxRanks];
-  int all_kind = -1;     // rendezvous: post +1 to every peer, wait all_want[p] from each
-  uint64_t all_want[kMaxRanks];
-  void post(int kind, int peer, uint64_t add) { pk[np] = kind, pp[np] = peer, pa[np] = add, ++np; }
-  void wait(int kind, int peer, uint64_t v) { wk[nw] = kind, wp[nw] = peer, want[nw] = v, ++nw; }
-};
 
 __global__ void sig_kernel(DevComm c, SigArgs a) {
   const int t = threadIdx.x;
@@ -166,11 +155,16 @@ void GpuEngine::reg_release() {
   impl_->reg_cache.clear();
 }
 
-namespace {
 void launch_sig(const DevComm& c, const SigArgs& a, cudaStream_t s) {
   sig_kernel<<<1, 32, 0, s>>>(c, a);
 }
-}  // namespace
+
+void rendezvous(EngineImpl& im, int rank, int nranks, cudaStream_t s) {
+  SigArgs a;
+  a.all_kind = kSigRendezvous;
+  for (int p = 0; p < nranks; ++p) a.all_want[p] = p == rank ? 0 : ++im.seen[kSigRendezvous][p];
+  launch_sig(im.dev, a, s);
+}
 
 void GpuEngine::all_gather_reg(uintptr_t out, size_t nbytes, uintptr_t stream) {
   if (nbytes == 0) return;
@@ -197,81 +191,6 @@ void GpuEngine::all_gather_reg(uintptr_t out, size_t nbytes, uintptr_t stream) {
   check_launch("all_gather");
 }
 
-namespace {
-// Every rank posts +1 to every peer and waits for each peer's matching post (kSigRendezvous):
-// on return (on the GPU) every peer's stream has reached this point.
-void rendezvous(EngineImpl& im, int rank, int nranks, cudaStream_t s) {
-  SigArgs a;
-  a.all_kind = kSigRendezvous;
-  for (int p = 0; p < nranks; ++p) a.all_want[p] = p == rank ? 0 : ++im.seen[kSigRendezvous][p];
-  launch_sig(im.dev, a, s);
-}
-
-// Pipelined pull scatter + all-gather (3+ ranks). The m = nranks-1 non-roots split x into
-// P = m * rounds pieces; piece k belongs to non-root idx(k % m) (idx: position among the
-// non-roots), which pulls it from the root; the other non-roots pull it from its owner. Each
-// byte leaves the root once and enters every non-root once, and no rank waits for a piece
-// that is not already done, so the copy engines stay busy. Ordering contract:
-//  (1) the root posts kSigChain +1 to every non-root (its x is final: its producer ran
-//      earlier on the root's stream); non-roots wait for it before their first pull;
-//  (2) round t on non-root j: pull own piece of round t from the root; post kSigChain +1 to
-//      every other non-root (the post fences after the copy: it is visible first); wait for
-//      each other non-root q's post of round t-1, then pull q's piece of round t-1 from q's x;
-//  (3) exit rendezvous: nobody's stream moves on (to reuse x) while a peer still reads it.
-void bcast_pull_sag(EngineImpl& im, int rank_, int nranks_, char* xp, size_t nbytes, int root,
-                    int rounds, cudaStream_t s) {
-  auto check = [&](cudaError_t e) {
-    if (e != cudaSuccess)
-      throw Error(ErrorKind::Internal, "rank " + std::to_string(rank_) + ": GPU broadcast failed: " +
-                                           cudaGetErrorString(e));
-  };
-  const int m = nranks_ - 1;
-  auto idx = [&](int p) { return p < root ? p : p - 1; };
-  auto rank_of = [&](int i) { return i < root ? i : i + 1; };
-  const size_t P = static_cast<size_t>(m) * rounds;
-  size_t piece = (nbytes + P - 1) / P;
-  piece = (piece + 4095) / 4096 * 4096;
-  auto copy_piece = [&](size_t k, int from) {
-    size_t off = k * piece;
-    if (off >= nbytes) return;
-    size_t n = nbytes - off < piece ? nbytes - off : piece;
-    check(cudaMemcpyAsync(xp + off, im.reg[0][from] + off, n, cudaMemcpyDefault, s));
-  };
-  if (rank_ == root) {
-    SigArgs a;
-    for (int p = 0; p < nranks_; ++p)
-      if (p != root) a.post(kSigChain, p, 1);
-    launch_sig(im.dev, a, s);
-    check(cudaGetLastError());
-  } else {
-    for (int q = 0; q < nranks_; ++q)
-      if (!im.reg[0][q]) throw Error(ErrorKind::Invalid, "broadcast_reg: buffers not mapped");
-    const int me = idx(rank_);
-    SigArgs a;
-    a.wait(kSigChain, root, ++im.seen[kSigChain][root]);
-    launch_sig(im.dev, a, s);
-    check(cudaGetLastError());
-    for (int t = 0; t <= rounds; ++t) {
-      if (t < rounds) copy_piece(static_cast<size_t>(t) * m + me, root);
-      SigArgs b;
-      for (int i = 0; i < m; ++i) {
-        if (i == me) continue;
-        if (t < rounds) b.post(kSigChain, rank_of(i), 1);
-        if (t > 0) b.wait(kSigChain, rank_of(i), ++im.seen[kSigChain][rank_of(i)]);
-      }
-      launch_sig(im.dev, b, s);
-      check(cudaGetLastError());
-      if (t > 0)
-        for (int j = 1; j < m; ++j) {  // rotated, so no owner serves two pullers at once
-          int i = (me + j) % m;
-          copy_piece(static_cast<size_t>(t - 1) * m + i, rank_of(i));
-        }
-    }
-  }
-  rendezvous(im, rank_, nranks_, s);
-  check(cudaGetLastError());
-}
-}  // namespace
 
 // Large all_reduce / reduce_scatter from registered user buffers. Ordering contract, per call
 // (every rank issues the same calls in the same order; the buffers were mapped by reg_map):
@@ -349,13 +268,16 @@ void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece
   EngineImpl& im = *impl_;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   char* xp = reinterpret_cast<char*>(x);
-  // The chain is the default: the one-stream pull scatter-allgather measured slower (its
-  // root pulls and peer pulls do not overlap); LINKWISE_GPU_BCAST_ALGO=pull selects it.
+  // 3+ ranks, LINKWISE_GPU_BCAST_ALGO: "push" = one-kernel push scatter-allgather
+  // (bcast_push.cu), "pull" = two-stream pull scatter-allgather (reg_pipeline.cu); else the
+  // chain below (the only form for 2 ranks). Measured in docs/benchmarks.md.
   const char* algo = std::getenv("LINKWISE_GPU_BCAST_ALGO");
-  if (nranks_ >= 3 && algo && std::strcmp(algo, "pull") == 0) {
+  const bool push = algo && std::strcmp(algo, "push") == 0, pull = algo && std::strcmp(algo, "pull") == 0;
+  if (nranks_ >= 3 && (push || pull)) {
     const char* r = std::getenv("LINKWISE_GPU_BCAST_ROUNDS");
     int rounds = r && std::atoi(r) > 0 ? std::atoi(r) : 8;
-    bcast_pull_sag(*impl_, rank_, nranks_, xp, nbytes, root, rounds, s);
+    if (push) broadcast_push(xp, nbytes, root, rounds, stream);
+    else broadcast_pull(xp, nbytes, root, rounds, stream);
     return;
   }
   const int pos = (rank_ - root + nranks_) % nranks_;

@@ -306,25 +306,80 @@ bool Engine::cancel(Request& req) {
 
 void Engine::abort(const std::string& why) {
   std::lock_guard<std::mutex> g(mu_);
+  abort_locked(why, ErrorKind::Aborted, -1);
+}
+
+void Engine::abort_and_notify(const std::string& why, int blame) {
+  std::lock_guard<std::mutex> g(mu_);
+  abort_locked(why, ErrorKind::Aborted, -1);
+  notify_abort_locked(blame);
+}
+
+// Fails every pending request with (kind, peer) and the first abort's reason.
+void Engine::abort_locked(const std::string& why, ErrorKind kind, int peer) {
   if (!aborted_) {
     aborted_ = true;
-    abort_reason_ = "rank " + std::to_string(rank_) + ": the communicator was aborted: " + why;
+    abort_reason_ = kind == ErrorKind::Peer
+                        ? why
+                        : "rank " + std::to_string(rank_) + ": the communicator was aborted: " + why;
   }
   for (auto& pp : peers_) {
     Peer& p = *pp;
     auto fail_all = [&](std::list<std::shared_ptr<Request>>& l) {
-      for (auto& r : l) fail_locked(*r, ErrorKind::Aborted, abort_reason_, -1);
+      for (auto& r : l) fail_locked(*r, kind, abort_reason_, peer);
       l.clear();
     };
     fail_all(p.send_queue);
     fail_all(p.awaiting_ack);
     fail_all(p.posted);
-    if (p.in_req) fail_locked(*p.in_req, ErrorKind::Aborted, abort_reason_, -1);
+    if (p.in_req) fail_locked(*p.in_req, kind, abort_reason_, peer);
     for (auto& u : p.unexpected)
-      if (u.bound) fail_locked(*u.bound, ErrorKind::Aborted, abort_reason_, -1);
+      if (u.bound) fail_locked(*u.bound, kind, abort_reason_, peer);
     p.in_req.reset();
     p.in_msg = false;
   }
+}
+
+// Best effort, bounded: a link that will not take the 48-byte header within ~10 ms (a full
+// ring the peer no longer drains), a dead peer, or a stream in the middle of a message gets
+// no notice. Writes never block (PeerLink contract).
+void Engine::notify_abort_locked(int blame) {
+  if (notices_sent_) return;
+  notices_sent_ = true;
+  const MsgHeader h{kHeaderMagic, kAbort, static_cast<uint64_t>(blame + 1), 0, 0, 0, 0};
+  for (auto& pp : peers_) {
+    Peer& p = *pp;
+    if (!p.link || p.dead || p.rank == rank_ || p.rank == blame) continue;
+    if (p.front_started && p.wire_pos > 0) continue;  // mid-message: the header would corrupt it
+    try {
+      if (!p.link->alive()) continue;
+      size_t done = 0;
+      const char* b = reinterpret_cast<const char*>(&h);
+      const Clock::time_point t0 = Clock::now();
+      while (done < sizeof h && seconds_since(t0) < 0.01) {
+        const size_t n = p.link->write_some(b + done, sizeof h - done);
+        if (n == 0) cpu_relax();
+        done += n;
+      }
+      p.link->flush();
+    } catch (const Error&) {
+      // the peer is gone too; nothing to tell it
+    }
+  }
+}
+
+// A peer gave up on a collective: so does this rank, blaming whom it blamed, and passes it on.
+void Engine::take_abort_notice_locked(Peer& from, int blame) {
+  const std::string msg =
+      blame >= 0 ? "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(from.rank) +
+                       " gave up on a collective because rank " + std::to_string(blame) +
+                       " failed; the communicator is aborted. Look at rank " + std::to_string(blame) +
+                       "'s output for the cause."
+                 : "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(from.rank) +
+                       " gave up on a collective (it timed out or failed); the communicator is aborted";
+  abort_locked(msg, blame >= 0 ? ErrorKind::Peer : ErrorKind::Aborted, blame);
+  if (blame < 0) abort_reason_ = msg;  // the reason is the peer's, not this rank's
+  notify_abort_locked(blame);
 }
 
 }  // namespace linkwise

@@ -17,6 +17,12 @@
 //
 // Failures: a dead peer fails every operation that involves it with ErrorKind::Peer, once
 // nothing it sent before dying is left to read. Timeouts are per wait.
+// Collective failures spread: a rank whose collective fails aborts its engine and sends an
+// abort notice (a kAbort header naming the rank it blames) to every live peer whose outgoing
+// stream is between messages. A peer that reads one aborts too, failing everything pending
+// with the blamed rank (PeerError) and passing the notice on, so survivors never wait on a
+// rank that has given up. (A notice cannot go out behind a half-written message; that peer
+// learns when this process exits and its links close.)
 #pragma once
 
 #include <atomic>
@@ -72,6 +78,9 @@ class Engine {
   bool cancel(Request& req);
   // Fails every pending request and refuses new ones. Idempotent.
   void abort(const std::string& why);
+  // abort(why), and an abort notice blaming rank `blame` (-1: none, e.g. a timeout) to every
+  // live peer; after a collective failed on this rank (algo/coll.h). Notices go out once.
+  void abort_and_notify(const std::string& why, int blame);
   std::string describe_link(int peer);
 
  private:
@@ -88,6 +97,9 @@ class Engine {
   void materialize_deferred_locked();
   void deliver_deferred_locked(Peer& p, Unexpected& u, Request* req);
   void fail_peer_locked(Peer& p, const std::string& why);
+  void abort_locked(const std::string& why, ErrorKind kind, int peer);
+  void notify_abort_locked(int blame);
+  void take_abort_notice_locked(Peer& from, int blame);
   void complete_locked(Request& req, size_t transferred);
   void fail_locked(Request& req, ErrorKind kind, const std::string& msg, int peer);
   bool match_unexpected_locked(Peer& p, const std::shared_ptr<Request>& req);
@@ -105,6 +117,7 @@ class Engine {
   std::vector<std::shared_ptr<Transport>> transports_;
   bool aborted_ = false;
   std::string abort_reason_;
+  bool notices_sent_ = false;
 
   std::atomic<int> sleepers_{0};      // threads of this process asleep in sleep_once
   std::atomic<int> pending_async_{0}; // non-blocking requests not yet done

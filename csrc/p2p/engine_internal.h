@@ -16,6 +16,7 @@ namespace engine_detail {
 constexpr uint32_t kHeaderMagic = 0x314d574c;  // "LWM1"
 constexpr uint32_t kEager = 1;
 constexpr uint32_t kPull = 2;
+constexpr uint32_t kAbort = 3;  // abort notice: tag = blamed rank + 1 (0: none), no payload
 constexpr size_t kStage = 4096;          // header + payload up to this go out in one write
 constexpr int kMessagesPerPass = 16;     // incoming messages one progress pass may finish per peer
 inline std::string tag_text(uint64_t tag) { return "tag " + std::to_string(tag); }

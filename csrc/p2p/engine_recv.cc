@@ -68,6 +68,10 @@ bool Engine::progress_recv(Peer& p) {
                                   " is corrupted (bad message header); were two jobs mixed up?");
           return true;
         }
+        if (p.in_hdr.kind == kAbort) {
+          take_abort_notice_locked(p, static_cast<int>(p.in_hdr.tag) - 1);
+          return true;
+        }
         start_incoming(p);
       }
       const MsgHeader& h = p.in_hdr;

@@ -134,14 +134,18 @@ declare("LINKWISE_GPU_REG_REDUCE_MIN", 64 << 20, _size,
 declare("LINKWISE_GPU_REG_REDUCE_BLOCKS", 0, int,
         "blocks of that kernel; 0 = a quarter of the SMs (all_reduce), half (reduce_scatter)")
 # Read by the C++ engine itself (getenv), declared here for linkwise info.
-declare("LINKWISE_GPU_LL_MAX", 32 << 10, int,
-        "GPU all_reduce/broadcast up to this many bytes (at most 131072) use the LL kernels; 0 = off")
+declare("LINKWISE_GPU_LL_MAX", 256 << 10, int,
+        "GPU all_reduce/broadcast up to this many bytes (at most 262144) use the LL kernels; 0 = off")
 declare("LINKWISE_GPU_BCAST_ALGO", "", str,
-        "registered-buffer GPU broadcast: 'pull' = pull scatter-allgather (3+ ranks), else the chain")
-declare("LINKWISE_GPU_BCAST_ROUNDS", 8, int, "rounds of the pull scatter-allgather broadcast")
+        "registered-buffer GPU broadcast from 3 ranks: 'push' = one-kernel push scatter-allgather, "
+        "'pull' = two-stream copy-engine pull scatter-allgather, else the chain")
+declare("LINKWISE_GPU_BCAST_ROUNDS", 8, int, "rounds of the push / pull scatter-allgather broadcast")
+declare("LINKWISE_GPU_BCAST_BLOCKS", 128, int, "tuning: blocks of the push broadcast kernel")
+declare("LINKWISE_GPU_BCAST_UNROLL", 4, int, "tuning: 16-byte loads in flight per thread in the push broadcast (4, 8)")
 declare("LINKWISE_GPU_REG_REDUCE_UNROLL", 2, int, "tuning: registered all_reduce kernel variant (1, 2, 4)")
 declare("LINKWISE_GPU_TUNE", False, _bool,
-        "tuning: re-read LINKWISE_GPU_LL_MAX / _LL_THREADS / _ONESHOT_BLOCK_BYTES at every call")
+        "tuning: re-read LINKWISE_GPU_LL_MAX / _LL_THREADS / _LL_BLOCKS / _LL_VARIANT / "
+        "_LL_TWOPHASE_MIN / _LL_BCAST2_MIN / _ONESHOT_BLOCK_BYTES at every call")
 declare("LINKWISE_STAGED_BUFFERS", 3, int, "pinned chunks in flight on the host-staged GPU path (2-16)")
 declare("LINKWISE_STAGED_SHM", True, _bool,
         "host-staged GPU transfers within a host go through shared pinned memory (no CPU copy)")

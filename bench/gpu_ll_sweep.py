@@ -1,0 +1,142 @@
+"""LL kernel variant sweep for small all_reduce / broadcast, every rank under ``linkwise launch``
+with LINKWISE_GPU_TUNE=1 (the knobs are re-read at every call):
+
+    LINKWISE_GPU_TUNE=1 python3 -m linkwise.cli launch -n 4 bench/gpu_ll_sweep.py [--json F]
+
+For each configuration (environment knobs: LINKWISE_GPU_LL_VARIANT bits, _LL_MAX, _LL_THREADS,
+_LL_BLOCKS, _LL_TWOPHASE_MIN, _LL_BCAST2_MIN; ll.cuh / ll_kernels.cu say what they do) and
+size: the GPU µs per op of the engine's all_reduce (float32 sum, in place) and broadcast (root
+0), 100 ops captured in one CUDA graph, 10 replays (linkwise.bench.gpu.time_ops, slowest
+rank), and a correctness check (all_reduce of exact small integers, broadcast from the last
+rank, both at the size and at an odd misaligned neighbour). NCCL called directly
+(cupy.cuda.nccl, the bench's nccl-cupy) is timed the same way at the start and at the end.
+Every row sets its knobs explicitly: under LINKWISE_GPU_TUNE an unset LINKWISE_GPU_LL_MAX falls
+back to the value the process saw at its first call, not to the built-in default.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+               ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_k, _v)
+
+SMALL = [8, 512, 4 << 10, 32 << 10]
+LARGE = [64 << 10, 128 << 10, 256 << 10]
+OFF = str(1 << 30)
+BIG = {"LINKWISE_GPU_LL_MAX": str(256 << 10), "LINKWISE_GPU_LL_TWOPHASE_MIN": OFF,
+       "LINKWISE_GPU_LL_BCAST2_MIN": OFF}  # one pass up to 256 KiB
+TWO = {**BIG, "LINKWISE_GPU_LL_TWOPHASE_MIN": "1", "LINKWISE_GPU_LL_BCAST2_MIN": "1"}
+OLD = {"LINKWISE_GPU_LL_MAX": str(32 << 10), "LINKWISE_GPU_LL_TWOPHASE_MIN": OFF,
+       "LINKWISE_GPU_LL_BCAST2_MIN": OFF}  # the previous defaults: flag kernels above 32 KiB
+
+
+def configs() -> list:
+    """(name, env, sizes); PDL (variant bit 8) last: a capture failure there spoils no other row."""
+    v = lambda bits, **kw: {"LINKWISE_GPU_LL_VARIANT": str(bits), **kw}  # noqa: E731
+    rows = [(f"v{b}", v(b, **OLD), SMALL) for b in (0, 1, 2, 4, 3, 7)]
+    rows += [("flag kernels", v(0, **OLD), LARGE)]
+    for b in (0, 7):
+        rows += [(f"v{b} one-pass", {**v(b), **BIG}, [32 << 10] + LARGE),
+                 (f"v{b} two-phase", {**v(b), **TWO}, [32 << 10] + LARGE)]
+    for blocks in (256, 512):
+        rows += [(f"v7 one-pass b{blocks}", {**v(7), **BIG, "LINKWISE_GPU_LL_BLOCKS": str(blocks)}, LARGE),
+                 (f"v7 two-phase b{blocks}", {**v(7), **TWO, "LINKWISE_GPU_LL_BLOCKS": str(blocks)}, LARGE)]
+    rows += [("v7 two-phase t128", {**v(7), **TWO, "LINKWISE_GPU_LL_THREADS": "128"}, LARGE)]
+    rows += [(f"v{b}", v(b, **OLD), SMALL) for b in (8, 9, 15)]
+    rows += [("v15 two-phase", {**v(15), **TWO}, [32 << 10] + LARGE),
+             ("v15 one-pass", {**v(15), **BIG}, LARGE)]
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    import torch
+    import linkwise
+    from linkwise.bench.backends import LinkwiseBackend
+    from linkwise.bench.gpu import bench_stream, time_ops
+    from linkwise.bench.gpu_nccl import NcclDirectBackend
+    comm = linkwise.init()
+    helper = LinkwiseBackend(comm)
+    g = comm.cuda()
+    stream = bench_stream(torch, g.device)
+    s, e = stream.cuda_stream, g._engine
+    rank, n = comm.rank, comm.size
+    out: dict = {"ranks": n, "rows": []}
+
+    def say(row: dict) -> None:
+        out["rows"].append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+
+    def barrier():
+        torch.cuda.synchronize()
+        helper.barrier()
+
+    def t_us(fn, graph=True, iters=100):
+        return round(1e6 * time_ops(torch, stream, fn, iters, 5, graph, barrier, helper.max_over_ranks), 3)
+
+    sizes = sorted(set(SMALL + LARGE))
+    bufs = {b: torch.ones(b // 4, device="cuda") for b in sizes}
+    direct = NcclDirectBackend(helper, g.device)
+
+    def nccl_rows(tag):
+        for b in sizes:
+            y = bufs[b]
+            p, k = y.data_ptr(), y.numel()
+            say({"what": "nccl-cupy", "when": tag, "bytes": b,
+                 "all_reduce": t_us(lambda: direct.c.allReduce(p, p, k, 7, 0, s)),
+                 "broadcast": t_us(lambda: direct.c.broadcast(p, p, k, 7, 0, s))})
+
+    def check(count, off) -> bool:
+        buf = torch.empty(count + off, device="cuda")
+        y = buf[off:]
+        y.copy_(torch.arange(count, device="cuda") % 7 + rank)
+        e.all_reduce(y.data_ptr(), y.data_ptr(), count, 0, 0, s, 0)
+        b = torch.empty(4 * count + off, dtype=torch.uint8, device="cuda")[off:]
+        src = (torch.arange(4 * count, device="cuda") * 13 % 251).to(torch.uint8)
+        b.copy_(src if rank == n - 1 else torch.zeros_like(src))
+        e.broadcast(b.data_ptr(), 4 * count, n - 1, s)
+        torch.cuda.synchronize()
+        want = n * (torch.arange(count, device="cuda") % 7) + n * (n - 1) // 2
+        return bool(torch.equal(y, want.float())) and bool(torch.equal(b, src))
+
+    nccl_rows("start")
+    say({"what": "floor", "torch add_ graph us": t_us(lambda: bufs[8].add_(1))})
+    for name, env, szs in configs():
+        os.environ.update(env)
+        try:
+            for b in szs:
+                y = bufs[b]
+                p, k = y.data_ptr(), y.numel()
+                row = {"what": "ll", "config": name, "bytes": b,
+                       "all_reduce": t_us(lambda: e.all_reduce(p, p, k, 0, 0, s, 0)),
+                       "broadcast": t_us(lambda: e.broadcast(p, b, 0, s))}
+                if b == 8:
+                    row["all_reduce eager"] = t_us(lambda: e.all_reduce(p, p, k, 0, 0, s, 0), graph=False, iters=300)
+                ok = check(k, 0) and check(k + 5, 1)
+                row["ok"] = bool(helper.max_over_ranks(0.0 if ok else 1.0) == 0.0)
+                row["error_code"] = int(e.error_code())
+                say(row)
+        except Exception as exc:  # noqa: BLE001 - report and go on with the next config
+            say({"what": "ll", "config": name, "failed": repr(exc)[:300]})
+            torch.cuda.synchronize()
+        for k in env:
+            os.environ.pop(k, None)
+    nccl_rows("end")
+    direct.close()
+    if rank == 0 and a.json:
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    g.close()
+    comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
