@@ -119,3 +119,23 @@ def run_ranks(n: int, fn: Callable, *args: Any, env: Optional[dict] = None, time
     if problems:
         raise RankFailure("\n".join(problems))
     return [val for _, val in outcomes]
+
+
+def collective_until_peer_error(comm, coll: str, x, victim: int = 2, linger: float = 0.0):
+    """Rank `victim` SIGKILLs itself 0.3 s in; every rank repeats `coll` on x ("all_reduce"
+    with max, "all_gather", "broadcast" from 0) until it raises PeerError. Returns the peer
+    the error names ("finished" if none came); a survivor then stays alive `linger` seconds,
+    as a program that handles the error would."""
+    import threading
+    from linkwise.errors import PeerError
+    if comm.rank == victim:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    calls = {"all_reduce": lambda: comm.all_reduce(x, op="max"), "all_gather": lambda: comm.all_gather(x),
+             "broadcast": lambda: comm.broadcast(x, root=0)}
+    try:
+        for _ in range(1_000_000):
+            calls[coll]()
+    except PeerError as exc:
+        time.sleep(linger)
+        return exc.peer
+    return "finished"

@@ -6,14 +6,12 @@ root, in place and out=), sizes 0, 1, odd, several chunks, not a multiple of the
 Tiny thresholds / chunks (LINKWISE_COLL_CMA_*) make small messages take the CMA paths, and
 the executor's counters prove they did."""
 import os
-import signal
-import threading
 
 import numpy as np
 import pytest
 
 from coll_ref import DTYPES, check_equal, data, np_dtype, ops_for, reduce_ref
-from multirank import run_ranks
+from multirank import collective_until_peer_error, run_ranks
 
 # Every message of at least one byte goes through CMA, reduced 4 KiB at a time (the floor).
 CMA_ENV = {"LINKWISE_COLL_CMA_MIN": "1", "LINKWISE_COLL_CMA_BCAST_MIN": "1",
@@ -165,19 +163,8 @@ def test_cma_off_on_one_rank_is_off_everywhere():
 
 
 def _die_body(comm, kind):
-    x = np.ones(300_001, np.float32)
-    if comm.rank == 2:
-        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-    from linkwise.errors import PeerError
-    try:
-        for _ in range(1_000_000):
-            if kind == "all_reduce":
-                comm.all_reduce(x, op="max")
-            else:
-                comm.broadcast(x, root=0)
-    except PeerError as exc:
-        return f"PeerError peer={exc.peer} cma={comm._shm.cma_calls}"
-    return "finished"
+    peer = collective_until_peer_error(comm, kind, np.ones(300_001, np.float32))
+    return f"PeerError peer={peer} cma={comm._shm.cma_calls}"
 
 
 @pytest.mark.skipif(not _cma_permitted(), reason="ptrace_scope forbids process_vm_readv between ranks")

@@ -9,14 +9,12 @@ LINKWISE_COLL_THREADS forces helper threads (so a 2-core CI machine runs them to
 LINKWISE_COLL_LANE_MIN=4K lets small messages use several lanes, LINKWISE_SHM_CMA=0 keeps
 the single-copy paths out, and the executor's lane counters prove the lanes ran."""
 import os
-import signal
-import threading
 
 import numpy as np
 import pytest
 
 from coll_ref import DTYPES, check_equal, data, np_dtype, ops_for, reduce_ref
-from multirank import run_ranks
+from multirank import collective_until_peer_error, run_ranks
 
 LANE_ENV = {"LINKWISE_COLL_THREADS": "3", "LINKWISE_COLL_LANE_MIN": "4K", "LINKWISE_SHM_CMA": "0"}
 
@@ -159,19 +157,8 @@ def test_broadcast_lane_changes_back_to_back():
 
 
 def _die_body(comm, kind):
-    x = np.ones(300_001, np.float32)
-    if comm.rank == 2:
-        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-    from linkwise.errors import PeerError
-    try:
-        for _ in range(1_000_000):
-            if kind == "all_reduce":
-                comm.all_reduce(x, op="max")
-            else:
-                comm.broadcast(x, root=0)
-    except PeerError as exc:
-        return f"PeerError peer={exc.peer} lanes={comm._shm.lane_calls}"
-    return "finished"
+    peer = collective_until_peer_error(comm, kind, np.ones(300_001, np.float32))
+    return f"PeerError peer={peer} lanes={comm._shm.lane_calls}"
 
 
 @pytest.mark.parametrize("kind", ["all_reduce", "broadcast"])

@@ -1,19 +1,14 @@
 """Collectives beyond the reference matrix: async and coroutine forms, split communicators,
 LINKWISE_CHECK, a rank killed mid-collective, argument errors, and the half-precision kernels."""
 import asyncio
-import os
-import signal
-import threading
-import time
 
 import ml_dtypes
 import numpy as np
 import pytest
 from coll_ref import check_equal, data, reduce_ref
-from multirank import run_ranks
+from multirank import collective_until_peer_error, run_ranks
 
 import linkwise
-from linkwise.errors import PeerError
 
 
 def _async_body(comm):
@@ -127,23 +122,9 @@ def test_check_mismatch_raises_everywhere(what):
 
 
 def _die_body(comm, coll):
-    x = np.ones(1 << 18, np.float32)
-    if comm.rank == 2:
-        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-    try:
-        for _ in range(100000):
-            if coll == "all_reduce":
-                comm.all_reduce(x, op="max")
-            elif coll == "all_gather":
-                comm.all_gather(x)
-            else:
-                comm.broadcast(x, root=0)
-    except PeerError as exc:
-        # Stay alive a while, as a program that handles the error would: a survivor must not
-        # need the other survivors to exit before it learns (abort notices, p2p/engine.h).
-        time.sleep(1.5)
-        return exc.peer
-    return "finished"
+    # Survivors stay alive a while: none may need another survivor to exit before it learns
+    # (abort notices, p2p/engine.h).
+    return collective_until_peer_error(comm, coll, np.ones(1 << 18, np.float32), linger=1.5)
 
 
 @pytest.mark.parametrize("coll", ["all_reduce", "all_gather", "broadcast"])
