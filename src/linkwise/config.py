@@ -143,6 +143,16 @@ declare("LINKWISE_GPU_BCAST_ROUNDS", 8, int, "rounds of the push / pull scatter-
 declare("LINKWISE_GPU_BCAST_BLOCKS", 128, int, "tuning: blocks of the push broadcast kernel")
 declare("LINKWISE_GPU_BCAST_UNROLL", 4, int, "tuning: 16-byte loads in flight per thread in the push broadcast (4, 8)")
 declare("LINKWISE_GPU_REG_REDUCE_UNROLL", 2, int, "tuning: registered all_reduce kernel variant (1, 2, 4)")
+# Read by the engine only under LINKWISE_GPU_TUNE=1 (sweeps; bench/gpu_ll_sweep.py, gpu_tune.py).
+declare("LINKWISE_GPU_LL_THREADS", 64, int, "tuning: threads per block of the LL kernels (64-256)")
+declare("LINKWISE_GPU_LL_BLOCKS", 128, int, "tuning: most blocks of an LL kernel")
+declare("LINKWISE_GPU_LL_VARIANT", 15, int,
+        "tuning: LL kernel switches, bits 1 atomic epoch, 2 deferred announce, 4 warp layout, 8 PDL")
+declare("LINKWISE_GPU_LL_TWOPHASE_MIN", 192 << 10, int,
+        "tuning: LL all_reduce of 3+ ranks this large runs as reduce-scatter + all-gather")
+declare("LINKWISE_GPU_LL_BCAST2_MIN", 192 << 10, int,
+        "tuning: LL broadcast of 3+ ranks this large runs as scatter + all-gather")
+declare("LINKWISE_GPU_ONESHOT_BLOCK_BYTES", 8192, int, "tuning: bytes per block of the one-shot flag kernel")
 declare("LINKWISE_GPU_TUNE", False, _bool,
         "tuning: re-read LINKWISE_GPU_LL_MAX / _LL_THREADS / _LL_BLOCKS / _LL_VARIANT / "
         "_LL_TWOPHASE_MIN / _LL_BCAST2_MIN / _ONESHOT_BLOCK_BYTES at every call")
