@@ -135,6 +135,48 @@ def test_rank_killed_mid_collective(transport_env, coll):
     assert out[:2] == [("ok", 2), ("ok", 2)], out[:2]
 
 
+def _half_sent_body(comm, nbytes):
+    """Rank 0 has a large eager message half-written to rank 1 (which does not read for a
+    while) when its collective fails on rank 2's death; rank 0 then stays alive."""
+    import os
+    import signal
+    import time
+    from linkwise.errors import PeerError
+    comm.barrier()
+    if comm.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if comm.rank == 0:
+        req = comm.isend(np.ones(nbytes, np.uint8), 1)
+        try:
+            comm.all_gather(np.ones(1000, np.float32))
+        except PeerError as exc:
+            time.sleep(8.0)
+            del req  # failed by the abort (CommAbortedError if waited on)
+            return ("rank 0", exc.peer)
+        return ("rank 0", "no error")
+    time.sleep(1.0)  # rank 0 has given up by now, in the middle of the message to us
+    t0 = time.monotonic()
+    try:
+        comm.recv(np.empty(nbytes, np.uint8), 0)
+    except PeerError as exc:
+        return ("rank 1", exc.peer, time.monotonic() - t0)
+    return ("rank 1", "no error")
+
+
+@pytest.mark.parametrize("env,nbytes", [({"LINKWISE_TRANSPORT": "tcp"}, 16 << 20),
+                                        ({"LINKWISE_SHM_RING_SIZE": "4096"}, 32 << 10)],
+                         ids=["tcp", "shm"])
+def test_abort_mid_message_closes_the_link(env, nbytes):
+    """The aborting rank cannot put a notice behind a half-written message, so it closes that
+    link: rank 1 raises PeerError naming rank 0 at once, not when rank 0 exits (8 s later)."""
+    out = run_ranks(3, _half_sent_body, nbytes, env=env, expect_fail=True, timeout=60)
+    assert out[2][0] == "died"
+    assert out[0][0] == "ok" and out[0][1][:2] == ("rank 0", 2), out[0]
+    kind, (who, peer, waited) = out[1]
+    assert (kind, who, peer) == ("ok", "rank 1", 0), out[1]
+    assert waited < 3.0, f"rank 1 waited {waited:.1f} s"
+
+
 def test_argument_errors():
     comm = linkwise.init()
     x = np.ones(4, np.float32)

@@ -36,6 +36,7 @@ class LoopbackLink : public PeerLink {
   }
   bool alive() override { return true; }
   std::string describe() const override { return "loopback"; }
+  void close_write() override {}
 
  private:
   std::vector<char> buf_;
@@ -340,9 +341,11 @@ void Engine::abort_locked(const std::string& why, ErrorKind kind, int peer) {
   }
 }
 
-// Best effort, bounded: a link that will not take the 48-byte header within ~10 ms (a full
-// ring the peer no longer drains), a dead peer, or a stream in the middle of a message gets
-// no notice. Writes never block (PeerLink contract).
+// Best effort, bounded. A peer whose stream is in the middle of a message, or whose link will
+// not take the 48-byte header within ~10 ms (a full ring the peer does not drain), cannot be
+// sent a notice without corrupting the stream: its link is closed instead (close_write), so it
+// fails with PeerError naming this rank rather than waiting for the rest of the message until
+// this process exits. Writes never block (PeerLink contract).
 void Engine::notify_abort_locked(int blame) {
   if (notices_sent_) return;
   notices_sent_ = true;
@@ -350,18 +353,20 @@ void Engine::notify_abort_locked(int blame) {
   for (auto& pp : peers_) {
     Peer& p = *pp;
     if (!p.link || p.dead || p.rank == rank_ || p.rank == blame) continue;
-    if (p.front_started && p.wire_pos > 0) continue;  // mid-message: the header would corrupt it
     try {
       if (!p.link->alive()) continue;
       size_t done = 0;
-      const char* b = reinterpret_cast<const char*>(&h);
-      const Clock::time_point t0 = Clock::now();
-      while (done < sizeof h && seconds_since(t0) < 0.01) {
-        const size_t n = p.link->write_some(b + done, sizeof h - done);
-        if (n == 0) cpu_relax();
-        done += n;
+      if (!(p.front_started && p.wire_pos > 0)) {
+        const char* b = reinterpret_cast<const char*>(&h);
+        const Clock::time_point t0 = Clock::now();
+        while (done < sizeof h && seconds_since(t0) < 0.01) {
+          const size_t n = p.link->write_some(b + done, sizeof h - done);
+          if (n == 0) cpu_relax();
+          done += n;
+        }
+        p.link->flush();
       }
-      p.link->flush();
+      if (done < sizeof h) p.link->close_write();
     } catch (const Error&) {
       // the peer is gone too; nothing to tell it
     }

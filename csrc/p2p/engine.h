@@ -21,8 +21,9 @@
 // abort notice (a kAbort header naming the rank it blames) to every live peer whose outgoing
 // stream is between messages. A peer that reads one aborts too, failing everything pending
 // with the blamed rank (PeerError) and passing the notice on, so survivors never wait on a
-// rank that has given up. (A notice cannot go out behind a half-written message; that peer
-// learns when this process exits and its links close.)
+// rank that has given up. A peer whose stream is in the middle of a message gets no notice
+// (it would corrupt the stream): its link is closed instead, and it raises PeerError naming
+// this rank.
 #pragma once
 
 #include <atomic>

@@ -30,6 +30,10 @@ class PeerLink {
   // sent before dying may still be readable.
   virtual bool alive() = 0;
   virtual std::string describe() const = 0;
+  // Ends this side's outgoing stream for good: once the peer has read what was written before,
+  // its alive() turns false, as if this process had exited. For an aborting rank that cannot
+  // finish a half-written message (Engine::notify_abort_locked); nothing is written after it.
+  virtual void close_write() = 0;
 
   // Single-copy path. When can_pull(), a sender may publish the address of its buffer with a
   // sequence number; the receiver copies straight out of the sender's memory (possibly much

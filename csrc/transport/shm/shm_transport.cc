@@ -59,6 +59,9 @@ struct RingControl {
   // ack_slots[seq % kMaxPullsInFlight] = seq once the receiver has pulled message seq.
   alignas(kLine) std::atomic<uint32_t> ack_slots[PeerLink::kMaxPullsInFlight];
   alignas(kLine) CoopSlot coop[PeerLink::kMaxPullsInFlight];
+  // Set once by the writer (close_write): nothing more will come; the reader's link reports
+  // the writer gone once it has read everything before it (tail is published first).
+  alignas(kLine) std::atomic<uint32_t> writer_closed;
 };
 
 namespace {
@@ -166,7 +169,15 @@ class ShmLink : public PeerLink {
     return take;
   }
 
-  bool alive() override { return !watch_.exited(); }
+  bool alive() override {
+    return !watch_.exited() && in_->writer_closed.load(std::memory_order_acquire) == 0;
+  }
+
+  void close_write() override {
+    flush();
+    out_->writer_closed.store(1, std::memory_order_release);
+    ring_doorbell(peer_.header);
+  }
 
   std::string describe() const override {
     return "shared memory to rank " + std::to_string(peer_rank_) + " (pid " + std::to_string(peer_pid_) + ")";

@@ -63,6 +63,8 @@ class TcpLink : public PeerLink {
 
   bool alive() override { return !closed_.load(std::memory_order_relaxed); }
 
+  void close_write() override { ::shutdown(fd_, SHUT_WR); }  // the peer reads EOF
+
   std::string describe() const override { return "TCP to rank " + std::to_string(peer_); }
 
   int fd() const { return fd_; }
