@@ -74,3 +74,26 @@ def check_equal(got: np.ndarray, want: np.ndarray, what: str, avg_float: bool = 
     if not ok:
         bad = np.flatnonzero(got.astype(np.float64) != want.astype(np.float64))[:5]
         raise AssertionError(f"{what}: mismatch at {bad.tolist()}: got {got[bad].tolist()} want {want[bad].tolist()}")
+
+
+def check_all_reduce_matrix(comm, dtypes, sizes_for) -> int:
+    """On every rank: all_reduce of every (dtype, op) of `dtypes` and every count in
+    sizes_for(dtype, op), in place and with out=, against reduce_ref (and the input of the
+    out= form untouched). Returns how many calls it checked."""
+    checked = 0
+    for dt in dtypes:
+        for op in ops_for(dt):
+            for count in sizes_for(dt, op):
+                want = reduce_ref([data(r, count, dt, op) for r in range(comm.size)], op, dt)
+                avg_float = op == "avg" and dt not in INT
+                x = data(comm.rank, count, dt, op)
+                comm.all_reduce(x, op=op)
+                check_equal(x, want, f"in place {dt} {op} {count}", avg_float)
+                x = data(comm.rank, count, dt, op)
+                keep = x.copy()
+                out = np.full(count, 7, np_dtype(dt))
+                comm.all_reduce(x, op=op, out=out)
+                check_equal(out, want, f"out= {dt} {op} {count}", avg_float)
+                check_equal(x, keep, f"input untouched {dt} {op} {count}")
+                checked += 2
+    return checked

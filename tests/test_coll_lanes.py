@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from coll_ref import DTYPES, check_equal, data, np_dtype, ops_for, reduce_ref
+from coll_ref import DTYPES, check_all_reduce_matrix, check_equal, data, np_dtype
 from multirank import collective_until_peer_error, run_ranks
 
 LANE_ENV = {"LINKWISE_COLL_THREADS": "3", "LINKWISE_COLL_LANE_MIN": "4K", "LINKWISE_SHM_CMA": "0"}
@@ -28,23 +28,7 @@ def _sizes(dtype: str, big: bool) -> list:
 
 
 def _all_reduce_matrix(comm, dtypes, big):
-    checked = 0
-    for dt in dtypes:
-        for op in ops_for(dt):
-            for count in _sizes(dt, big and op in ("sum", "max")):
-                want = reduce_ref([data(r, count, dt, op) for r in range(comm.size)], op, dt)
-                avg_float = op == "avg" and dt not in ("int8", "uint8", "int32", "int64")
-                x = data(comm.rank, count, dt, op)
-                comm.all_reduce(x, op=op)
-                check_equal(x, want, f"in place {dt} {op} {count}", avg_float)
-                x = data(comm.rank, count, dt, op)
-                keep = x.copy()
-                out = np.full(count, 7, np_dtype(dt))
-                comm.all_reduce(x, op=op, out=out)
-                check_equal(out, want, f"out= {dt} {op} {count}", avg_float)
-                check_equal(x, keep, f"input untouched {dt} {op} {count}")
-                checked += 2
-    return checked
+    return check_all_reduce_matrix(comm, dtypes, lambda dt, op: _sizes(dt, big and op in ("sum", "max")))
 
 
 def _lane_calls(comm):
