@@ -307,22 +307,25 @@ bool Engine::cancel(Request& req) {
 
 void Engine::abort(const std::string& why) {
   std::lock_guard<std::mutex> g(mu_);
-  abort_locked(why, ErrorKind::Aborted, -1);
+  abort_locked(own_abort_reason(why), ErrorKind::Aborted, -1);
 }
 
 void Engine::abort_and_notify(const std::string& why, int blame) {
   std::lock_guard<std::mutex> g(mu_);
-  abort_locked(why, ErrorKind::Aborted, -1);
+  abort_locked(own_abort_reason(why), ErrorKind::Aborted, -1);
   notify_abort_locked(blame);
 }
 
-// Fails every pending request with (kind, peer) and the first abort's reason.
-void Engine::abort_locked(const std::string& why, ErrorKind kind, int peer) {
+std::string Engine::own_abort_reason(const std::string& why) const {
+  return "rank " + std::to_string(rank_) + ": the communicator was aborted: " + why;
+}
+
+// Fails every pending request with (kind, reason, peer); the first abort's reason is kept for
+// requests posted later.
+void Engine::abort_locked(const std::string& reason, ErrorKind kind, int peer) {
   if (!aborted_) {
     aborted_ = true;
-    abort_reason_ = kind == ErrorKind::Peer
-                        ? why
-                        : "rank " + std::to_string(rank_) + ": the communicator was aborted: " + why;
+    abort_reason_ = reason;
   }
   for (auto& pp : peers_) {
     Peer& p = *pp;
@@ -383,7 +386,6 @@ void Engine::take_abort_notice_locked(Peer& from, int blame) {
                  : "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(from.rank) +
                        " gave up on a collective (it timed out or failed); the communicator is aborted";
   abort_locked(msg, blame >= 0 ? ErrorKind::Peer : ErrorKind::Aborted, blame);
-  if (blame < 0) abort_reason_ = msg;  // the reason is the peer's, not this rank's
   notify_abort_locked(blame);
 }
 

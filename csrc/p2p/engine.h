@@ -98,7 +98,8 @@ class Engine {
   void materialize_deferred_locked();
   void deliver_deferred_locked(Peer& p, Unexpected& u, Request* req);
   void fail_peer_locked(Peer& p, const std::string& why);
-  void abort_locked(const std::string& why, ErrorKind kind, int peer);
+  void abort_locked(const std::string& reason, ErrorKind kind, int peer);
+  std::string own_abort_reason(const std::string& why) const;
   void notify_abort_locked(int blame);
   void take_abort_notice_locked(Peer& from, int blame);
   void complete_locked(Request& req, size_t transferred);
