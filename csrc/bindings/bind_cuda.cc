@@ -71,6 +71,21 @@ void bind_cuda(nb::module_& m) {
       .def("all_reduce", &GpuEngine::all_reduce, rel())
       .def("reduce_scatter", &GpuEngine::reduce_scatter, rel())
       .def("broadcast", &GpuEngine::broadcast, rel())
+      .def("broadcast_from", &GpuEngine::broadcast_from, rel())
+      // The eager fast path (linkwise/cuda/fast.py): the failure check (check(): PeerError /
+      // TimeoutError once recorded; CommAbortedError after close) and the operation in one call.
+      .def("all_reduce_fast",
+           [](GpuEngine& e, uintptr_t x, uintptr_t out, size_t count, int dtype, int op,
+              uintptr_t stream) {
+             e.check_open("all_reduce");
+             e.all_reduce(x, out, count, dtype, op, stream, 0);
+           }, rel())
+      .def("broadcast_fast",
+           [](GpuEngine& e, uintptr_t src, uintptr_t x, size_t nbytes, int root,
+              uintptr_t stream) {
+             e.check_open("broadcast");
+             e.broadcast_from(src, x, nbytes, root, stream);
+           }, rel())
       .def("all_gather", &GpuEngine::all_gather, rel())
       .def("all_to_all", &GpuEngine::all_to_all, rel())
       .def("send", &GpuEngine::send, rel())

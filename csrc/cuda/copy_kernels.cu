@@ -215,9 +215,11 @@ __global__ void barrier_kernel(DevComm c) {
 
 }  // namespace
 
-void launch_broadcast(const DevComm& c, void* x, size_t n, int root, int blocks,
+void launch_broadcast(const DevComm& c, const void* src, void* x, size_t n, int root, int blocks,
                       bool scatter_allgather, cudaStream_t s) {
-  if (!scatter_allgather && launch_ll_broadcast(c, x, n, root, s)) return;
+  if (!scatter_allgather && launch_ll_broadcast(c, src, x, n, root, s)) return;
+  if (c.rank == root && src != x)  // a failed copy surfaces in the caller's check_launch
+    cudaMemcpyAsync(x, src, n, cudaMemcpyDeviceToDevice, s);
   if (scatter_allgather)
     bcast_sag_kernel<<<blocks, kThreads, 0, s>>>(c, static_cast<char*>(x), n, root);
   else

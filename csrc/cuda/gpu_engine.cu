@@ -189,16 +189,26 @@ void GpuEngine::reduce_scatter(uintptr_t x, uintptr_t out, size_t m, int dtype, 
 }
 
 void GpuEngine::broadcast(uintptr_t x, size_t nbytes, int root, uintptr_t stream) {
+  broadcast_from(x, x, nbytes, root, stream);
+}
+
+void GpuEngine::broadcast_from(uintptr_t src, uintptr_t x, size_t nbytes, int root,
+                               uintptr_t stream) {
   if (root < 0 || root >= nranks_) throw Error(ErrorKind::Invalid, "broadcast: root out of range");
-  if (nbytes == 0 || nranks_ == 1) return;
+  if (nbytes == 0) return;
+  if (nranks_ == 1) {
+    if (src != x) copy_async(x, src, nbytes, stream);
+    return;
+  }
   DeviceGuard g(device_);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   char* xp = reinterpret_cast<char*>(x);
+  const char* sp = reinterpret_cast<const char*>(src);
   for (size_t off = 0; off < nbytes; off += slot_bytes_) {
     size_t n = nbytes - off < slot_bytes_ ? nbytes - off : slot_bytes_;
     bool sag = nranks_ > 2 && nbytes >= bcast_sag_min;
     size_t per = sag ? (n + nranks_ - 2) / (nranks_ - 1) : n;  // bytes a block slices
-    launch_broadcast(impl_->dev, xp + off, n, root, blocks_for(per, 16 * 1024), sag, s);
+    launch_broadcast(impl_->dev, sp + off, xp + off, n, root, blocks_for(per, 16 * 1024), sag, s);
     check_launch("broadcast");
   }
 }
@@ -336,6 +346,13 @@ void GpuEngine::check() const {
                 "rank " + std::to_string(rank_) + ": a GPU operation timed out waiting for a peer "
                 "(after " + std::to_string(timeout_s_) + " s); results are invalid and this "
                 "communicator cannot be used any more");
+}
+
+void GpuEngine::check_open(const char* op) const {
+  if (!impl_)
+    throw Error(ErrorKind::Aborted, "rank " + std::to_string(rank_) + ": " + op +
+                                        " on a closed GPU communicator");
+  check();
 }
 
 // -- events for requests (GpuRequest in _request.py) -----------------------------------------

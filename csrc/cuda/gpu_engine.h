@@ -38,7 +38,13 @@ class GpuEngine {
                   int algo);
   void reduce_scatter(uintptr_t x, uintptr_t out, size_t count_per_rank, int dtype, int op,
                       uintptr_t stream);
-  void broadcast(uintptr_t x, size_t nbytes, int root, uintptr_t stream);
+  // check() plus: raises (Aborted) once close() ran, instead of touching released state.
+  void check_open(const char* op) const;
+  void broadcast(uintptr_t x, size_t nbytes, int root, uintptr_t stream);  // in place
+  // Root's src (nbytes) into every rank's x: in place when src == x; otherwise the root's LL
+  // kernel reads src and writes x itself (above the LL size a copy on the stream comes
+  // first). Non-roots ignore src. src and x are equal or do not overlap.
+  void broadcast_from(uintptr_t src, uintptr_t x, size_t nbytes, int root, uintptr_t stream);
   void all_gather(uintptr_t x, uintptr_t out, size_t nbytes, uintptr_t stream);
   void all_to_all(uintptr_t x, uintptr_t out, size_t nbytes_per_rank, uintptr_t stream);
   void send(uintptr_t x, size_t nbytes, int dst, uintptr_t stream);

@@ -33,7 +33,10 @@ size_t ll_max();
 int tune_int(const char* name, int dflt);
 bool launch_ll_allreduce(const DevComm& c, int dtype, int op, const void* x, void* out,
                          size_t count, cudaStream_t s);
-bool launch_ll_broadcast(const DevComm& c, void* x, size_t n, int root, cudaStream_t s);
+// Broadcast of root's src into every rank's x (src == x: in place; else the root copies src
+// into its x in the same kernel; non-roots ignore src).
+bool launch_ll_broadcast(const DevComm& c, const void* src, void* x, size_t n, int root,
+                         cudaStream_t s);
 
 // Reduce-scatter (+ all-gather when `allgather`) of one piece; see reduce_kernels.cu.
 void launch_twoshot(const DevComm& c, int dtype, int op, const void* x, size_t x_stride, void* out,
@@ -41,8 +44,10 @@ void launch_twoshot(const DevComm& c, int dtype, int op, const void* x, size_t x
                     int blocks, cudaStream_t s);
 
 // scatter_allgather: root scatters n-1 chunks, the non-roots all-gather them (large sizes);
-// else the root pushes everything to every peer (small sizes).
-void launch_broadcast(const DevComm& c, void* x, size_t n, int root, int blocks,
+// else the root pushes everything to every peer (small sizes). Root's data comes from src
+// (== x in place; otherwise the LL kernel copies it into x, or a copy on s precedes the flag
+// kernels); non-roots ignore src. src and x are equal or do not overlap.
+void launch_broadcast(const DevComm& c, const void* src, void* x, size_t n, int root, int blocks,
                       bool scatter_allgather, cudaStream_t s);
 void launch_all_gather(const DevComm& c, const void* x, size_t n, void* out, size_t out_stride,
                        int blocks, cudaStream_t s);

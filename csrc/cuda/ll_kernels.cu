@@ -145,11 +145,12 @@ __global__ void __launch_bounds__(kLLMaxThreads) ll_allreduce2_kernel(DevComm c,
   ll_end(c, var);
 }
 
-// broadcast, one pass. Root: ll_begin -> store its packs as LL lines into ll_slot(p, par,
-// root) of every peer p; it waits for nothing else. Peer: poll its packs from ll_slot(rank,
-// par, root), zero the lines, store the bytes into x.
-__global__ void __launch_bounds__(kLLMaxThreads) ll_bcast_kernel(DevComm c, char* x, size_t n, int root,
-                                                            int elem, int var) {
+// broadcast, one pass. Root: ll_begin -> read its packs from src, store them as LL lines into
+// ll_slot(p, par, root) of every peer p and (out of place, src != x) into its own x; it waits
+// for nothing else. Peer: poll its packs from ll_slot(rank, par, root), zero the lines, store
+// the bytes into x (src unused). src and x are equal or do not overlap.
+__global__ void __launch_bounds__(kLLMaxThreads) ll_bcast_kernel(DevComm c, const char* src, char* x,
+                                                            size_t n, int root, int elem, int var) {
   pdl_begin();
   const bool is_root = c.rank == root;
   const uint64_t epoch = ll_begin(c, var, is_root ? peers_of(c) : 0u);
@@ -158,10 +159,12 @@ __global__ void __launch_bounds__(kLLMaxThreads) ll_bcast_kernel(DevComm c, char
   const bool wl = var & kLLWarpLines;
   const size_t npk = (n + 15) / 16;
   if (is_root) {
+    const bool copy = src != x;
     for (size_t i = global_tid(); i < npk; i += grid_threads()) {
-      const uint4 d = load_pack(x, i, n, elem);
+      const uint4 d = load_pack(src, i, n, elem);
       for (int p = 0; p < c.nranks; ++p)
         if (p != root) ll_store_pack(ll_lines(ll_slot(c, p, par, root), i, wl), d, flag);
+      if (copy) store_pack(x, i, n, elem, d);
     }
     ll_announce(c, var, epoch);
   } else {
@@ -175,9 +178,10 @@ __global__ void __launch_bounds__(kLLMaxThreads) ll_bcast_kernel(DevComm c, char
 // ceil(npk / (nranks - 1)), belongs to the j-th non-root (idx). Root: ll_begin -> pack i of
 // chunk idx(p) to non-root p (half 0 of ll_slot(p, par, root)). Non-root p: ll_begin -> its
 // pack i from the root into x and to every other non-root (half 1 of their ll_slot(., par,
-// p)) -> every other non-root q's pack i (our half-1 lines from q) into x.
-__global__ void __launch_bounds__(kLLMaxThreads) ll_bcast2_kernel(DevComm c, char* x, size_t n, int root,
-                                                             int elem, int var) {
+// p)) -> every other non-root q's pack i (our half-1 lines from q) into x. Out of place (src
+// != x, root only): the root reads src and also stores every pack into its own x.
+__global__ void __launch_bounds__(kLLMaxThreads) ll_bcast2_kernel(DevComm c, const char* src, char* x,
+                                                             size_t n, int root, int elem, int var) {
   pdl_begin();
   const uint32_t nonroots = ((1u << c.nranks) - 1) & ~(1u << root);
   const uint32_t dst = nonroots & ~(1u << c.rank);
@@ -188,11 +192,15 @@ __global__ void __launch_bounds__(kLLMaxThreads) ll_bcast2_kernel(DevComm c, cha
   const size_t npk = (n + 15) / 16, C = (npk + c.nranks - 2) / (c.nranks - 1);
   auto idx = [&](int p) -> size_t { return p < root ? p : p - 1; };
   if (c.rank == root) {
+    // Every pack k < npk is idx(p) * C + i for exactly one (p, i): the copy covers x.
+    const bool copy = src != x;
     for (size_t i = global_tid(); i < C; i += grid_threads())
       for (int p = 0; p < c.nranks; ++p)
-        if (p != root && idx(p) * C + i < npk)
-          ll_store_pack(ll_lines(ll_slot(c, p, par, root, 0), i, wl),
-                        load_pack(x, idx(p) * C + i, n, elem), flag);
+        if (p != root && idx(p) * C + i < npk) {
+          const uint4 d = load_pack(src, idx(p) * C + i, n, elem);
+          ll_store_pack(ll_lines(ll_slot(c, p, par, root, 0), i, wl), d, flag);
+          if (copy) store_pack(x, idx(p) * C + i, n, elem, d);
+        }
     ll_announce(c, var, epoch);
   } else {
     const size_t mine = idx(c.rank) * C;
@@ -305,7 +313,8 @@ bool launch_ll_allreduce(const DevComm& c, int dtype, int op, const void* x, voi
   return true;
 }
 
-bool launch_ll_broadcast(const DevComm& c, void* x, size_t n, int root, cudaStream_t s) {
+bool launch_ll_broadcast(const DevComm& c, const void* src, void* x, size_t n, int root,
+                         cudaStream_t s) {
   if (n == 0 || n > ll_max()) return false;
   const int var = ll_variant();
   const size_t npk = (n + 15) / 16;
@@ -313,10 +322,13 @@ bool launch_ll_broadcast(const DevComm& c, void* x, size_t n, int root, cudaStre
                    twophase_fits(npk, c.nranks - 1);
   int blocks, threads;
   ll_grid(two ? (npk + c.nranks - 2) / (c.nranks - 1) : npk, &blocks, &threads);
-  const uintptr_t a = reinterpret_cast<uintptr_t>(x) | n;  // widest element both allow
+  if (c.rank != root) src = x;  // only the root reads src
+  // the widest element that src, x and n allow
+  const uintptr_t a = reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(src) | n;
   const int elem = (a & 7) == 0 ? 8 : (a & 3) == 0 ? 4 : (a & 1) == 0 ? 2 : 1;
   ll_launch(two ? ll_bcast2_kernel : ll_bcast_kernel, blocks, threads, s, var, c,
-            static_cast<char*>(x), n, root, elem, var & ~kLLDeferAnnounce);
+            static_cast<const char*>(src), static_cast<char*>(x), n, root, elem,
+            var & ~kLLDeferAnnounce);
   return true;
 }
 

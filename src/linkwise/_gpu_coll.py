@@ -83,11 +83,7 @@ def _run(comm, op: str, x: Any, *, out: Any, red: str, root: int, dtype: Optiona
     if op == "all_reduce":
         return g.all_reduce(x, op=red, out=out, stream=stream)
     if op == "broadcast":
-        if out is None or out is x:
-            return g.broadcast(x, root=root, stream=stream)
-        if comm.rank == root:
-            _copy(out, x, stream)
-        return g.broadcast(out, root=root, stream=stream)
+        return g.broadcast(x, root=root, stream=stream, out=out)
     shape = tuple(getattr(x, "shape", ()))
     if op == "all_gather":
         if out is None:

@@ -76,6 +76,9 @@ class CollectivesMixin:
     # Large two-rank broadcasts go point-to-point (one single-copy message) unless the
     # executor has its own single-copy (CMA) broadcast; known once the executor is attached.
     _pair_bcast_p2p = True
+    # The eager CUDA fast path (cuda/fast.py FastPath), set once the GPU data plane is built
+    # (cuda.gpu_comm), cleared by GpuComm.close(); it declines (None) whatever it does not handle.
+    _gpu_fast = None
 
     # -- plumbing ------------------------------------------------------------------------
     def _next_seq(self) -> int:
@@ -252,9 +255,15 @@ class CollectivesMixin:
                     # than here: this path is timed at 8 bytes).
                     fast.all_reduce(x, out, code, self.timeout)
                     return out
-        if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
-            return _gpu_coll.dispatch(self, "all_reduce", x, out=out, red=op, async_op=async_op,
-                                      dtype=dtype, stream=stream)
+        if type(x) is not np.ndarray:
+            gf = self._gpu_fast
+            if gf is not None and not async_op and dtype is None:
+                r = gf.all_reduce(x, op, out, stream)
+                if r is not None:
+                    return r
+            if _gpu_coll.is_cuda(x):
+                return _gpu_coll.dispatch(self, "all_reduce", x, out=out, red=op, async_op=async_op,
+                                          dtype=dtype, stream=stream)
         x = _as_array(x, "all_reduce")
         dt = _dtype_name(x, dtype)
         self._redop(op, dt, "all_reduce")
@@ -276,6 +285,11 @@ class CollectivesMixin:
                 and not (_ENV.get(b"LINKWISE_ALGO") or _ENV.get(b"LINKWISE_CHECK"))):
             fast.broadcast(x, root, self.timeout)  # the latency path (buffer checks happen there)
             return x
+        gf = self._gpu_fast
+        if gf is not None and not async_op and type(x) is not np.ndarray:
+            r = gf.broadcast(x, root, out, stream)
+            if r is not None:
+                return r
         root = self._root(root, "broadcast")
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
             return _gpu_coll.dispatch(self, "broadcast", x, out=out, root=root, async_op=async_op,

@@ -99,6 +99,9 @@ def gpu_comm(comm) -> "GpuComm":
     if g is None:
         g = GpuComm(comm)
         comm._gpu_comm = g
+        if g._staged is None:  # the eager fast path of all_reduce / broadcast (fast.py)
+            from .fast import FastPath
+            comm._gpu_fast = g._fast = FastPath(g)
     return g
 
 
@@ -143,6 +146,7 @@ class GpuComm:
             self._engine.open_peers(handles)
             store.barrier(f"{key}/open", self.size)
         self._closed = False
+        self._fast = None  # the FastPath gpu_comm() installed on comm, if any
 
     @property
     def slot_bytes(self) -> int:
@@ -291,21 +295,32 @@ class GpuComm:
         self._engine.reduce_scatter(v.ptr, o.ptr, o.count, dt, opc, s)
         return out
 
-    def broadcast(self, x: Any, root: int = 0, stream: Any = None) -> Any:
+    def broadcast(self, x: Any, root: int = 0, stream: Any = None, out: Any = None) -> Any:
+        """Root's x into every rank's x (out None or x), or into every rank's out (non-roots
+        ignore x's contents; the root's x and out must have the same byte size and must not
+        overlap). Below the LL size the root's kernel copies x to out itself; otherwise (and on
+        the registered and host-staged paths) a copy on the stream precedes the broadcast."""
         v = self._view(x, "broadcast")
+        o = v if out is None or out is x else self._view(out, "broadcast")
         if not 0 <= root < self.size:
             raise ValueError(f"broadcast: root {root} is out of range 0..{self.size - 1}")
+        if o is not v and self.rank == root and o.nbytes != v.nbytes:
+            raise ValueError(f"broadcast: out has {o.nbytes} bytes, x has {v.nbytes}; they must "
+                             "have the same size on the root")
         s = stream_handle(stream, v)
-        if self._staged is not None:
+        staged, reg = self._staged is not None, self.size > 1 and o.nbytes >= self._bcast_reg_min
+        if o is not v and self.rank == root and (staged or reg):
+            self._engine.copy_async(o.ptr, v.ptr, o.nbytes, s)
+        if staged:
             self._no_capture(s, "host-staged broadcast")
-            self._staged.broadcast(v, root, s)
-        elif self.size > 1 and v.nbytes >= self._bcast_reg_min:
+            self._staged.broadcast(o, root, s)
+        elif reg:
             self._no_capture(s, "broadcast of registered buffers (LINKWISE_GPU_BCAST_REG_MIN)")
-            self._reg_all(v.ptr)
-            self._engine.broadcast_reg(v.ptr, v.nbytes, root, self._piece(v.nbytes), s)
+            self._reg_all(o.ptr)
+            self._engine.broadcast_reg(o.ptr, o.nbytes, root, self._piece(o.nbytes), s)
         else:
-            self._engine.broadcast(v.ptr, v.nbytes, root, s)
-        return x
+            self._engine.broadcast_from(v.ptr, o.ptr, o.nbytes, root, s)
+        return x if o is v else out
 
     def all_gather(self, x: Any, out: Any, stream: Any = None) -> Any:
         v, o = self._view(x, "all_gather"), self._view(out, "all_gather")
@@ -388,6 +403,9 @@ class GpuComm:
         if self._closed:
             return
         self._closed = True
+        if self._fast is not None and getattr(self.comm, "_gpu_fast", None) is self._fast:
+            self.comm._gpu_fast = None  # before the engine goes (fast.py's contract)
+        self._fast = None
         try:
             self._engine.synchronize(0)
         except Exception:  # noqa: BLE001 - a failed communicator still releases everything
