@@ -64,6 +64,24 @@ def test_reg_all_reduce_dtypes_ops_sizes():
     _check(run_ranks(_nranks(), _body, cases, env=REG_RED_ENV, timeout=300))
 
 
+def test_reg_all_reduce_copy_engines():
+    """The copy-engine all_reduce (LINKWISE_GPU_AR_ALGO=ce, reg_allreduce_ce.cu) gives the
+    rank-order reference bitwise: every dtype and op, in place and out=, misaligned; 4 KiB
+    pieces over a 64 KiB scratch slot (many pieces, staging slots reused), then the default
+    piece; on 3 ranks too (chunks of unequal length, some empty)."""
+    cases = [("ar", c, d, o, 0, j % 2 == 0) for d in DTYPES for o in ("sum", "max", "avg")
+             for j, c in enumerate((1, 7, 65537, 300001))]
+    cases += [("ar", c, d, "prod", 1, ip) for d in ("float32", "int64") for c in (5, 100003)
+              for ip in (True, False)]
+    env = {**REG_RED_ENV, "LINKWISE_GPU_AR_ALGO": "ce", "LINKWISE_GPU_AR_PIECE": "4096",
+           "LINKWISE_GPU_SLOT_BYTES": str(64 * 1024)}
+    _check(run_ranks(_nranks(), _body, cases, env=env, timeout=300))
+    big = [("ar", (8 << 20) + 3, "float32", "sum", 0, True), ("ar", (4 << 20) + 1, "bfloat16", "sum", 1, False)]
+    _check(run_ranks(_nranks(), _body, big, env={**REG_RED_ENV, "LINKWISE_GPU_AR_ALGO": "ce"}, timeout=300))
+    if _nranks() >= 4:
+        _check(run_ranks(3, _body, cases[:12] + big, env=env, timeout=300))
+
+
 def test_reg_reduce_scatter_dtypes_ops_sizes():
     cases = [("rs", c, d, o, 0, False) for d in DTYPES for o in OPS for c in (1, 7, 65537)]
     cases += [("rs", c, "bfloat16", "sum", o, ip) for c in (3, 40001) for o in (0, 1) for ip in (True, False)]
@@ -178,6 +196,11 @@ BCAST_FORMS = {
     "pull-r1": {**_PULL, "LINKWISE_GPU_BCAST_ROUNDS": "1"},
     "pull-r3": {**_PULL, "LINKWISE_GPU_BCAST_ROUNDS": "3"},
     "chain-4k": {"LINKWISE_GPU_BCAST_ALGO": "chain", "LINKWISE_GPU_CHAIN_PIECE": "4096"},
+    "pchain": {"LINKWISE_GPU_BCAST_ALGO": "pchain"},
+    "pchain-b3-s4k": {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": "3",
+                      "LINKWISE_GPU_PCHAIN_SLICE": "4096"},
+    "pchain-b256-u8": {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": "300",
+                       "LINKWISE_GPU_BCAST_UNROLL": "8"},
 }
 
 
@@ -185,9 +208,13 @@ BCAST_FORMS = {
 def test_reg_broadcast_forms(form):
     """Registered broadcast, every form: the one-kernel push scatter-allgather (bcast_push.cu)
     with 1 to 64 rounds (clamped to the piece limit; more pieces than bytes at the small sizes),
-    3 to 256 blocks and both unrolls, the two-stream pull scatter-allgather, and the chain with
-    4 KiB pieces (the only form for 2 ranks); on 4 ranks, then (push, pull) on 3."""
+    3 to 256 blocks and both unrolls, the two-stream pull scatter-allgather, the copy-engine
+    chain with 4 KiB pieces, and the push chain (bcast_chain.cu) with 3 blocks x 4 KiB slices
+    (hundreds of pieces), the default geometry, and 300 blocks (clamped to 256; most slices
+    empty); on 4 ranks, then (push, pull, push chain) on 3 and (push chain) on 2."""
     env = {**SAFE_ENV, "LINKWISE_GPU_REG_MIN": "1", "LINKWISE_GPU_BCAST_REG_MIN": "1", **BCAST_FORMS[form]}
     _check(run_ranks(_nranks(), _bcast_body, BCAST_SIZES, env=env, timeout=300))
-    if _nranks() >= 4 and form in ("push-r3-b7", "pull-r3"):  # 3 ranks: two non-roots
+    if _nranks() >= 4 and form in ("push-r3-b7", "pull-r3", "pchain-b3-s4k"):  # 3 ranks: two non-roots
         _check(run_ranks(3, _bcast_body, BCAST_SIZES, env=env, timeout=300))
+    if _nranks() >= 3 and form == "pchain-b3-s4k":  # the push chain also serves 2 ranks
+        _check(run_ranks(2, _bcast_body, BCAST_SIZES, env=env, timeout=300))

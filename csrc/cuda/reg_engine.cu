@@ -15,7 +15,8 @@
 //    i-1 posted kSigChain for it, then posts it to i+1; at the end it posts kSigChainDone to
 //    i-1 and waits for i+1's, so nobody's x changes while its successor still reads it.
 //    From 3 ranks LINKWISE_GPU_BCAST_ALGO selects a scatter-allgather instead: "push" (one
-//    kernel, bcast_push.cu) or "pull" (copy engines on two streams, reg_pipeline.cu).
+//    kernel, bcast_push.cu) or "pull" (copy engines on two streams, reg_pipeline.cu);
+//    "pchain" (any ranks) is a chain of SM stores in one kernel (bcast_chain.cu).
 //  * send/recv: the sender posts kSigP2pReady and waits kSigP2pDone; the receiver waits
 //    ready, pulls the sender's x, posts done.
 //  * all_reduce / reduce_scatter (large): rendezvous -> reg_reduce_kernel -> rendezvous; the
@@ -67,6 +68,9 @@ GetRangeFn get_range_fn() {
   }();
   return fn;
 }
+
+// Default of LINKWISE_GPU_AR_ALGO: the copy-engine all_reduce from this many bytes.
+constexpr size_t kArCeMin = ~size_t{0};
 
 constexpr size_t kDescBytes = sizeof(cudaIpcMemHandle_t) + 3 * sizeof(uint64_t);
 
@@ -245,6 +249,12 @@ void GpuEngine::all_reduce_reg(size_t count, int dtype, int op, uintptr_t stream
   const size_t es = dtype_size(dtype);
   if (es == 0) throw Error(ErrorKind::Type, "all_reduce: unsupported dtype code");
   if (count == 0 || nranks_ == 1) throw Error(ErrorKind::Invalid, "all_reduce_reg: needs count > 0 and 2+ ranks");
+  // LINKWISE_GPU_AR_ALGO (read per call, same on every rank): "ce" = both halves on the copy
+  // engines (reg_allreduce_ce.cu), "direct" = reg_reduce_kernel; default: ce from
+  // kArCeMin bytes (docs/benchmarks.md, fourth session).
+  const char* algo = std::getenv("LINKWISE_GPU_AR_ALGO");
+  const bool ce = algo && *algo ? std::strcmp(algo, "ce") == 0 : count * es >= kArCeMin;
+  if (ce) return all_reduce_ce(count, dtype, op, stream);
   const size_t V = 16 / es;
   size_t chunk = ((count + nranks_ - 1) / nranks_ + V - 1) / V * V;  // chunk r starts 16-byte aligned
   size_t lo = chunk * rank_ < count ? chunk * rank_ : count;
@@ -273,6 +283,8 @@ void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece
   // chain below (the only form for 2 ranks). Measured in docs/benchmarks.md.
   const char* algo = std::getenv("LINKWISE_GPU_BCAST_ALGO");
   const bool push = algo && std::strcmp(algo, "push") == 0, pull = algo && std::strcmp(algo, "pull") == 0;
+  // "pchain": push chain in one kernel (bcast_chain.cu), any number of ranks.
+  if (algo && std::strcmp(algo, "pchain") == 0) return broadcast_pchain(xp, nbytes, root, stream);
   if (nranks_ >= 3 && (push || pull)) {
     const char* r = std::getenv("LINKWISE_GPU_BCAST_ROUNDS");
     int rounds = r && std::atoi(r) > 0 ? std::atoi(r) : 8;

@@ -137,8 +137,15 @@ declare("LINKWISE_GPU_REG_REDUCE_BLOCKS", 0, int,
 declare("LINKWISE_GPU_LL_MAX", 256 << 10, int,
         "GPU all_reduce/broadcast up to this many bytes (at most 262144) use the LL kernels; 0 = off")
 declare("LINKWISE_GPU_BCAST_ALGO", "", str,
-        "registered-buffer GPU broadcast from 3 ranks: 'push' = one-kernel push scatter-allgather, "
-        "'pull' = two-stream copy-engine pull scatter-allgather, else the chain")
+        "registered-buffer GPU broadcast: 'pchain' = one-kernel push chain (any ranks); from 3 "
+        "ranks 'push' = one-kernel push scatter-allgather, 'pull' = two-stream copy-engine pull "
+        "scatter-allgather; 'chain' = the copy-engine chain")
+declare("LINKWISE_GPU_PCHAIN_BLOCKS", 64, int, "tuning: blocks of the push-chain broadcast kernel (at most 256)")
+declare("LINKWISE_GPU_PCHAIN_SLICE", 32 << 10, _size, "tuning: bytes per block per piece of the push-chain broadcast")
+declare("LINKWISE_GPU_AR_ALGO", "", str,
+        "large registered GPU all_reduce: 'ce' = copy-engine reduce-scatter + all-gather, "
+        "'direct' = the one-kernel form; empty = by size")
+declare("LINKWISE_GPU_AR_PIECE", 4 << 20, _size, "tuning: bytes per source per piece of the copy-engine all_reduce")
 declare("LINKWISE_GPU_BCAST_ROUNDS", 8, int, "rounds of the push / pull scatter-allgather broadcast")
 declare("LINKWISE_GPU_BCAST_BLOCKS", 128, int, "tuning: blocks of the push broadcast kernel")
 declare("LINKWISE_GPU_BCAST_UNROLL", 4, int, "tuning: 16-byte loads in flight per thread in the push broadcast (4, 8)")
