@@ -18,9 +18,9 @@
 --pchain  registered broadcast: the push chain (bcast_chain.cu) over LINKWISE_GPU_PCHAIN_BLOCKS /
           _SLICE / LINKWISE_GPU_BCAST_UNROLL, against the copy-engine chain and NCCL called
           directly (cupy); every root checked bitwise on every rank.
---ar-forms  large all_reduce: the direct kernel, the copy-engine form (LINKWISE_GPU_AR_ALGO=ce)
-          over LINKWISE_GPU_AR_PIECE, and reduce_scatter + all_gather called in a row, against
-          NCCL called directly; each checked bitwise against the direct kernel's result.
+--ar-forms  large all_reduce: the one-kernel form, LINKWISE_GPU_AR_ALGO=rsag, and
+          reduce_scatter + all_gather called in a row, against NCCL called directly; each
+          checked bitwise against the one-kernel form's result.
 --final   the >= 64 MiB comparison with default settings: linkwise (comm.<op>), NCCL through
           torch.distributed and NCCL called directly (cupy.cuda.nccl), same tensors, float32;
           busbw with nccl-tests' factors. (On-GPU inputs: the CLI sweep's NumPy inputs and

@@ -1,6 +1,6 @@
 """Sweeps of bench/gpu_tune.py for the fourth session's large forms (--pchain, --ar-forms):
-the push-chain broadcast (csrc/cuda/bcast_chain.cu) and the copy-engine all_reduce
-(csrc/cuda/reg_allreduce_ce.cu), each against NCCL called directly (cupy) on the same tensors
+the push-chain broadcast (csrc/cuda/bcast_chain.cu) and the large all_reduce forms (the
+one-kernel form, registered reduce_scatter + all_gather), each against NCCL called directly (cupy) on the same tensors
 and stream, and checked bitwise in the same run."""
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ PCHAIN_KNOBS = ("LINKWISE_GPU_BCAST_ALGO", "LINKWISE_GPU_PCHAIN_BLOCKS", "LINKWI
                 "LINKWISE_GPU_BCAST_UNROLL")
 # (blocks, slice KiB, unroll); overridable with PCHAIN_SWEEP="b:s:u,b:s:u"
 PCHAIN_SWEEP = [(32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 128, 4), (128, 32, 4), (128, 64, 8)]
-AR_PIECES = (2 << 20, 4 << 20, 8 << 20)
 
 
 def _sizes(a):
@@ -89,10 +88,9 @@ def ar_forms(a, comm, g, torch, t_us, say) -> None:
             xs = x[rank * m:(rank + 1) * m]
             comm.reduce_scatter(x, out=xs)
             comm.all_gather(xs, out=x)
-        forms = [("direct", {"LINKWISE_GPU_AR_ALGO": "direct"}, None)]
-        forms += [(f"ce piece {p >> 20}M", {"LINKWISE_GPU_AR_ALGO": "ce", "LINKWISE_GPU_AR_PIECE": str(p)}, None)
-                  for p in AR_PIECES]
-        forms.append(("rs+ag", {"LINKWISE_GPU_AR_ALGO": "direct"}, rsag))
+        forms = [("direct", {"LINKWISE_GPU_AR_ALGO": "direct"}, None),
+                 ("rsag (engine)", {"LINKWISE_GPU_AR_ALGO": "rsag"}, None),
+                 ("rs+ag (two calls)", {"LINKWISE_GPU_AR_ALGO": "direct"}, rsag)]
         want = None
         for name, env, fn in forms:
             os.environ.update(env)
@@ -108,6 +106,5 @@ def ar_forms(a, comm, g, torch, t_us, say) -> None:
             say({"what": "ar-forms", "algo": name, "bytes": size, "us": round(us, 1), "ok": ok,
                  "busbw": round(f * size / us / 1e3, 1), "nccl_cupy_busbw": round(f * size / nc / 1e3, 1),
                  "ratio": round(nc / us, 3)})
-        for k in ("LINKWISE_GPU_AR_ALGO", "LINKWISE_GPU_AR_PIECE"):
-            os.environ.pop(k, None)
+        os.environ.pop("LINKWISE_GPU_AR_ALGO", None)
     direct.close()

@@ -64,22 +64,19 @@ def test_reg_all_reduce_dtypes_ops_sizes():
     _check(run_ranks(_nranks(), _body, cases, env=REG_RED_ENV, timeout=300))
 
 
-def test_reg_all_reduce_copy_engines():
-    """The copy-engine all_reduce (LINKWISE_GPU_AR_ALGO=ce, reg_allreduce_ce.cu) gives the
-    rank-order reference bitwise: every dtype and op, in place and out=, misaligned; 4 KiB
-    pieces over a 64 KiB scratch slot (many pieces, staging slots reused), then the default
-    piece; on 3 ranks too (chunks of unequal length, some empty)."""
+def test_reg_all_reduce_rsag():
+    """all_reduce as registered reduce_scatter + all_gather (LINKWISE_GPU_AR_ALGO=rsag, the
+    default from LINKWISE_GPU_AR_RSAG_MIN) gives the rank-order reference bitwise: every dtype,
+    sum / max / avg / prod, in place and out=, misaligned; counts not divisible by the ranks
+    take the one-kernel form; on 3 ranks too."""
     cases = [("ar", c, d, o, 0, j % 2 == 0) for d in DTYPES for o in ("sum", "max", "avg")
-             for j, c in enumerate((1, 7, 65537, 300001))]
-    cases += [("ar", c, d, "prod", 1, ip) for d in ("float32", "int64") for c in (5, 100003)
+             for j, c in enumerate((12, 7, 120000, 300000))]
+    cases += [("ar", c, d, "prod", 1, ip) for d in ("float32", "int64") for c in (24, 100008)
               for ip in (True, False)]
-    env = {**REG_RED_ENV, "LINKWISE_GPU_AR_ALGO": "ce", "LINKWISE_GPU_AR_PIECE": "4096",
-           "LINKWISE_GPU_SLOT_BYTES": str(64 * 1024)}
+    env = {**REG_RED_ENV, "LINKWISE_GPU_AR_ALGO": "rsag"}
     _check(run_ranks(_nranks(), _body, cases, env=env, timeout=300))
-    big = [("ar", (8 << 20) + 3, "float32", "sum", 0, True), ("ar", (4 << 20) + 1, "bfloat16", "sum", 1, False)]
-    _check(run_ranks(_nranks(), _body, big, env={**REG_RED_ENV, "LINKWISE_GPU_AR_ALGO": "ce"}, timeout=300))
     if _nranks() >= 4:
-        _check(run_ranks(3, _body, cases[:12] + big, env=env, timeout=300))
+        _check(run_ranks(3, _body, cases[:12], env=env, timeout=300))
 
 
 def test_reg_reduce_scatter_dtypes_ops_sizes():
@@ -144,6 +141,35 @@ def test_reg_path_capture_falls_back():
     _check(run_ranks(_nranks(), _capture_body, None, env=REG_RED_ENV, timeout=300))
 
 
+def _bcast_capture_body(comm, _):
+    """A broadcast at a registered size on a capturing stream takes the scratch kernel."""
+    g, torch = _setup(comm)
+    r, errors = comm.rank, []
+    x = torch.zeros(40001, dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside capture
+        g.broadcast(x, root=1 % comm.size)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g.broadcast(x, root=1 % comm.size)
+    for it in range(2):
+        want = (torch.arange(x.numel()) * 3 + it) % 251
+        x.copy_(want.to(torch.uint8) if r == 1 % comm.size else torch.zeros_like(want).to(torch.uint8))
+        graph.replay()
+        torch.cuda.synchronize()
+        if not torch.equal(x.cpu(), want.to(torch.uint8)):
+            errors.append(f"rank {r} replay {it}: captured broadcast wrong")
+    g.close()
+    return errors
+
+
+def test_reg_broadcast_capture_falls_back():
+    env = {**SAFE_ENV, "LINKWISE_GPU_REG_MIN": "1", "LINKWISE_GPU_BCAST_REG_MIN": "1"}
+    _check(run_ranks(_nranks(), _bcast_capture_body, None, env=env, timeout=300))
+
+
 def test_reg_reduce_kernel_variants():
     """The tuning variants of reg_reduce_kernel (LINKWISE_GPU_REG_REDUCE_UNROLL 1 and 4; float32,
     float16, bfloat16 sum) give the reference bitwise, aligned or not, in place or not."""
@@ -196,7 +222,7 @@ BCAST_FORMS = {
     "pull-r1": {**_PULL, "LINKWISE_GPU_BCAST_ROUNDS": "1"},
     "pull-r3": {**_PULL, "LINKWISE_GPU_BCAST_ROUNDS": "3"},
     "chain-4k": {"LINKWISE_GPU_BCAST_ALGO": "chain", "LINKWISE_GPU_CHAIN_PIECE": "4096"},
-    "pchain": {"LINKWISE_GPU_BCAST_ALGO": "pchain"},
+    "pchain": {},  # the default from 3 ranks
     "pchain-b3-s4k": {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": "3",
                       "LINKWISE_GPU_PCHAIN_SLICE": "4096"},
     "pchain-b256-u8": {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": "300",
@@ -214,7 +240,7 @@ def test_reg_broadcast_forms(form):
     empty); on 4 ranks, then (push, pull, push chain) on 3 and (push chain) on 2."""
     env = {**SAFE_ENV, "LINKWISE_GPU_REG_MIN": "1", "LINKWISE_GPU_BCAST_REG_MIN": "1", **BCAST_FORMS[form]}
     _check(run_ranks(_nranks(), _bcast_body, BCAST_SIZES, env=env, timeout=300))
-    if _nranks() >= 4 and form in ("push-r3-b7", "pull-r3", "pchain-b3-s4k"):  # 3 ranks: two non-roots
+    if _nranks() >= 4 and form in ("push-r3-b7", "pull-r3", "pchain-b3-s4k", "pchain"):  # 3 ranks
         _check(run_ranks(3, _bcast_body, BCAST_SIZES, env=env, timeout=300))
     if _nranks() >= 3 and form == "pchain-b3-s4k":  # the push chain also serves 2 ranks
         _check(run_ranks(2, _bcast_body, BCAST_SIZES, env=env, timeout=300))

@@ -163,12 +163,15 @@ void GpuEngine::broadcast_pchain(char* xp, size_t nbytes, int root, uintptr_t st
   if (!last && !im.reg[0][succ]) throw Error(ErrorKind::Invalid, "broadcast_reg: successor's buffer not mapped");
   // Tuning knobs (read per call; every rank must see the same values): blocks and bytes per
   // block per piece (rounded up to 4096), 16-byte loads in flight per thread (4 or 8).
-  // Defaults from the sweep in docs/benchmarks.md (fourth session).
+  // Defaults from the sweep on 4xH200 in docs/benchmarks.md (fourth session): 32 blocks x
+  // 64 KiB below 128 MiB (best at 64 MiB), 64 x 128 KiB from 128 MiB (best at 128 MiB, level
+  // with the best at 512 MiB).
+  const bool big = nbytes >= (128u << 20);
   const char* e = std::getenv("LINKWISE_GPU_PCHAIN_BLOCKS");
-  int blocks = e && std::atoi(e) > 0 ? std::atoi(e) : 64;
+  int blocks = e && std::atoi(e) > 0 ? std::atoi(e) : big ? 64 : 32;
   if (blocks > kChainBlocks) blocks = kChainBlocks;
   e = std::getenv("LINKWISE_GPU_PCHAIN_SLICE");
-  size_t slice = e && std::atoll(e) > 0 ? static_cast<size_t>(std::atoll(e)) : (32u << 10);
+  size_t slice = e && std::atoll(e) > 0 ? static_cast<size_t>(std::atoll(e)) : big ? (128u << 10) : (64u << 10);
   slice = (slice + 4095) / 4096 * 4096;
   e = std::getenv("LINKWISE_GPU_BCAST_UNROLL");
   const bool u8 = e && std::atoi(e) == 8;

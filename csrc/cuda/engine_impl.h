@@ -41,11 +41,7 @@ struct EngineImpl {
   // destroyed by GpuEngine::close; used only inside one call (joined before it returns).
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
-  // Copy-engine all_reduce (reg_allreduce_ce.cu): per staging slot, "pieces pulled" (side
-  // stream) and "piece reduced" (caller's stream). Created on first use, destroyed with side.
-  cudaEvent_t ce_copied[8] = {}, ce_reduced[8] = {};
 };
-constexpr int kCeSlots = 8;  // EngineImpl::ce_copied's length
 
 // Registered-path synchronisation (reg_engine.cu, sig_kernel): one launch posts
 // sig[pk[i]][rank] += pa[i] on peer pp[i] (after a system fence: every earlier write of the

@@ -115,8 +115,6 @@ class GpuEngine {
   void broadcast_push(char* x, size_t nbytes, int root, int rounds, uintptr_t stream);
   // Push chain, any number of ranks, one kernel (bcast_chain.cu).
   void broadcast_pchain(char* x, size_t nbytes, int root, uintptr_t stream);
-  // all_reduce with both halves on the copy engines (reg_allreduce_ce.cu).
-  void all_reduce_ce(size_t count, int dtype, int op, uintptr_t stream);
   int sm_count_ = 0;
 
   int rank_, nranks_, device_;

@@ -16,7 +16,8 @@
 //    i-1 and waits for i+1's, so nobody's x changes while its successor still reads it.
 //    From 3 ranks LINKWISE_GPU_BCAST_ALGO selects a scatter-allgather instead: "push" (one
 //    kernel, bcast_push.cu) or "pull" (copy engines on two streams, reg_pipeline.cu);
-//    "pchain" (any ranks) is a chain of SM stores in one kernel (bcast_chain.cu).
+//    "pchain" (any ranks; the default from 3 ranks) is a chain of SM stores in one kernel
+//    (bcast_chain.cu), and the copy-engine chain here the default for 2 ranks.
 //  * send/recv: the sender posts kSigP2pReady and waits kSigP2pDone; the receiver waits
 //    ready, pulls the sender's x, posts done.
 //  * all_reduce / reduce_scatter (large): rendezvous -> reg_reduce_kernel -> rendezvous; the
@@ -68,9 +69,6 @@ GetRangeFn get_range_fn() {
   }();
   return fn;
 }
-
-// Default of LINKWISE_GPU_AR_ALGO: the copy-engine all_reduce from this many bytes.
-constexpr size_t kArCeMin = ~size_t{0};
 
 constexpr size_t kDescBytes = sizeof(cudaIpcMemHandle_t) + 3 * sizeof(uint64_t);
 
@@ -249,12 +247,6 @@ void GpuEngine::all_reduce_reg(size_t count, int dtype, int op, uintptr_t stream
   const size_t es = dtype_size(dtype);
   if (es == 0) throw Error(ErrorKind::Type, "all_reduce: unsupported dtype code");
   if (count == 0 || nranks_ == 1) throw Error(ErrorKind::Invalid, "all_reduce_reg: needs count > 0 and 2+ ranks");
-  // LINKWISE_GPU_AR_ALGO (read per call, same on every rank): "ce" = both halves on the copy
-  // engines (reg_allreduce_ce.cu), "direct" = reg_reduce_kernel; default: ce from
-  // kArCeMin bytes (docs/benchmarks.md, fourth session).
-  const char* algo = std::getenv("LINKWISE_GPU_AR_ALGO");
-  const bool ce = algo && *algo ? std::strcmp(algo, "ce") == 0 : count * es >= kArCeMin;
-  if (ce) return all_reduce_ce(count, dtype, op, stream);
   const size_t V = 16 / es;
   size_t chunk = ((count + nranks_ - 1) / nranks_ + V - 1) / V * V;  // chunk r starts 16-byte aligned
   size_t lo = chunk * rank_ < count ? chunk * rank_ : count;
@@ -278,13 +270,16 @@ void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece
   EngineImpl& im = *impl_;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   char* xp = reinterpret_cast<char*>(x);
-  // 3+ ranks, LINKWISE_GPU_BCAST_ALGO: "push" = one-kernel push scatter-allgather
-  // (bcast_push.cu), "pull" = two-stream pull scatter-allgather (reg_pipeline.cu); else the
-  // chain below (the only form for 2 ranks). Measured in docs/benchmarks.md.
+  // LINKWISE_GPU_BCAST_ALGO: "pchain" = push chain in one kernel (bcast_chain.cu), any number
+  // of ranks, and the default from 3 ranks (faster than every other form at 64-512 MiB on
+  // 4xH200; 2 ranks were not measured and keep the copy-engine chain); "chain" = the
+  // copy-engine chain below; from 3 ranks "push" = one-kernel push scatter-allgather
+  // (bcast_push.cu), "pull" = two-stream pull scatter-allgather (reg_pipeline.cu). Measured
+  // in docs/benchmarks.md.
   const char* algo = std::getenv("LINKWISE_GPU_BCAST_ALGO");
   const bool push = algo && std::strcmp(algo, "push") == 0, pull = algo && std::strcmp(algo, "pull") == 0;
-  // "pchain": push chain in one kernel (bcast_chain.cu), any number of ranks.
-  if (algo && std::strcmp(algo, "pchain") == 0) return broadcast_pchain(xp, nbytes, root, stream);
+  if (algo && *algo ? std::strcmp(algo, "pchain") == 0 : nranks_ >= 3)
+    return broadcast_pchain(xp, nbytes, root, stream);
   if (nranks_ >= 3 && (push || pull)) {
     const char* r = std::getenv("LINKWISE_GPU_BCAST_ROUNDS");
     int rounds = r && std::atoi(r) > 0 ? std::atoi(r) : 8;

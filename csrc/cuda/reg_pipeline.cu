@@ -58,11 +58,6 @@ void release_side(EngineImpl& im) {
   if (im.join) cudaEventDestroy(im.join);
   if (im.side) cudaStreamDestroy(im.side);
   im.side = nullptr, im.fork = im.join = nullptr;
-  for (int j = 0; j < kCeSlots; ++j) {
-    if (im.ce_copied[j]) cudaEventDestroy(im.ce_copied[j]);
-    if (im.ce_reduced[j]) cudaEventDestroy(im.ce_reduced[j]);
-    im.ce_copied[j] = im.ce_reduced[j] = nullptr;
-  }
 }
 
 void GpuEngine::broadcast_pull(char* xp, size_t nbytes, int root, int rounds, uintptr_t stream) {
