@@ -15,6 +15,12 @@
 --bcast-forms  registered broadcast forms against NCCL called directly (cupy), same tensors:
           chain, two-stream pull, one-kernel push over LINKWISE_GPU_BCAST_ROUNDS / _BLOCKS /
           _UNROLL, and the scratch kernel below 128 MiB; every root checked bitwise on every rank.
+--pchain  registered broadcast: the push chain (bcast_chain.cu) over LINKWISE_GPU_PCHAIN_BLOCKS /
+          _SLICE / LINKWISE_GPU_BCAST_UNROLL, against the copy-engine chain and NCCL called
+          directly (cupy); every root checked bitwise on every rank.
+--ar-forms  large all_reduce: the one-kernel form, LINKWISE_GPU_AR_ALGO=rsag, and
+          reduce_scatter + all_gather called in a row, against NCCL called directly; each
+          checked bitwise against the one-kernel form's result.
 --final   the >= 64 MiB comparison with default settings: linkwise (comm.<op>), NCCL through
           torch.distributed and NCCL called directly (cupy.cuda.nccl), same tensors, float32;
           busbw with nccl-tests' factors. (On-GPU inputs: the CLI sweep's NumPy inputs and
@@ -40,6 +46,8 @@ def main() -> int:
     ap.add_argument("--reduce", action="store_true")
     ap.add_argument("--bcast", action="store_true")
     ap.add_argument("--bcast-forms", action="store_true")
+    ap.add_argument("--pchain", action="store_true")
+    ap.add_argument("--ar-forms", action="store_true")
     ap.add_argument("--final", action="store_true",
                     help="large all_reduce, reduce_scatter, all_gather, broadcast with the default "
                          "settings, against nccl (torch.distributed) and nccl-cupy, float32")
@@ -73,7 +81,7 @@ def main() -> int:
         return 1e6 * time_ops(torch, stream, fn, iters, warm, graph, barrier, helper.max_over_ranks)
 
     dist = None
-    if a.reduce or a.bcast or a.final or a.bcast_forms:
+    if a.reduce or a.bcast or a.final or a.bcast_forms or a.ar_forms:
         import torch.distributed as dist
         from linkwise.bench.runner import _share_port
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_share_port(helper)}",
@@ -192,6 +200,14 @@ def main() -> int:
 
     if a.bcast_forms:
         bcast_forms(a, comm, g, torch, t_us, say)
+    if a.pchain:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from gpu_tune_forms import pchain_forms
+        pchain_forms(a, comm, g, torch, t_us, say)
+    if a.ar_forms:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from gpu_tune_forms import ar_forms
+        ar_forms(a, comm, g, torch, t_us, say)
 
     if a.final:
         from linkwise.bench.gpu_nccl import NcclDirectBackend

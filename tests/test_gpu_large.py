@@ -64,6 +64,21 @@ def test_reg_all_reduce_dtypes_ops_sizes():
     _check(run_ranks(_nranks(), _body, cases, env=REG_RED_ENV, timeout=300))
 
 
+def test_reg_all_reduce_rsag():
+    """all_reduce as registered reduce_scatter + all_gather (LINKWISE_GPU_AR_ALGO=rsag, the
+    default from LINKWISE_GPU_AR_RSAG_MIN) gives the rank-order reference bitwise: every dtype,
+    sum / max / avg / prod, in place and out=, misaligned; counts not divisible by the ranks
+    take the one-kernel form; on 3 ranks too."""
+    cases = [("ar", c, d, o, 0, j % 2 == 0) for d in DTYPES for o in ("sum", "max", "avg")
+             for j, c in enumerate((12, 7, 120000, 300000))]
+    cases += [("ar", c, d, "prod", 1, ip) for d in ("float32", "int64") for c in (24, 100008)
+              for ip in (True, False)]
+    env = {**REG_RED_ENV, "LINKWISE_GPU_AR_ALGO": "rsag"}
+    _check(run_ranks(_nranks(), _body, cases, env=env, timeout=300))
+    if _nranks() >= 4:
+        _check(run_ranks(3, _body, cases[:12], env=env, timeout=300))
+
+
 def test_reg_reduce_scatter_dtypes_ops_sizes():
     cases = [("rs", c, d, o, 0, False) for d in DTYPES for o in OPS for c in (1, 7, 65537)]
     cases += [("rs", c, "bfloat16", "sum", o, ip) for c in (3, 40001) for o in (0, 1) for ip in (True, False)]
@@ -126,6 +141,35 @@ def test_reg_path_capture_falls_back():
     _check(run_ranks(_nranks(), _capture_body, None, env=REG_RED_ENV, timeout=300))
 
 
+def _bcast_capture_body(comm, _):
+    """A broadcast at a registered size on a capturing stream takes the scratch kernel."""
+    g, torch = _setup(comm)
+    r, errors = comm.rank, []
+    x = torch.zeros(40001, dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside capture
+        g.broadcast(x, root=1 % comm.size)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g.broadcast(x, root=1 % comm.size)
+    for it in range(2):
+        want = (torch.arange(x.numel()) * 3 + it) % 251
+        x.copy_(want.to(torch.uint8) if r == 1 % comm.size else torch.zeros_like(want).to(torch.uint8))
+        graph.replay()
+        torch.cuda.synchronize()
+        if not torch.equal(x.cpu(), want.to(torch.uint8)):
+            errors.append(f"rank {r} replay {it}: captured broadcast wrong")
+    g.close()
+    return errors
+
+
+def test_reg_broadcast_capture_falls_back():
+    env = {**SAFE_ENV, "LINKWISE_GPU_REG_MIN": "1", "LINKWISE_GPU_BCAST_REG_MIN": "1"}
+    _check(run_ranks(_nranks(), _bcast_capture_body, None, env=env, timeout=300))
+
+
 def test_reg_reduce_kernel_variants():
     """The tuning variants of reg_reduce_kernel (LINKWISE_GPU_REG_REDUCE_UNROLL 1 and 4; float32,
     float16, bfloat16 sum) give the reference bitwise, aligned or not, in place or not."""
@@ -178,6 +222,11 @@ BCAST_FORMS = {
     "pull-r1": {**_PULL, "LINKWISE_GPU_BCAST_ROUNDS": "1"},
     "pull-r3": {**_PULL, "LINKWISE_GPU_BCAST_ROUNDS": "3"},
     "chain-4k": {"LINKWISE_GPU_BCAST_ALGO": "chain", "LINKWISE_GPU_CHAIN_PIECE": "4096"},
+    "pchain": {},  # the default from 3 ranks
+    "pchain-b3-s4k": {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": "3",
+                      "LINKWISE_GPU_PCHAIN_SLICE": "4096"},
+    "pchain-b256-u8": {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": "300",
+                       "LINKWISE_GPU_BCAST_UNROLL": "8"},
 }
 
 
@@ -185,9 +234,13 @@ BCAST_FORMS = {
 def test_reg_broadcast_forms(form):
     """Registered broadcast, every form: the one-kernel push scatter-allgather (bcast_push.cu)
     with 1 to 64 rounds (clamped to the piece limit; more pieces than bytes at the small sizes),
-    3 to 256 blocks and both unrolls, the two-stream pull scatter-allgather, and the chain with
-    4 KiB pieces (the only form for 2 ranks); on 4 ranks, then (push, pull) on 3."""
+    3 to 256 blocks and both unrolls, the two-stream pull scatter-allgather, the copy-engine
+    chain with 4 KiB pieces, and the push chain (bcast_chain.cu) with 3 blocks x 4 KiB slices
+    (hundreds of pieces), the default geometry, and 300 blocks (clamped to 256; most slices
+    empty); on 4 ranks, then (push, pull, push chain) on 3 and (push chain) on 2."""
     env = {**SAFE_ENV, "LINKWISE_GPU_REG_MIN": "1", "LINKWISE_GPU_BCAST_REG_MIN": "1", **BCAST_FORMS[form]}
     _check(run_ranks(_nranks(), _bcast_body, BCAST_SIZES, env=env, timeout=300))
-    if _nranks() >= 4 and form in ("push-r3-b7", "pull-r3"):  # 3 ranks: two non-roots
+    if _nranks() >= 4 and form in ("push-r3-b7", "pull-r3", "pchain-b3-s4k", "pchain"):  # 3 ranks
         _check(run_ranks(3, _bcast_body, BCAST_SIZES, env=env, timeout=300))
+    if _nranks() >= 3 and form == "pchain-b3-s4k":  # the push chain also serves 2 ranks
+        _check(run_ranks(2, _bcast_body, BCAST_SIZES, env=env, timeout=300))

@@ -38,6 +38,7 @@ namespace linkwise::cuda {
 constexpr int kMaxRanks = 16;
 constexpr int kMaxBlocks = 128;
 constexpr int kPhases = 2;
+constexpr int kChainBlocks = 256;  // Control.chain_blk's length: most blocks of the push chain
 // Per rank: the Control block, then the LL region (ll.cuh: 2 parities x kMaxRanks slots of
 // kLLSlotBytes, written only by the LL kernels), then the data regions. All zeroed at setup.
 constexpr size_t kControlStructBytes = 64 * 1024;
@@ -65,6 +66,12 @@ struct Control {
   // running kernel that finished piece k; the last one resets it to 0 (so it is 0 between
   // launches) and posts kSigPiece to the peers. Written only by this rank's own kernels.
   unsigned int piece_arrive[64];
+  // Push-chain broadcast (bcast_chain.cu): chain_blk[b] counts the pieces that block b of
+  // each call's chain predecessor stored into our x (red.release.sys by it, ld.acquire.sys by
+  // our block b); chain_used[b] is how many of them our block b consumed in earlier calls
+  // (written only by our own block b, read by the next launch). Cumulative, never reset.
+  uint64_t chain_blk[kChainBlocks];
+  uint64_t chain_used[kChainBlocks];
 };
 constexpr int kMaxPieces = 64;  // piece_arrive's length
 enum SigKind : int { kSigChain = 0, kSigChainDone = 1, kSigP2pReady = 2, kSigP2pDone = 3,

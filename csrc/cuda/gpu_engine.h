@@ -119,6 +119,8 @@ class GpuEngine {
   // streams (reg_pipeline.cu), push scatter-allgather in one kernel (bcast_push.cu).
   void broadcast_pull(char* x, size_t nbytes, int root, int rounds, uintptr_t stream);
   void broadcast_push(char* x, size_t nbytes, int root, int rounds, uintptr_t stream);
+  // Push chain, any number of ranks, one kernel (bcast_chain.cu).
+  void broadcast_pchain(char* x, size_t nbytes, int root, uintptr_t stream);
   int sm_count_ = 0;
 
   int rank_, nranks_, device_;

@@ -15,7 +15,9 @@
 //    i-1 posted kSigChain for it, then posts it to i+1; at the end it posts kSigChainDone to
 //    i-1 and waits for i+1's, so nobody's x changes while its successor still reads it.
 //    From 3 ranks LINKWISE_GPU_BCAST_ALGO selects a scatter-allgather instead: "push" (one
-//    kernel, bcast_push.cu) or "pull" (copy engines on two streams, reg_pipeline.cu).
+//    kernel, bcast_push.cu) or "pull" (copy engines on two streams, reg_pipeline.cu);
+//    "pchain" (any ranks; the default from 3 ranks) is a chain of SM stores in one kernel
+//    (bcast_chain.cu), and the copy-engine chain here the default for 2 ranks.
 //  * send/recv: the sender posts kSigP2pReady and waits kSigP2pDone; the receiver waits
 //    ready, pulls the sender's x, posts done.
 //  * all_reduce / reduce_scatter (large): rendezvous -> reg_reduce_kernel -> rendezvous; the
@@ -268,11 +270,16 @@ void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece
   EngineImpl& im = *impl_;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   char* xp = reinterpret_cast<char*>(x);
-  // 3+ ranks, LINKWISE_GPU_BCAST_ALGO: "push" = one-kernel push scatter-allgather
-  // (bcast_push.cu), "pull" = two-stream pull scatter-allgather (reg_pipeline.cu); else the
-  // chain below (the only form for 2 ranks). Measured in docs/benchmarks.md.
+  // LINKWISE_GPU_BCAST_ALGO: "pchain" = push chain in one kernel (bcast_chain.cu), any number
+  // of ranks, and the default from 3 ranks (faster than every other form at 64-512 MiB on
+  // 4xH200; 2 ranks were not measured and keep the copy-engine chain); "chain" = the
+  // copy-engine chain below; from 3 ranks "push" = one-kernel push scatter-allgather
+  // (bcast_push.cu), "pull" = two-stream pull scatter-allgather (reg_pipeline.cu). Measured
+  // in docs/benchmarks.md.
   const char* algo = std::getenv("LINKWISE_GPU_BCAST_ALGO");
   const bool push = algo && std::strcmp(algo, "push") == 0, pull = algo && std::strcmp(algo, "pull") == 0;
+  if (algo && *algo ? std::strcmp(algo, "pchain") == 0 : nranks_ >= 3)
+    return broadcast_pchain(xp, nbytes, root, stream);
   if (nranks_ >= 3 && (push || pull)) {
     const char* r = std::getenv("LINKWISE_GPU_BCAST_ROUNDS");
     int rounds = r && std::atoi(r) > 0 ? std::atoi(r) : 8;

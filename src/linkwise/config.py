@@ -126,8 +126,9 @@ declare("LINKWISE_GPU_MAX_BLOCKS", 0, int, "thread blocks of the GPU collective 
 declare("LINKWISE_GPU_REG", True, _bool, "register user GPU buffers (CUDA IPC) for large transfers")
 declare("LINKWISE_GPU_REG_MIN", 4 << 20, _size,
         "GPU send/recv and all_gather this large move between registered user buffers")
-declare("LINKWISE_GPU_BCAST_REG_MIN", 128 << 20, _size,
-        "GPU broadcasts this large go as a chain of copies between registered buffers")
+declare("LINKWISE_GPU_BCAST_REG_MIN", 64 << 20, _size,
+        "GPU broadcasts this large go as a chain between registered buffers (not while "
+        "capturing a CUDA graph)")
 declare("LINKWISE_GPU_CHAIN_PIECE", 0, _size, "piece of the GPU broadcast chain; 0 = size/8")
 declare("LINKWISE_GPU_REG_REDUCE_MIN", 64 << 20, _size,
         "GPU all_reduce/reduce_scatter this large read peers' registered buffers directly")
@@ -137,8 +138,21 @@ declare("LINKWISE_GPU_REG_REDUCE_BLOCKS", 0, int,
 declare("LINKWISE_GPU_LL_MAX", 256 << 10, int,
         "GPU all_reduce/broadcast up to this many bytes (at most 262144) use the LL kernels; 0 = off")
 declare("LINKWISE_GPU_BCAST_ALGO", "", str,
-        "registered-buffer GPU broadcast from 3 ranks: 'push' = one-kernel push scatter-allgather, "
-        "'pull' = two-stream copy-engine pull scatter-allgather, else the chain")
+        "registered-buffer GPU broadcast: 'pchain' = one-kernel push chain (any ranks; the "
+        "default from 3 ranks); 'chain' = the copy-engine chain (the default for 2 ranks); from 3 "
+        "ranks 'push' = one-kernel push scatter-allgather, 'pull' = two-stream copy-engine pull "
+        "scatter-allgather")
+declare("LINKWISE_GPU_PCHAIN_BLOCKS", 0, int,
+        "tuning: blocks of the push-chain broadcast kernel (at most 256); 0 = 32 below 128 MiB, 64 from it")
+declare("LINKWISE_GPU_PCHAIN_SLICE", 0, int,
+        "tuning: bytes (a plain number) per block per piece of the push-chain broadcast; 0 = 64 KiB "
+        "below 128 MiB, 128 KiB from it")
+declare("LINKWISE_GPU_AR_ALGO", "", str,
+        "large registered GPU all_reduce: 'rsag' = registered reduce_scatter then all_gather, "
+        "'direct' = the one-kernel form; empty = rsag from LINKWISE_GPU_AR_RSAG_MIN bytes")
+declare("LINKWISE_GPU_AR_RSAG_MIN", 512 << 20, _size,
+        "GPU all_reduce as registered reduce_scatter + all_gather from this many bytes (count "
+        "divisible by the ranks)")
 declare("LINKWISE_GPU_BCAST_ROUNDS", 8, int, "rounds of the push / pull scatter-allgather broadcast")
 declare("LINKWISE_GPU_BCAST_BLOCKS", 128, int, "tuning: blocks of the push broadcast kernel")
 declare("LINKWISE_GPU_BCAST_UNROLL", 4, int, "tuning: 16-byte loads in flight per thread in the push broadcast (4, 8)")

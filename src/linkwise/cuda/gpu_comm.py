@@ -10,19 +10,23 @@ copying through the scratch area: each rank describes the allocation holding its
 (IPC handle of its base, offset), the descriptions go over the CPU engine (collectives: a
 host all_gather; send/recv: a host message to the receiver), each peer allocation is mapped
 once and cached per (peer, base) (remapped when the handle changes), and the copy engines
-move the data between user buffers (reg_engine.cu). all_reduce (algo "auto") and
+move the data between user buffers (reg_engine.cu); broadcast (from
+``LINKWISE_GPU_BCAST_REG_MIN``, 64 MiB, and 3+ ranks) is a push chain of SM stores into the
+next rank's buffer in one kernel (bcast_chain.cu). all_reduce (algo "auto") and
 reduce_scatter of ``LINKWISE_GPU_REG_REDUCE_MIN`` bytes and up (the whole buffer; default 64
 MiB) read the peers' registered inputs directly: rank r reduces chunk r from every rank's x
 with NVLink loads and writes it into its own out and (all_reduce) every peer's out, between
 two device-side rendezvous (reg_reduce.cu, reg_engine.cu). The ranks agree on it in the same
 host all_gather that carries the descriptions: if any rank's buffer cannot be registered, all
-of them take the scratch path. Below the threshold, and on a capturing stream, they go through
+of them take the scratch path. From ``LINKWISE_GPU_AR_RSAG_MIN`` (512 MiB) an all_reduce is
+that reduce_scatter into out's own chunk followed by the registered all_gather (_rsag).
+Below the threshold, and on a capturing stream, they go through
 the scratch area (so they stay capturable; every rank must then capture alike, as always).
 With ``LINKWISE_P2P_DISABLE=1`` everything is host-staged (staged.py).
 
-CUDA graphs: all_reduce, reduce_scatter, all_to_all, broadcast below
-``LINKWISE_GPU_BCAST_REG_MIN`` and all_gather below ``LINKWISE_GPU_REG_MIN`` on the NVLink path
-can be captured (torch.cuda.graph, cudaStreamBeginCapture) and replayed: their kernels number
+CUDA graphs: all_reduce, reduce_scatter, all_to_all, broadcast (on a capturing stream it
+takes the scratch kernel at every size) and all_gather below ``LINKWISE_GPU_REG_MIN`` on the
+NVLink path can be captured (torch.cuda.graph, cudaStreamBeginCapture) and replayed: their kernels number
 epochs on the device, so nothing per call lives on the host. Registered-buffer paths,
 send/recv, barrier and the host-staged path cannot: called under capture they raise
 RuntimeError instead of hanging.
@@ -128,7 +132,7 @@ class GpuComm:
         if not config.get("LINKWISE_GPU_REG"):
             self._red_reg_min = 1 << 62
         self._engine.reg_blocks = config.get("LINKWISE_GPU_REG_REDUCE_BLOCKS")  # 0: engine default
-        # The chain beats the scratch broadcast kernel only from ~128 MiB (docs/benchmarks.md).
+        # The push chain beats the scratch broadcast kernel at 64 MiB (docs/benchmarks.md).
         self._bcast_reg_min = max(self._reg_min, config.get("LINKWISE_GPU_BCAST_REG_MIN"))
         self._staged = None
         if config.get("LINKWISE_P2P_DISABLE"):
@@ -212,8 +216,8 @@ class GpuComm:
             raise RuntimeError(
                 f"rank {self.rank}: {what} cannot be captured in a CUDA graph (it synchronises "
                 "with the host or keeps per-call state there); capturable: all_reduce, "
-                "reduce_scatter, all_to_all, broadcast below LINKWISE_GPU_BCAST_REG_MIN and "
-                "all_gather below LINKWISE_GPU_REG_MIN, without LINKWISE_P2P_DISABLE")
+                "reduce_scatter, all_to_all, broadcast, and all_gather below "
+                "LINKWISE_GPU_REG_MIN, without LINKWISE_P2P_DISABLE")
 
     def _reduce_args(self, v: DevArray, op: str, what: str) -> tuple[int, int]:
         if v.dtype not in DTYPES:
@@ -272,11 +276,35 @@ class GpuComm:
             return x if out is None else out
         a = {"auto": 0, "oneshot": 1, "twoshot": 2}[algo]
         s = stream_handle(stream, v)
-        if a == 0 and self._reg_reduce_ok(v.nbytes, s) and self._reg_many([v.ptr, o.ptr]):
-            self._engine.all_reduce_reg(v.count, dt, opc, s)
-            return x if out is None else out
+        if a == 0 and self._reg_reduce_ok(v.nbytes, s):
+            if self._rsag(v, o, dt, opc, s):
+                return x if out is None else out
+            if self._reg_many([v.ptr, o.ptr]):
+                self._engine.all_reduce_reg(v.count, dt, opc, s)
+                return x if out is None else out
         self._engine.all_reduce(v.ptr, o.ptr, v.count, dt, opc, s, a)
         return x if out is None else out
+
+    def _rsag(self, v, o, dt: int, opc: int, s: int) -> bool:
+        """Large all_reduce as the registered reduce_scatter (x's chunk r reduced into out's
+        chunk r) then the registered all_gather of out's chunks: faster than the one-kernel
+        form at 512 MiB on 4xH200, slower at 64 MiB (docs/benchmarks.md, fourth session).
+        LINKWISE_GPU_AR_ALGO: 'rsag' forces it, 'direct' disables it; else from
+        LINKWISE_GPU_AR_RSAG_MIN bytes. Needs count divisible by the ranks. In place is safe:
+        the reduce_scatter's closing rendezvous precedes the all_gather's writes into out."""
+        algo = config.get("LINKWISE_GPU_AR_ALGO")
+        if algo == "direct" or v.count % self.size or (
+                algo != "rsag" and v.nbytes < config.get("LINKWISE_GPU_AR_RSAG_MIN")):
+            return False
+        if not self._reg_many([v.ptr]):
+            return False
+        m = v.count // self.size
+        part = m * (v.nbytes // v.count)
+        own = o.ptr + self.rank * part
+        self._engine.reduce_scatter_reg(own, m, dt, opc, s)
+        self._reg_all(own)
+        self._engine.all_gather_reg(o.ptr, part, s)
+        return True
 
     def reduce_scatter(self, x: Any, out: Any, op: str = "sum", stream: Any = None) -> Any:
         v, o = self._view(x, "reduce_scatter"), self._view(out, "reduce_scatter")
@@ -308,14 +336,17 @@ class GpuComm:
             raise ValueError(f"broadcast: out has {o.nbytes} bytes, x has {v.nbytes}; they must "
                              "have the same size on the root")
         s = stream_handle(stream, v)
-        staged, reg = self._staged is not None, self.size > 1 and o.nbytes >= self._bcast_reg_min
+        staged = self._staged is not None
+        # Registered-buffer path from LINKWISE_GPU_BCAST_REG_MIN, except while the stream is
+        # being captured into a CUDA graph: then the scratch kernel below (capturable).
+        reg = (not staged and self.size > 1 and o.nbytes >= self._bcast_reg_min
+               and not _native().cuda_stream_capturing(s))
         if o is not v and self.rank == root and (staged or reg):
             self._engine.copy_async(o.ptr, v.ptr, o.nbytes, s)
         if staged:
             self._no_capture(s, "host-staged broadcast")
             self._staged.broadcast(o, root, s)
         elif reg:
-            self._no_capture(s, "broadcast of registered buffers (LINKWISE_GPU_BCAST_REG_MIN)")
             self._reg_all(o.ptr)
             self._engine.broadcast_reg(o.ptr, o.nbytes, root, self._piece(o.nbytes), s)
         else:

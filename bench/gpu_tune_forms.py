@@ -1,0 +1,110 @@
+"""Sweeps of bench/gpu_tune.py for the fourth session's large forms (--pchain, --ar-forms):
+the push-chain broadcast (csrc/cuda/bcast_chain.cu) and the large all_reduce forms (the
+one-kernel form, registered reduce_scatter + all_gather), each against NCCL called directly (cupy) on the same tensors
+and stream, and checked bitwise in the same run."""
+from __future__ import annotations
+
+import os
+
+PCHAIN_KNOBS = ("LINKWISE_GPU_BCAST_ALGO", "LINKWISE_GPU_PCHAIN_BLOCKS", "LINKWISE_GPU_PCHAIN_SLICE",
+                "LINKWISE_GPU_BCAST_UNROLL")
+# (blocks, slice KiB, unroll); overridable with PCHAIN_SWEEP="b:s:u,b:s:u"
+PCHAIN_SWEEP = [(32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 128, 4), (128, 32, 4), (128, 64, 8)]
+
+
+def _sizes(a):
+    from linkwise.bench import common
+    return [common.parse_size(v) for v in a.sizes.split(",")]
+
+
+def _direct(comm, g):
+    from linkwise.bench.backends import LinkwiseBackend
+    from linkwise.bench.gpu_nccl import NcclDirectBackend
+    helper = LinkwiseBackend(comm)
+    return helper, NcclDirectBackend(helper, g.device)
+
+
+def pchain_forms(a, comm, g, torch, t_us, say) -> None:
+    helper, direct = _direct(comm, g)
+    c, rank, n = direct.c, comm.rank, comm.size
+    st = torch.cuda.current_stream().cuda_stream
+    saved = g._bcast_reg_min
+    sweep = PCHAIN_SWEEP
+    if os.environ.get("PCHAIN_SWEEP"):
+        sweep = [tuple(int(v) for v in t.split(":")) for t in os.environ["PCHAIN_SWEEP"].split(",")]
+    for size in _sizes(a):
+        cnt = size // 4
+        it = max(5, min(20, int(4e9 / size)))
+        x = torch.empty(cnt, device="cuda")
+        torch.manual_seed(size)
+        xr = torch.randn(cnt, device="cuda")
+        nc = t_us(lambda: c.broadcast(x.data_ptr(), x.data_ptr(), cnt, 7, 0, st), it)
+        forms = [("chain", {"LINKWISE_GPU_BCAST_ALGO": "chain"})]
+        forms += [(f"pchain b{b} s{s}K u{u}", {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": str(b),
+                                                "LINKWISE_GPU_PCHAIN_SLICE": str(s << 10),
+                                                "LINKWISE_GPU_BCAST_UNROLL": str(u)})
+                  for b, s, u in sweep]
+        if size < 128 << 20:
+            forms.append(("scratch", {}))
+        for name, env in forms:
+            for k in PCHAIN_KNOBS:
+                os.environ.pop(k, None)
+            os.environ.update(env)
+            g._bcast_reg_min = 1 << 62 if name == "scratch" else 0
+            ok = True
+            for root in range(n):
+                if rank == root:
+                    x.copy_(xr)
+                else:
+                    x.zero_()
+                g.broadcast(x, root=root)
+                torch.cuda.synchronize()
+                ok &= bool(torch.equal(x, xr))
+            ok = helper.max_over_ranks(0.0 if ok else 1.0) == 0.0
+            us = t_us(lambda: g.broadcast(x, root=0), it)
+            say({"what": "pchain", "algo": name, "bytes": size, "us": round(us, 1), "ok": ok,
+                 "busbw": round(size / us / 1e3, 1), "nccl_cupy_busbw": round(size / nc / 1e3, 1),
+                 "ratio": round(nc / us, 3)})
+        for k in PCHAIN_KNOBS:
+            os.environ.pop(k, None)
+    g._bcast_reg_min = saved
+    direct.close()
+
+
+def ar_forms(a, comm, g, torch, t_us, say) -> None:
+    helper, direct = _direct(comm, g)
+    c, rank, n = direct.c, comm.rank, comm.size
+    st = torch.cuda.current_stream().cuda_stream
+    for size in _sizes(a):
+        cnt = size // 4
+        it = max(5, min(20, int(4e9 / size)))
+        x = torch.empty(cnt, device="cuda")
+        torch.manual_seed(size + rank)
+        xr = torch.randn(cnt, device="cuda")
+        nc = t_us(lambda: c.allReduce(x.data_ptr(), x.data_ptr(), cnt, 7, 0, st), it)
+        m = cnt // n
+
+        def rsag():
+            xs = x[rank * m:(rank + 1) * m]
+            comm.reduce_scatter(x, out=xs)
+            comm.all_gather(xs, out=x)
+        forms = [("direct", {"LINKWISE_GPU_AR_ALGO": "direct"}, None),
+                 ("rsag (engine)", {"LINKWISE_GPU_AR_ALGO": "rsag"}, None),
+                 ("rs+ag (two calls)", {"LINKWISE_GPU_AR_ALGO": "direct"}, rsag)]
+        want = None
+        for name, env, fn in forms:
+            os.environ.update(env)
+            fn = fn or (lambda: comm.all_reduce(x))
+            x.copy_(xr)
+            fn()
+            torch.cuda.synchronize()
+            if want is None:
+                want = x.clone()
+            ok = helper.max_over_ranks(0.0 if torch.equal(x, want) else 1.0) == 0.0
+            us = t_us(fn, it)
+            f = 2 * (n - 1) / n
+            say({"what": "ar-forms", "algo": name, "bytes": size, "us": round(us, 1), "ok": ok,
+                 "busbw": round(f * size / us / 1e3, 1), "nccl_cupy_busbw": round(f * size / nc / 1e3, 1),
+                 "ratio": round(nc / us, 3)})
+        os.environ.pop("LINKWISE_GPU_AR_ALGO", None)
+    direct.close()
