@@ -266,21 +266,10 @@ BCAST_KNOBS = ("LINKWISE_GPU_BCAST_ALGO", "LINKWISE_GPU_BCAST_ROUNDS", "LINKWISE
 
 
 def bcast_forms(a, comm, g, torch, t_us, say) -> None:
-    from linkwise.bench import common
-    from linkwise.bench.backends import LinkwiseBackend
-    from linkwise.bench.gpu_nccl import NcclDirectBackend
-    helper = LinkwiseBackend(comm)
-    direct = NcclDirectBackend(helper, g.device)
-    c, rank, n = direct.c, comm.rank, comm.size
-    st = torch.cuda.current_stream().cuda_stream  # the bench stream (made current)
-    saved = g._bcast_reg_min
-    for size in [common.parse_size(v) for v in a.sizes.split(",")]:
-        cnt = size // 4
-        it = max(5, min(20, int(4e9 / size)))
-        x = torch.empty(cnt, device="cuda")
-        torch.manual_seed(size)
-        xr = torch.randn(cnt, device="cuda")
-        nc = t_us(lambda: c.broadcast(x.data_ptr(), x.data_ptr(), cnt, 7, 0, st), it)
+    """--bcast-forms: the chain, the two-stream pull and the one-kernel push broadcasts."""
+    from gpu_tune_forms import sweep_bcast_forms
+
+    def forms_of(size):
         bc = [("chain", {"LINKWISE_GPU_BCAST_ALGO": "chain"})]
         bc += [(f"pull r{r}", {"LINKWISE_GPU_BCAST_ALGO": "pull", "LINKWISE_GPU_BCAST_ROUNDS": str(r)})
                for r in (4,)]
@@ -290,31 +279,8 @@ def bcast_forms(a, comm, g, torch, t_us, say) -> None:
                                (8, 256, 8), (21, 256, 8))]
         if size < 128 << 20:
             bc.append(("scratch", {}))
-        for name, env in bc:
-            for k in BCAST_KNOBS:
-                os.environ.pop(k, None)
-            os.environ.update(env)
-            g._bcast_reg_min = 1 << 62 if name == "scratch" else 0
-            g._chain_piece = int(env.get("LINKWISE_GPU_CHAIN_PIECE", 0))
-            ok = True
-            for root in range(n):
-                if rank == root:
-                    x.copy_(xr)
-                else:
-                    x.zero_()
-                g.broadcast(x, root=root)
-                torch.cuda.synchronize()
-                ok &= bool(torch.equal(x, xr))
-            ok = helper.max_over_ranks(0.0 if ok else 1.0) == 0.0  # right on every rank
-            us = t_us(lambda: g.broadcast(x, root=0), it)
-            say({"what": "bcast-forms", "op": "broadcast", "algo": name, "bytes": size, "us": round(us, 1),
-                 "ok": ok, "busbw": round(size / us / 1e3, 1), "nccl_cupy_busbw": round(size / nc / 1e3, 1)})
-        for k in BCAST_KNOBS:
-            os.environ.pop(k, None)
-        g._chain_piece = 0
-        del x, xr
-    g._bcast_reg_min = saved
-    direct.close()
+        return bc
+    sweep_bcast_forms(a, comm, g, torch, t_us, say, "bcast-forms", BCAST_KNOBS, forms_of)
 
 
 if __name__ == "__main__":

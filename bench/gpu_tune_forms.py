@@ -24,14 +24,14 @@ def _direct(comm, g):
     return helper, NcclDirectBackend(helper, g.device)
 
 
-def pchain_forms(a, comm, g, torch, t_us, say) -> None:
+def sweep_bcast_forms(a, comm, g, torch, t_us, say, what, knobs, forms_of) -> None:
+    """For each size of --sizes: NCCL's broadcast (called directly), then every (name, env) of
+    forms_of(size) with its knobs set: every root once on fresh data, checked bitwise on every
+    rank, then the time of a root-0 broadcast. "scratch" forces the scratch kernel."""
     helper, direct = _direct(comm, g)
     c, rank, n = direct.c, comm.rank, comm.size
-    st = torch.cuda.current_stream().cuda_stream
-    saved = g._bcast_reg_min
-    sweep = PCHAIN_SWEEP
-    if os.environ.get("PCHAIN_SWEEP"):
-        sweep = [tuple(int(v) for v in t.split(":")) for t in os.environ["PCHAIN_SWEEP"].split(",")]
+    st = torch.cuda.current_stream().cuda_stream  # the bench stream (made current)
+    saved = g._bcast_reg_min, g._chain_piece
     for size in _sizes(a):
         cnt = size // 4
         it = max(5, min(20, int(4e9 / size)))
@@ -39,18 +39,12 @@ def pchain_forms(a, comm, g, torch, t_us, say) -> None:
         torch.manual_seed(size)
         xr = torch.randn(cnt, device="cuda")
         nc = t_us(lambda: c.broadcast(x.data_ptr(), x.data_ptr(), cnt, 7, 0, st), it)
-        forms = [("chain", {"LINKWISE_GPU_BCAST_ALGO": "chain"})]
-        forms += [(f"pchain b{b} s{s}K u{u}", {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": str(b),
-                                                "LINKWISE_GPU_PCHAIN_SLICE": str(s << 10),
-                                                "LINKWISE_GPU_BCAST_UNROLL": str(u)})
-                  for b, s, u in sweep]
-        if size < 128 << 20:
-            forms.append(("scratch", {}))
-        for name, env in forms:
-            for k in PCHAIN_KNOBS:
+        for name, env in forms_of(size):
+            for k in knobs:
                 os.environ.pop(k, None)
             os.environ.update(env)
             g._bcast_reg_min = 1 << 62 if name == "scratch" else 0
+            g._chain_piece = int(env.get("LINKWISE_GPU_CHAIN_PIECE", 0))
             ok = True
             for root in range(n):
                 if rank == root:
@@ -60,15 +54,34 @@ def pchain_forms(a, comm, g, torch, t_us, say) -> None:
                 g.broadcast(x, root=root)
                 torch.cuda.synchronize()
                 ok &= bool(torch.equal(x, xr))
-            ok = helper.max_over_ranks(0.0 if ok else 1.0) == 0.0
+            ok = helper.max_over_ranks(0.0 if ok else 1.0) == 0.0  # right on every rank
             us = t_us(lambda: g.broadcast(x, root=0), it)
-            say({"what": "pchain", "algo": name, "bytes": size, "us": round(us, 1), "ok": ok,
+            say({"what": what, "op": "broadcast", "algo": name, "bytes": size, "us": round(us, 1), "ok": ok,
                  "busbw": round(size / us / 1e3, 1), "nccl_cupy_busbw": round(size / nc / 1e3, 1),
                  "ratio": round(nc / us, 3)})
-        for k in PCHAIN_KNOBS:
+        for k in knobs:
             os.environ.pop(k, None)
-    g._bcast_reg_min = saved
+        x = xr = None  # free this size's tensors before the next size allocates
+    g._bcast_reg_min, g._chain_piece = saved
     direct.close()
+
+
+def pchain_forms(a, comm, g, torch, t_us, say) -> None:
+    """--pchain: the push chain at several block counts / slice sizes against the chain."""
+    sweep = PCHAIN_SWEEP
+    if os.environ.get("PCHAIN_SWEEP"):
+        sweep = [tuple(int(v) for v in t.split(":")) for t in os.environ["PCHAIN_SWEEP"].split(",")]
+
+    def forms_of(size):
+        forms = [("chain", {"LINKWISE_GPU_BCAST_ALGO": "chain"})]
+        forms += [(f"pchain b{b} s{s}K u{u}", {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": str(b),
+                                                "LINKWISE_GPU_PCHAIN_SLICE": str(s << 10),
+                                                "LINKWISE_GPU_BCAST_UNROLL": str(u)})
+                  for b, s, u in sweep]
+        if size < 128 << 20:
+            forms.append(("scratch", {}))
+        return forms
+    sweep_bcast_forms(a, comm, g, torch, t_us, say, "pchain", PCHAIN_KNOBS, forms_of)
 
 
 def ar_forms(a, comm, g, torch, t_us, say) -> None:
