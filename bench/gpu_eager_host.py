@@ -27,6 +27,23 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ.setdefault(_k, _v)
 
 
+def host_us(fn, torch, helper, calls: int = 1000) -> float:
+    """Host µs per call of fn: perf_counter around `calls` back-to-back calls (after 50 warm-up
+    calls and a barrier), best of 3, the slowest rank's. The GPU catches up between the rounds."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    helper.barrier()
+    best = 1e9
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return helper.max_over_ranks(best)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bytes", default="8,32768")
@@ -48,25 +65,12 @@ def main() -> int:
         torch.cuda.synchronize()
         helper.barrier()
 
-    def host_us(fn) -> float:
-        for _ in range(50):
-            fn()
-        barrier()
-        best = 1e9
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for _ in range(1000):
-                fn()
-            best = min(best, (time.perf_counter() - t0) / 1000 * 1e6)
-            torch.cuda.synchronize()
-        return helper.max_over_ranks(best)
-
     def gpu_us(fn) -> float:
         return 1e6 * time_ops(torch, stream, fn, 300, 20, False, barrier, helper.max_over_ranks)
 
     def measure(name, nbytes, fn, general=False):
         comm._gpu_fast = None if general else fast
-        row = {"layer": name, "bytes": nbytes, "host_us": round(host_us(fn), 3),
+        row = {"layer": name, "bytes": nbytes, "host_us": round(host_us(fn, torch, helper), 3),
                "eager_gpu_us": round(gpu_us(fn), 3)}
         comm._gpu_fast = fast
         rows.append(row)

@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -103,18 +102,9 @@ def main() -> int:
             "arrays.view": lambda: view(x, "x"),
             "torch x.add_(1) launch": lambda: x.add_(1),
         }
+        from gpu_eager_host import host_us
         for name, fn in layers.items():
-            for _ in range(50):
-                fn()
-            barrier()
-            best = 1e9
-            for _ in range(3):
-                t0 = time.perf_counter()
-                for _ in range(300):
-                    fn()
-                best = min(best, (time.perf_counter() - t0) / 300 * 1e6)
-                torch.cuda.synchronize()
-            say({"what": "host us/call", "layer": name, "us": round(helper.max_over_ranks(best), 3)})
+            say({"what": "host us/call", "layer": name, "us": round(host_us(fn, torch, helper, 300), 3)})
         for size in (8, 1024, 32 << 10, 256 << 10):
             y = torch.ones(max(1, size // 4), device="cuda")
             yp, k = y.data_ptr(), y.numel()
