@@ -296,11 +296,13 @@ class GpuComm:
         if algo == "direct" or v.count % self.size or (
                 algo != "rsag" and v.nbytes < config.get("LINKWISE_GPU_AR_RSAG_MIN")):
             return False
-        if not self._reg_many([v.ptr]):
-            return False
         m = v.count // self.size
         part = m * (v.nbytes // v.count)
         own = o.ptr + self.rank * part
+        # out's chunk is registered below (_reg_all, no fallback): every rank agrees here that
+        # x and it can be registered, before anything is enqueued (else all take another path).
+        if not self._reg_many([v.ptr, own]):
+            return False
         self._engine.reduce_scatter_reg(own, m, dt, opc, s)
         self._reg_all(own)
         self._engine.all_gather_reg(o.ptr, part, s)
