@@ -85,11 +85,13 @@ def _declined(comm, torch):
         (lambda: comm.all_reduce(torch.ones(4, dtype=torch.uint8, device="cuda")), TypeError, "not supported"),
         (lambda: comm.all_reduce(x, op="xor"), ValueError, "op must be"),
         (lambda: comm.broadcast(x, root=comm.size), ValueError, "root"),
+        (lambda: comm.broadcast(x, root=0, out=torch.empty(x.numel(), dtype=torch.int32, device="cuda")),
+         ValueError, "same dtype"),
         (lambda: comm.broadcast(x, root=0, out=torch.empty(5, device="cuda")), ValueError, "same size"),
     ]
     for k, (fn, exc, text) in enumerate(cases):
-        if k == len(cases) - 1 and comm.rank != 0:
-            continue  # only the root checks the sizes (non-roots ignore x)
+        if k >= len(cases) - 2 and comm.rank != 0:
+            continue  # only the root checks out's dtype and size (non-roots ignore x)
         try:
             fn()
             errors.append(f"rank {comm.rank}: no error for case {k} ({text})")

@@ -327,16 +327,17 @@ class GpuComm:
 
     def broadcast(self, x: Any, root: int = 0, stream: Any = None, out: Any = None) -> Any:
         """Root's x into every rank's x (out None or x), or into every rank's out (non-roots
-        ignore x's contents; the root's x and out must have the same byte size and must not
+        ignore x's contents; the root's x and out must have the same dtype and size and must not
         overlap). Below the LL size the root's kernel copies x to out itself; otherwise (and on
         the registered and host-staged paths) a copy on the stream precedes the broadcast."""
         v = self._view(x, "broadcast")
         o = v if out is None or out is x else self._view(out, "broadcast")
         if not 0 <= root < self.size:
             raise ValueError(f"broadcast: root {root} is out of range 0..{self.size - 1}")
-        if o is not v and self.rank == root and o.nbytes != v.nbytes:
-            raise ValueError(f"broadcast: out has {o.nbytes} bytes, x has {v.nbytes}; they must "
-                             "have the same size on the root")
+        if o is not v and self.rank == root and (o.nbytes != v.nbytes or o.dtype != v.dtype):
+            raise ValueError(f"broadcast: out is {o.dtype} with {o.nbytes} bytes, x is {v.dtype} "
+                             f"with {v.nbytes}; they must have the same dtype and the same size on "
+                             "the root (the bytes are copied, not converted)")
         s = stream_handle(stream, v)
         staged = self._staged is not None
         # Registered-buffer path from LINKWISE_GPU_BCAST_REG_MIN, except while the stream is
