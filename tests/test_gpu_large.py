@@ -244,3 +244,50 @@ def test_reg_broadcast_forms(form):
         _check(run_ranks(3, _bcast_body, BCAST_SIZES, env=env, timeout=300))
     if _nranks() >= 3 and form == "pchain-b3-s4k":  # the push chain also serves 2 ranks
         _check(run_ranks(2, _bcast_body, BCAST_SIZES, env=env, timeout=300))
+
+
+def _bcast_queue_body(comm, sizes):
+    """Push-chain broadcasts queued back to back on one stream with no host sync between them:
+    root, size and the kernel's geometry (blocks, slice bytes) change from call to call, and
+    consecutive calls reuse one buffer (its result cloned on the stream before the next call).
+    Everything is checked after one synchronize at the end."""
+    import os
+    g, torch = _setup(comm)
+    n, r = comm.size, comm.rank
+    geometries = [("3", "4096"), ("0", "0"), ("64", "65536"), ("7", "12288")]
+    plan = []
+    for k in range(9):
+        nbytes = sizes[k % len(sizes)]
+        src = (torch.arange(nbytes, dtype=torch.int64) * 29 + 11 * k) % 251
+        plan.append(((k * 2 + 1) % n, src.to(torch.uint8).cuda()))
+    shared = torch.zeros(max(w.numel() for _, w in plan), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    results = []
+    try:
+        for k, (root, want) in enumerate(plan):
+            blocks, slice_bytes = geometries[k % len(geometries)]
+            os.environ["LINKWISE_GPU_PCHAIN_BLOCKS"] = blocks
+            os.environ["LINKWISE_GPU_PCHAIN_SLICE"] = slice_bytes
+            reuse = k % 3 != 0  # calls 1-2, 4-5, 7-8 broadcast into the same buffer
+            x = shared[:want.numel()] if reuse else torch.zeros_like(want)
+            if r == root:
+                x.copy_(want)
+            g.broadcast(x, root=root)
+            results.append(x.clone() if reuse else x)
+    finally:
+        os.environ.pop("LINKWISE_GPU_PCHAIN_BLOCKS", None)
+        os.environ.pop("LINKWISE_GPU_PCHAIN_SLICE", None)
+    torch.cuda.synchronize()
+    errors = [f"rank {r} call {k} ({want.numel()} B, root {root}): wrong"
+              for k, ((root, want), got) in enumerate(zip(plan, results)) if not torch.equal(got, want)]
+    g.close()
+    return errors
+
+
+def test_reg_broadcast_queued_back_to_back():
+    """The push chain's hand-offs between calls: a rank may store into its successor's buffer
+    only once the successor's previous call is done with it (not covered by the per-call
+    checks above, which read each result on the host before the next call)."""
+    env = {**SAFE_ENV, "LINKWISE_GPU_REG_MIN": "1", "LINKWISE_GPU_BCAST_REG_MIN": "1",
+           "LINKWISE_GPU_BCAST_ALGO": "pchain"}
+    _check(run_ranks(_nranks(), _bcast_queue_body, BCAST_SIZES + [(1 << 20) + 3, 77], env=env, timeout=300))
