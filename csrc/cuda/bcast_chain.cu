@@ -35,6 +35,7 @@
 // without the data and the host raises (PeerError / TimeoutError) at its next call.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -172,6 +173,7 @@ void GpuEngine::broadcast_pchain(char* xp, size_t nbytes, int root, uintptr_t st
   if (blocks > kChainBlocks) blocks = kChainBlocks;
   e = std::getenv("LINKWISE_GPU_PCHAIN_SLICE");
   size_t slice = e && std::atoll(e) > 0 ? static_cast<size_t>(std::atoll(e)) : big ? (128u << 10) : (64u << 10);
+  slice = std::min<size_t>(slice, size_t(1) << 30);  // keeps the rounding and slice * blocks from overflowing
   slice = (slice + 4095) / 4096 * 4096;
   e = std::getenv("LINKWISE_GPU_BCAST_UNROLL");
   const bool u8 = e && std::atoi(e) == 8;
