@@ -97,3 +97,19 @@ def check_all_reduce_matrix(comm, dtypes, sizes_for) -> int:
                 check_equal(x, keep, f"input untouched {dt} {op} {count}")
                 checked += 2
     return checked
+
+
+def check_broadcast(comm, dt: str, count: int, root: int) -> None:
+    """On every rank: broadcast of `count` `dt` elements from `root`, in place (over a buffer
+    of 3s) and with out= (over 5s), against the root's data; the root's input of the out= form
+    must be untouched."""
+    ref = data(root, count, dt, "sum", salt=7)
+    x = ref.copy() if comm.rank == root else np.full(count, 3, np_dtype(dt))
+    comm.broadcast(x, root=root)
+    check_equal(x, ref, f"broadcast {dt} {count} root {root}")
+    src = ref.copy() if comm.rank == root else np.zeros(count, np_dtype(dt))
+    out = np.full(count, 5, np_dtype(dt))
+    comm.broadcast(src, root=root, out=out)
+    check_equal(out, ref, f"broadcast out= {dt} {count} root {root}")
+    if comm.rank == root:
+        check_equal(src, ref, "root's input untouched")

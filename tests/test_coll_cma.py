@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from coll_ref import DTYPES, check_all_reduce_matrix, check_equal, data, np_dtype
+from coll_ref import DTYPES, check_all_reduce_matrix, check_broadcast, check_equal, data
 from multirank import collective_until_peer_error, run_ranks
 
 # Every message of at least one byte goes through CMA, reduced 4 KiB at a time (the floor).
@@ -90,16 +90,7 @@ def _broadcast_body(comm, dtypes):
     for dt in dtypes:
         for count in [0, 1, 7, 1000, 5003, 20_011]:  # 20011 float32: 20 pieces of 4 KiB
             for root in range(comm.size):
-                ref = data(root, count, dt, "sum", salt=7)
-                x = ref.copy() if comm.rank == root else np.full(count, 3, np_dtype(dt))
-                comm.broadcast(x, root=root)
-                check_equal(x, ref, f"broadcast {dt} {count} root {root}")
-                src = ref.copy() if comm.rank == root else np.zeros(count, np_dtype(dt))
-                out = np.full(count, 5, np_dtype(dt))
-                comm.broadcast(src, root=root, out=out)
-                check_equal(out, ref, f"broadcast out= {dt} {count} root {root}")
-                if comm.rank == root:
-                    check_equal(src, ref, "root's input untouched")
+                check_broadcast(comm, dt, count, root)
                 calls += 2 if count else 0
     return calls, comm._shm.cma_calls[1] if comm.size > 1 else None
 

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from coll_ref import DTYPES, check_all_reduce_matrix, check_equal, data, np_dtype
+from coll_ref import DTYPES, check_all_reduce_matrix, check_broadcast, check_equal, data, np_dtype
 from multirank import collective_until_peer_error, run_ranks
 
 LANE_ENV = {"LINKWISE_COLL_THREADS": "3", "LINKWISE_COLL_LANE_MIN": "4K", "LINKWISE_SHM_CMA": "0"}
@@ -97,16 +97,7 @@ def _broadcast_matrix(comm, dtypes, big):
     for dt in dtypes:
         for count in counts:
             for root in range(comm.size):
-                ref = data(root, count, dt, "sum", salt=7)
-                x = ref.copy() if comm.rank == root else np.full(count, 3, np_dtype(dt))
-                comm.broadcast(x, root=root)
-                check_equal(x, ref, f"broadcast {dt} {count} root {root}")
-                src = ref.copy() if comm.rank == root else np.zeros(count, np_dtype(dt))
-                out = np.full(count, 5, np_dtype(dt))
-                comm.broadcast(src, root=root, out=out)
-                check_equal(out, ref, f"broadcast out= {dt} {count} root {root}")
-                if comm.rank == root:
-                    check_equal(src, ref, "root's input untouched")
+                check_broadcast(comm, dt, count, root)
                 checked += 2
     return checked
 
