@@ -18,7 +18,6 @@ way, a torch copy on the root then the in-place broadcast.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -50,32 +49,20 @@ def main() -> int:
     ap.add_argument("--json")
     a = ap.parse_args()
     import torch
-    import linkwise
-    from linkwise.bench.backends import LinkwiseBackend
-    from linkwise.bench.gpu import bench_stream, time_ops
-    comm = linkwise.init()
-    helper = LinkwiseBackend(comm)
-    g = comm.cuda()
-    stream = bench_stream(torch, g.device)
-    rank = comm.rank
+    from gpu_rank import GpuRank
+    R = GpuRank(torch)
+    comm, helper, g, stream, rank = R.comm, R.helper, R.g, R.stream, R.rank
     fast = comm._gpu_fast
-    rows: list = []
-
-    def barrier():
-        torch.cuda.synchronize()
-        helper.barrier()
 
     def gpu_us(fn) -> float:
-        return 1e6 * time_ops(torch, stream, fn, 300, 20, False, barrier, helper.max_over_ranks)
+        return R.time_us(fn, 300, 20, False)
 
     def measure(name, nbytes, fn, general=False):
         comm._gpu_fast = None if general else fast
         row = {"layer": name, "bytes": nbytes, "host_us": round(host_us(fn, torch, helper), 3),
                "eager_gpu_us": round(gpu_us(fn), 3)}
         comm._gpu_fast = fast
-        rows.append(row)
-        if rank == 0:
-            print(json.dumps(row), flush=True)
+        R.say(row)
 
     e, s = g._engine, stream.cuda_stream
     for nbytes in (int(v) for v in a.bytes.split(",")):
@@ -101,9 +88,7 @@ def main() -> int:
         measure("broadcast out= (previous: root copy + in place)", nbytes, old_oop)
         measure("torch x.add_(1)", nbytes, lambda: x.add_(1))
         del q
-    if a.json and rank == 0:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    R.dump(a.json)
     torch.cuda.synchronize()
     comm.close()
     return 0

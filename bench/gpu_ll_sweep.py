@@ -16,7 +16,6 @@ back to the value the process saw at its first call, not to the built-in default
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -57,29 +56,14 @@ def main() -> int:
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     import torch
-    import linkwise
-    from linkwise.bench.backends import LinkwiseBackend
-    from linkwise.bench.gpu import bench_stream, time_ops
+    from gpu_rank import GpuRank
     from linkwise.bench.gpu_nccl import NcclDirectBackend
-    comm = linkwise.init()
-    helper = LinkwiseBackend(comm)
-    g = comm.cuda()
-    stream = bench_stream(torch, g.device)
+    R = GpuRank(torch)
+    comm, helper, g, stream, rank, n, say = R.comm, R.helper, R.g, R.stream, R.rank, R.n, R.say
     s, e = stream.cuda_stream, g._engine
-    rank, n = comm.rank, comm.size
-    out: dict = {"ranks": n, "rows": []}
-
-    def say(row: dict) -> None:
-        out["rows"].append(row)
-        if rank == 0:
-            print(json.dumps(row), flush=True)
-
-    def barrier():
-        torch.cuda.synchronize()
-        helper.barrier()
 
     def t_us(fn, graph=True, iters=100):
-        return round(1e6 * time_ops(torch, stream, fn, iters, 5, graph, barrier, helper.max_over_ranks), 3)
+        return round(R.time_us(fn, iters, 5, graph), 3)
 
     sizes = sorted(set(SMALL + LARGE))
     bufs = {b: torch.ones(b // 4, device="cuda") for b in sizes}
@@ -130,9 +114,7 @@ def main() -> int:
             os.environ.pop(k, None)
     nccl_rows("end")
     direct.close()
-    if rank == 0 and a.json:
-        with open(a.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    R.dump(a.json)
     g.close()
     comm.close()
     return 0

@@ -30,7 +30,6 @@ Timing: linkwise.bench.gpu.time_ops (CUDA events on the bench stream, slowest ra
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -56,28 +55,14 @@ def main() -> int:
     if a.bcast:  # every size of the sweep may take the registered path (set per variant below)
         os.environ.setdefault("LINKWISE_GPU_BCAST_REG_MIN", str(1 << 20))
     import torch
-    import linkwise
+    from gpu_rank import GpuRank
     from linkwise.bench import common
-    from linkwise.bench.backends import LinkwiseBackend
-    from linkwise.bench.gpu import bench_stream, time_ops
-    comm = linkwise.init()
-    helper = LinkwiseBackend(comm)
-    g = comm.cuda()
-    stream = bench_stream(torch, g.device)
-    rank, n = comm.rank, comm.size
-    out: dict = {"ranks": n, "ll_max": os.environ.get("LINKWISE_GPU_LL_MAX", "default"), "rows": []}
-
-    def say(row: dict) -> None:
-        out["rows"].append(row)
-        if rank == 0:
-            print(json.dumps(row), flush=True)
-
-    def barrier():
-        torch.cuda.synchronize()
-        helper.barrier()
+    R = GpuRank(torch, {"ll_max": os.environ.get("LINKWISE_GPU_LL_MAX", "default")})
+    comm, helper, g, stream, rank, n = R.comm, R.helper, R.g, R.stream, R.rank, R.n
+    say = R.say
 
     def t_us(fn, iters, warm=3, graph=False):
-        return 1e6 * time_ops(torch, stream, fn, iters, warm, graph, barrier, helper.max_over_ranks)
+        return R.time_us(fn, iters, warm, graph)
 
     dist = None
     if a.reduce or a.bcast or a.final or a.bcast_forms or a.ar_forms:
@@ -243,9 +228,7 @@ def main() -> int:
 
     if dist is not None:
         dist.destroy_process_group()
-    if rank == 0 and a.json:
-        with open(a.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    R.dump(a.json)
     g.close()
     comm.close()
     return 0
