@@ -69,6 +69,63 @@ def test_host_path_unaffected_and_clear_errors(n):
         assert errs == []
 
 
+def _device_mismatch_body(comm, kind):
+    """Under LINKWISE_CHECK, rank 0 passes a CUDA array and the others host arrays: every rank
+    raises the agreement error naming both kinds of array (nothing is issued on the GPU: the
+    check runs before the GPU side is set up), and the communicator still works afterwards."""
+    x = FakeCuda() if comm.rank == 0 else np.zeros(4, np.float32)
+    call = {"all_reduce": lambda: comm.all_reduce(x), "broadcast": lambda: comm.broadcast(x, root=0),
+            "all_gather": lambda: comm.all_gather(x)}[kind]
+    try:
+        call()
+        return "no error"
+    except ValueError as exc:
+        msg = str(exc)
+        if "disagree" not in msg or "CUDA array" not in msg or "host array" not in msg:
+            return f"unclear error: {msg}"
+    y = np.ones(3, np.float32)
+    comm.all_reduce(y)
+    return "raised" if np.array_equal(y, np.full(3, comm.size, np.float32)) else "wrong after"
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "broadcast", "all_gather"])
+def test_check_mixed_devices_raises_everywhere(kind):
+    assert run_ranks(3, _device_mismatch_body, kind, env={"LINKWISE_CHECK": "1"}, timeout=60) == ["raised"] * 3
+
+
+def _gpu_check_body(comm, _):
+    """LINKWISE_CHECK with real CUDA arrays: agreeing calls run (correct results), a size that
+    differs on the last rank raises on every rank, and the next call works."""
+    import torch
+    torch.cuda.set_device(comm.cuda().device)
+    n, r = comm.size, comm.rank
+    x = torch.full((1000,), float(r + 1), device="cuda")
+    comm.all_reduce(x)
+    out = []
+    if not torch.equal(x.cpu(), torch.full((1000,), float(n * (n + 1) // 2))):
+        out.append("all_reduce under LINKWISE_CHECK wrong")
+    try:
+        comm.broadcast(torch.zeros(7 + (r == n - 1), device="cuda"), root=0)
+        out.append("no error for a size mismatch")
+    except ValueError as exc:
+        if "disagree" not in str(exc):
+            out.append(f"unclear error: {exc}")
+    b = torch.full((5,), float(r), device="cuda")
+    comm.broadcast(b, root=n - 1)
+    if not torch.equal(b.cpu(), torch.full((5,), float(n - 1))):
+        out.append("broadcast after the error wrong")
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.gpu
+def test_check_on_cuda_arrays():
+    import torch
+    n = min(4, torch.cuda.device_count())
+    for bad in run_ranks(n, _gpu_check_body, None, env={**SAFE_ENV, "LINKWISE_CHECK": "1"}, timeout=300):
+        assert bad == []
+
+
 def _gpu_body(comm, sizes):
     import torch
     torch.cuda.set_device(comm.cuda().device)

@@ -45,6 +45,33 @@ def _env_set(name: bytes) -> bool:
     return bool(os.environ.get(name.decode()))
 
 
+def check_agree(comm, kind: str, count: int, dtype: str, op: str, root: int, device: str) -> None:
+    """LINKWISE_CHECK: every rank sends its call's descriptor (kind, count, dtype, op, root,
+    host or CUDA) to every other through a host all_gather, and every rank raises the same
+    ValueError if they differ. A collective step: all ranks must reach it in the same order,
+    which holds whenever LINKWISE_CHECK is set on every rank (host and GPU calls both check)."""
+    try:
+        dcode = DTYPES[dtype] if dtype in DTYPES else 100 + np.dtype(dtype).num
+    except TypeError:  # a name NumPy does not know (e.g. a torch float8): compare by bytes only
+        dcode = 99
+    dev = 1 if device == "cuda" else 0
+    mine = np.array([KINDS[kind], count, dcode, OPS.get(op, -1), root, dev], dtype=np.int64)
+    everyone = np.empty(comm.size * mine.size, dtype=np.int64)
+    _native_module().coll(comm._native, KINDS["all_gather"], mine, everyone, _U8, 0, 0,
+                          comm._next_seq(), 1, 1 << 20, [], -1, [], comm.timeout)
+    rows = everyone.reshape(comm.size, mine.size)
+    if (rows == rows[0]).all():
+        return
+    names = {v: k for k, v in KINDS.items()}
+    opn = {v: k for k, v in OPS.items()}
+    desc = "; ".join(f"rank {r}: {names.get(int(k), k)} count={c} dtype#{d} op={opn.get(int(o), '-')} "
+                     f"root={ro} {'CUDA' if dv else 'host'} array"
+                     for r, (k, c, d, o, ro, dv) in enumerate(rows.tolist()))
+    raise ValueError(f"rank {comm.rank}: {kind}: the ranks disagree ({desc}); call each collective with "
+                     "the same kind, size, dtype, op and root, and arrays on the same kind of device, "
+                     "on every rank")
+
+
 def _native_module():
     from . import _native
     return _native

@@ -79,6 +79,9 @@ def _run(comm, op: str, x: Any, *, out: Any, red: str, root: int, dtype: Optiona
         raise TypeError(f"{op}: dtype= is for host arrays; a CUDA array carries its own dtype")
     if out is not None and not is_cuda(out):
         raise host_device_mix(op, True)
+    from ._coll_args import _env_set
+    if _env_set(b"LINKWISE_CHECK"):
+        _check_agree(comm, op, x, red, root)
     g = comm._gpu_comm if getattr(comm, "_gpu_comm", None) is not None else comm.cuda()
     if op == "all_reduce":
         return g.all_reduce(x, op=red, out=out, stream=stream)
@@ -108,6 +111,21 @@ def _run(comm, op: str, x: Any, *, out: Any, red: str, root: int, dtype: Optiona
             return x
         return g.all_to_all(x, out, stream=stream)
     raise unsupported(op, "use all_reduce / all_gather (every rank gets the result) or copy to the host")
+
+
+def _check_agree(comm, op: str, x: Any, red: str, root: int) -> None:
+    """LINKWISE_CHECK on a CUDA call: the same descriptor the host path sends (count as the host
+    path counts it), marked as a CUDA array, so a rank that passed a host array while the
+    others passed CUDA arrays makes every rank raise instead of hanging."""
+    from . import config
+    if not config.get("LINKWISE_CHECK"):
+        return
+    from .cuda.arrays import view
+    v = view(x, op)
+    count = v.count // comm.size if op == "reduce_scatter" else v.count
+    reducing = op in ("all_reduce", "reduce", "reduce_scatter")
+    comm._check_agree(op, count, v.dtype or f"bytes{v.itemsize}", red if reducing else "",
+                      root if op in ("broadcast", "reduce", "gather", "scatter") else 0, device="cuda")
 
 
 def stream_int(stream: Any) -> int:

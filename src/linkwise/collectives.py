@@ -31,7 +31,7 @@ from . import _gpu_coll, config
 from .plan.schedule import LARGE_PAIR_BCAST, default_schedule
 from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from here
     _ENV, _FAST_CODES, _FAST_CODES_BY_OP, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, CollectiveRequest, _as_array,
-    _dtype_label, _dtype_name, _env_set, _host_out, _native_module, _raw)
+    _dtype_label, _dtype_name, _env_set, _host_out, _native_module, _raw, check_agree)
 
 
 _BARRIER_CODE = _FAST_CODES[(np.dtype(np.uint8), "sum")]
@@ -107,22 +107,10 @@ class CollectivesMixin:
             from .errors import CommAbortedError
             raise CommAbortedError(f"rank {self.rank}: {op} on a closed communicator")
 
-    def _check_agree(self, kind: str, count: int, dtype: str, op: str, root: int) -> None:
-        """LINKWISE_CHECK: gather every rank's descriptor and raise on all ranks if they differ."""
-        dcode = DTYPES[dtype] if dtype in DTYPES else 100 + np.dtype(dtype).num
-        mine = np.array([KINDS[kind], count, dcode, OPS.get(op, -1), root], dtype=np.int64)
-        everyone = np.empty(self.size * mine.size, dtype=np.int64)
-        _native_module().coll(self._native, KINDS["all_gather"], mine, everyone, _U8, 0, 0,
-                              self._next_seq(), 1, 1 << 20, [], -1, [], self.timeout)
-        rows = everyone.reshape(self.size, mine.size)
-        if (rows == rows[0]).all():
-            return
-        names = {v: k for k, v in KINDS.items()}
-        opn = {v: k for k, v in OPS.items()}
-        desc = "; ".join(f"rank {r}: {names.get(int(k), k)} count={c} dtype#{d} op={opn.get(int(o), '-')} root={ro}"
-                         for r, (k, c, d, o, ro) in enumerate(rows.tolist()))
-        raise ValueError(f"rank {self.rank}: {kind}: the ranks disagree ({desc}); call each collective with "
-                         "the same kind, size, dtype, op and root on every rank")
+    def _check_agree(self, kind: str, count: int, dtype: str, op: str, root: int,
+                     device: str = "host") -> None:
+        """LINKWISE_CHECK: raise on every rank if the ranks' calls differ (_coll_args.check_agree)."""
+        check_agree(self, kind, count, dtype, op, root, device)
 
     def _run(self, kind: str, x: Optional[np.ndarray], out: Optional[np.ndarray], dtype: str, op: str,
              root: int, count: int, nbytes: int, async_op: bool, result: Any):

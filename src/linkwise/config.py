@@ -99,7 +99,7 @@ declare("LINKWISE_ALGO", "", _choice("", "ring", "tree", "chain", "direct"),
         "force a collective algorithm (ring, tree, chain, direct); empty picks by size")
 declare("LINKWISE_CHUNK_SIZE", 0, _size, "pipelining chunk of ring/chain collectives in bytes; 0 = default (512K)")
 declare("LINKWISE_CHECK", False, _bool,
-        "verify before each collective that all ranks agree on size/dtype/op/root (raise ValueError if not)")
+        "verify before each collective that all ranks agree on size/dtype/op/root and host vs CUDA arrays (raise ValueError on every rank if not)")
 # Shared-memory collectives on one host (read when a communicator attaches its executor).
 declare("LINKWISE_SHM_CMA", True, _bool,
         "large single-host all_reduce/broadcast copy straight between the ranks' buffers "

@@ -103,7 +103,9 @@ def gpu_comm(comm) -> "GpuComm":
     if g is None:
         g = GpuComm(comm)
         comm._gpu_comm = g
-        if g._staged is None:  # the eager fast path of all_reduce / broadcast (fast.py)
+        # The eager fast path of all_reduce / broadcast (fast.py); not under LINKWISE_CHECK,
+        # whose agreement check runs in _gpu_coll.dispatch (set it before the first GPU call).
+        if g._staged is None and not config.get("LINKWISE_CHECK"):
             from .fast import FastPath
             comm._gpu_fast = g._fast = FastPath(g)
     return g
