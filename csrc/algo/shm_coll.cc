@@ -173,7 +173,8 @@ void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, co
       if (seconds_since(t0) > timeout_)
         throw Error(ErrorKind::Timeout, "rank " + std::to_string(rank_) + ": shared-memory " + what +
                                             " waited more than " + std::to_string(timeout_) + " s for rank " +
-                                            std::to_string(peer) + "; check that every rank calls it, or raise LINKWISE_TIMEOUT",
+                                            std::to_string(peer) + "; check that every rank calls it with the same arguments and host arrays "
+                                            "(LINKWISE_CHECK=1 verifies that), or raise LINKWISE_TIMEOUT",
                     peer);
     }
   }
