@@ -25,6 +25,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -233,6 +234,24 @@ void GpuEngine::reduce_reg(uintptr_t own_dst, size_t offset, size_t len, bool pu
   const int dflt = (push ? sm_count_ / 4 : sm_count_ / 2) * (kThreads / threads);
   size_t cap = static_cast<size_t>(reg_blocks > 0 ? reg_blocks : dflt > 0 ? dflt : 1);
   int blocks = static_cast<int>(want < 1 ? 1 : want < cap ? want : cap);
+  // Work claiming (launch.h RegReduceArgs): LINKWISE_GPU_REG_REDUCE_CHUNK bytes of output per
+  // chunk (rounded to 16-byte packs); 0 or unset keeps the fixed grid-stride split.
+  const char* ck = std::getenv("LINKWISE_GPU_REG_REDUCE_CHUNK");
+  const size_t chunk_bytes = ck && std::atoll(ck) > 0 ? static_cast<size_t>(std::atoll(ck)) : 0;
+  const bool vec_ok = len / (16 / es) > 0;
+  if (chunk_bytes && vec_ok) {
+    const uint64_t nvec = len / (16 / es);
+    a.chunk_packs = std::max<uint64_t>(1, chunk_bytes / 16);
+    a.claim = reinterpret_cast<unsigned long long*>(&im.dev.ctrl(rank_)->dchain_claim);
+    a.claim_base = im.dchain_claimed;
+    // Every block claims until it fails once (also when the kernel takes the unaligned path,
+    // where no block claims at all: then the counter stays and so must the host's total).
+    bool vec = true;
+    for (int q = 0; q < a.nsrc; ++q) vec &= reinterpret_cast<uintptr_t>(a.src[q]) % 16 == 0;
+    for (int d = 0; d < a.ndst; ++d) vec &= reinterpret_cast<uintptr_t>(a.dst[d]) % 16 == 0;
+    if (vec) im.dchain_claimed += (nvec + a.chunk_packs - 1) / a.chunk_packs + blocks;
+    else a.claim = nullptr;
+  }
   rendezvous(im, rank_, nranks_, s);
   check_launch(what);
   if (len > 0) {
@@ -264,6 +283,39 @@ void GpuEngine::reduce_scatter_reg(uintptr_t out, size_t m, int dtype, int op, u
   reduce_reg(out, rank_ * m, m, false, dtype, op, stream, "reduce_scatter");
 }
 
+// all_reduce as reduce_scatter + all_gather in one engine call (GpuComm._rsag). Slot 0 =
+// every rank's x (count = m * nranks elements), slot 1 = every rank's own chunk of out
+// (out + r * m elements on rank r), both mapped by one host all_gather. Ordering contract:
+//  (1) reduce_reg's entry rendezvous, reg_reduce_kernel (rank r reduces chunk r of every x into
+//      its own out chunk), and its exit rendezvous: past it every out chunk is final and no
+//      rank reads any x any more, so (2) may overwrite out even when out == x;
+//  (2) the copy engines pull every peer's out chunk into the same place of our out (rotated
+//      order, so no peer serves two pullers at once; half of them on a second stream at the
+//      same time was 20-25% slower on 4xH200, docs/benchmarks.md fifth session);
+//  (3) exit rendezvous: no rank's stream moves past the call (to reuse out) while a peer may
+//      still pull from its out chunk.
+// One rendezvous and one host all_gather fewer than reduce_scatter_reg then all_gather_reg.
+void GpuEngine::all_reduce_rsag_reg(size_t m, int dtype, int op, uintptr_t stream) {
+  const size_t es = dtype_size(dtype);
+  if (es == 0) throw Error(ErrorKind::Type, "all_reduce: unsupported dtype code");
+  if (m == 0 || nranks_ == 1) throw Error(ErrorKind::Invalid, "all_reduce_rsag_reg: needs count > 0 and 2+ ranks");
+  DeviceGuard g(device_);
+  EngineImpl& im = *impl_;
+  for (int r = 0; r < nranks_; ++r)
+    if (!im.reg[1][r]) throw Error(ErrorKind::Invalid, "all_reduce: buffers not mapped");
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const size_t part = m * es;
+  char* own = im.reg[1][rank_];
+  char* o = own - rank_ * part;
+  reduce_reg(reinterpret_cast<uintptr_t>(own), rank_ * m, m, false, dtype, op, stream, "all_reduce");
+  for (int i = 1; i < nranks_; ++i) {
+    int q = (rank_ + i) % nranks_;
+    LW_CUDA(cudaMemcpyAsync(o + q * part, im.reg[1][q], part, cudaMemcpyDefault, s), "all_reduce");
+  }
+  rendezvous(im, rank_, nranks_, s);
+  check_launch("all_reduce");
+}
+
 void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece, uintptr_t stream) {
   if (nbytes == 0 || nranks_ == 1) return;
   DeviceGuard g(device_);
@@ -278,6 +330,7 @@ void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece
   // in docs/benchmarks.md.
   const char* algo = std::getenv("LINKWISE_GPU_BCAST_ALGO");
   const bool push = algo && std::strcmp(algo, "push") == 0, pull = algo && std::strcmp(algo, "pull") == 0;
+  if (algo && std::strcmp(algo, "dchain") == 0) return broadcast_dchain(xp, nbytes, root, stream);
   if (algo && *algo ? std::strcmp(algo, "pchain") == 0 : nranks_ >= 3)
     return broadcast_pchain(xp, nbytes, root, stream);
   if (nranks_ >= 3 && (push || pull)) {

@@ -297,15 +297,14 @@ class GpuComm:
                 algo != "rsag" and v.nbytes < config.get("LINKWISE_GPU_AR_RSAG_MIN")):
             return False
         m = v.count // self.size
-        part = m * (v.nbytes // v.count)
-        own = o.ptr + self.rank * part
-        # out's chunk is registered below (_reg_all, no fallback): every rank agrees here that
-        # x and it can be registered, before anything is enqueued (else all take another path).
+        own = o.ptr + self.rank * m * (v.nbytes // v.count)
+        # One host all_gather maps every rank's x (slot 0) and its own chunk of out (slot 1);
+        # every rank agrees here that both can be registered, before anything is enqueued
+        # (else all take another path). The engine call is reduce_scatter into that chunk,
+        # one rendezvous, the copy-engine all_gather of the chunks (reg_engine.cu).
         if not self._reg_many([v.ptr, own]):
             return False
-        self._engine.reduce_scatter_reg(own, m, dt, opc, s)
-        self._reg_all(own)
-        self._engine.all_gather_reg(o.ptr, part, s)
+        self._engine.all_reduce_rsag_reg(m, dt, opc, s)
         return True
 
     def reduce_scatter(self, x: Any, out: Any, op: str = "sum", stream: Any = None) -> Any:
