@@ -1,7 +1,7 @@
 """Sweeps of bench/gpu_tune.py for the fourth session's large forms (--pchain, --ar-forms):
 the push-chain broadcast (csrc/cuda/bcast_chain.cu) and the large all_reduce forms (the
-one-kernel form, registered reduce_scatter + all_gather; AR_CHUNKS / DCHAIN_SWEEP add the
-work-claiming forms), each against NCCL called directly (cupy) on the same tensors
+one-kernel form, registered reduce_scatter + all_gather; DCHAIN_SWEEP adds the work-claiming
+chain broadcast), each against NCCL called directly (cupy) on the same tensors
 and stream, and checked bitwise in the same run."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 
 PCHAIN_KNOBS = ("LINKWISE_GPU_BCAST_ALGO", "LINKWISE_GPU_PCHAIN_BLOCKS", "LINKWISE_GPU_PCHAIN_SLICE",
                 "LINKWISE_GPU_BCAST_UNROLL", "LINKWISE_GPU_PCHAIN_THREADS", "LINKWISE_GPU_DCHAIN_BLOCKS",
-                "LINKWISE_GPU_DCHAIN_ITEM", "LINKWISE_GPU_DCHAIN_THREADS")
+                "LINKWISE_GPU_DCHAIN_ITEM", "LINKWISE_GPU_DCHAIN_THREADS", "LINKWISE_GPU_DCHAIN_EARLY")
 # (blocks, slice KiB, unroll[, threads]); overridable with PCHAIN_SWEEP="b:s:u[:t],b:s:u"
 PCHAIN_SWEEP = [(32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 128, 4), (128, 32, 4), (128, 64, 8)]
 
@@ -89,12 +89,14 @@ def pchain_forms(a, comm, g, torch, t_us, say) -> None:
     def forms_of(size):
         forms = [("chain", {"LINKWISE_GPU_BCAST_ALGO": "chain"})] if os.environ.get("PCHAIN_CE") else []
         forms += [(f"pchain b{b} s{s}K u{u} t{t}", _geom_env(b, s, u, t)) for b, s, u, t in sweep]
-        # DCHAIN_SWEEP="blocks:item KiB:threads,...": the work-claiming chain (bcast_dchain.cu)
+        # DCHAIN_SWEEP="blocks:item KiB:threads[:early],...": the work-claiming chain (bcast_dchain.cu)
         for d in filter(None, os.environ.get("DCHAIN_SWEEP", "").split(",")):
-            b, i, t = (int(v) for v in d.split(":"))
-            forms.append((f"dchain b{b} i{i}K t{t}", {
+            b, i, t, *e = (int(v) for v in d.split(":"))
+            early = bool(e and e[0])
+            forms.append((f"dchain b{b} i{i}K t{t}{' early' if early else ''}", {
                 "LINKWISE_GPU_BCAST_ALGO": "dchain", "LINKWISE_GPU_DCHAIN_BLOCKS": str(b),
-                "LINKWISE_GPU_DCHAIN_ITEM": str(i << 10), "LINKWISE_GPU_DCHAIN_THREADS": str(t)}))
+                "LINKWISE_GPU_DCHAIN_ITEM": str(i << 10), "LINKWISE_GPU_DCHAIN_THREADS": str(t),
+                "LINKWISE_GPU_DCHAIN_EARLY": "1" if early else "0"}))
         if size < 128 << 20:
             forms.append(("scratch", {}))
         return forms
@@ -121,11 +123,6 @@ def ar_forms(a, comm, g, torch, t_us, say) -> None:
         forms = [("direct", {"LINKWISE_GPU_AR_ALGO": "direct"}, None),
                  ("rsag (engine)", {"LINKWISE_GPU_AR_ALGO": "rsag"}, None),
                  ("rs+ag (two calls)", {"LINKWISE_GPU_AR_ALGO": "direct"}, rsag)]
-        # AR_CHUNKS="16384,65536": reg_reduce_kernel with work claiming, both forms
-        for ch in filter(None, os.environ.get("AR_CHUNKS", "").split(",")):
-            forms += [(f"{al} claim {int(ch) >> 10}K", {"LINKWISE_GPU_AR_ALGO": al,
-                                                        "LINKWISE_GPU_REG_REDUCE_CHUNK": ch}, None)
-                      for al in ("direct", "rsag")]
         want = None
         for name, env, fn in forms:
             os.environ.update(env)
@@ -141,7 +138,6 @@ def ar_forms(a, comm, g, torch, t_us, say) -> None:
             say({"what": "ar-forms", "algo": name, "bytes": size, "us": round(us, 1), "ok": ok,
                  "busbw": round(f * size / us / 1e3, 1), "nccl_cupy_busbw": round(f * size / nc / 1e3, 1),
                  "ratio": round(nc / us, 3)})
-            os.environ.pop("LINKWISE_GPU_REG_REDUCE_CHUNK", None)
         os.environ.pop("LINKWISE_GPU_AR_ALGO", None)
     direct.close()
 

@@ -181,57 +181,6 @@ def test_reg_reduce_kernel_variants():
         _check(run_ranks(_nranks(), _body, cases, env=env, timeout=300))
 
 
-def test_reg_reduce_claimed_chunks():
-    """reg_reduce_kernel with work claiming (LINKWISE_GPU_REG_REDUCE_CHUNK: blocks take chunks
-    from a counter shared with the work-claiming broadcast): every dtype and op, chunks of one
-    pack and of 4 KiB, all_reduce (one kernel and rsag) and reduce_scatter, aligned or not,
-    interleaved with dchain broadcasts (same counter) in one process; 4 ranks, then 3."""
-    cases = [("ar", c, d, o, 0, j % 2 == 0) for d in DTYPES for o in ("sum", "max")
-             for j, c in enumerate((8, 7, 65536, 300001))]
-    cases += [(k, c, "bfloat16", "prod", off, ip) for k in ("ar", "rs") for c, off, ip in
-              ((40001, 1, False), (65536, 0, True), (4096, 0, False))]
-    for chunk, algo in (("16", "direct"), ("4096", "rsag"), ("4096", "direct")):
-        env = {**REG_RED_ENV, "LINKWISE_GPU_REG_REDUCE_CHUNK": chunk, "LINKWISE_GPU_AR_ALGO": algo,
-               "LINKWISE_GPU_REG_REDUCE_BLOCKS": "5"}
-        _check(run_ranks(_nranks(), _body, cases, env=env, timeout=300))
-    env = {**REG_RED_ENV, "LINKWISE_GPU_REG_REDUCE_CHUNK": "4096", "LINKWISE_GPU_REG_MIN": "1",
-           "LINKWISE_GPU_BCAST_REG_MIN": "1", "LINKWISE_GPU_BCAST_ALGO": "dchain"}
-    if _nranks() >= 3:
-        _check(run_ranks(3, _mixed_claims_body, None, env=env, timeout=300))
-    _check(run_ranks(_nranks(), _mixed_claims_body, None, env=env, timeout=300))
-
-
-def _mixed_claims_body(comm, _):
-    """Registered all_reduce with work claiming and dchain broadcasts queued back to back (both
-    claim from Control.dchain_claim), checked after one synchronize."""
-    from gpu_util import host_input, mismatch, reference
-    g, torch = _setup(comm)
-    n, r = comm.size, comm.rank
-    outs, wants = [], []
-    for i in range(6):
-        count = 65536 + 4 * i
-        if i % 2 == 0:
-            ins = [host_input(q, count, "float32", "sum", seed=900 + i) for q in range(n)]
-            x = ins[r].cuda()
-            g.all_reduce(x)
-            outs.append(x)
-            wants.append(reference(ins, "float32", "sum"))
-        else:
-            want = (torch.arange(count * 4, dtype=torch.int64) * 7 + i) % 251
-            x = want.to(torch.uint8).cuda() if r == i % n else torch.zeros(count * 4, dtype=torch.uint8, device="cuda")
-            g.broadcast(x, root=i % n)
-            outs.append(x)
-            wants.append(want.to(torch.uint8))
-    torch.cuda.synchronize()
-    errors = []
-    for i, (got, want) in enumerate(zip(outs, wants)):
-        bad = mismatch(got.cpu(), want)
-        if bad:
-            errors.append(f"rank {r} call {i}: {bad}")
-    g.close()
-    return errors
-
-
 def _bcast_body(comm, sizes):
     """Registered broadcast (the form the environment selects) from every root, odd byte
     counts, misaligned starts, twice in a row; x is a fresh tensor each time."""
@@ -273,7 +222,8 @@ BCAST_FORMS = {
     "pull-r1": {**_PULL, "LINKWISE_GPU_BCAST_ROUNDS": "1"},
     "pull-r3": {**_PULL, "LINKWISE_GPU_BCAST_ROUNDS": "3"},
     "chain-4k": {"LINKWISE_GPU_BCAST_ALGO": "chain", "LINKWISE_GPU_CHAIN_PIECE": "4096"},
-    "pchain": {},  # the default from 3 ranks
+    "pchain": {"LINKWISE_GPU_BCAST_ALGO": "pchain"},
+    "default": {},  # the work-claiming chain from 3 ranks, the copy-engine chain on 2
     "pchain-b3-s4k": {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": "3",
                       "LINKWISE_GPU_PCHAIN_SLICE": "4096"},
     "pchain-b256-u8": {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": "300",
@@ -281,6 +231,8 @@ BCAST_FORMS = {
     "pchain-t1024": {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": "5",
                      "LINKWISE_GPU_PCHAIN_SLICE": "8192", "LINKWISE_GPU_PCHAIN_THREADS": "1024"},
     "dchain": {"LINKWISE_GPU_BCAST_ALGO": "dchain"},
+    "dchain-early": {"LINKWISE_GPU_BCAST_ALGO": "dchain", "LINKWISE_GPU_DCHAIN_EARLY": "1",
+                     "LINKWISE_GPU_DCHAIN_BLOCKS": "5", "LINKWISE_GPU_DCHAIN_ITEM": "4096"},
     "dchain-b3-i4k-t512": {"LINKWISE_GPU_BCAST_ALGO": "dchain", "LINKWISE_GPU_DCHAIN_BLOCKS": "3",
                            "LINKWISE_GPU_DCHAIN_ITEM": "4096", "LINKWISE_GPU_DCHAIN_THREADS": "512"},
     "dchain-b300": {"LINKWISE_GPU_BCAST_ALGO": "dchain", "LINKWISE_GPU_DCHAIN_BLOCKS": "300",

@@ -68,12 +68,6 @@ struct RegReduceArgs {
   int nsrc = 0, ndst = 0, nranks = 0;
   bool avg = false;
   size_t len = 0;
-  // Work claiming (LINKWISE_GPU_REG_REDUCE_CHUNK > 0): blocks take chunks of chunk_packs
-  // 16-byte packs with atomicAdd on *claim (our Control.dchain_claim; claim_base = its value at
-  // the launch, kept on the host: each launch adds chunks + blocks) instead of a fixed
-  // grid-stride share, so no block is left with work while the others are done.
-  unsigned long long* claim = nullptr;
-  uint64_t claim_base = 0, chunk_packs = 0;
 };
 // variant: 2 = default (2 packs x 8 sources in flight per thread, kThreads threads); 1 and 4
 // are tuning variants for float32/float16/bfloat16 sum (others take the default);

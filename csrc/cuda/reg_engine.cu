@@ -16,8 +16,11 @@
 //    i-1 and waits for i+1's, so nobody's x changes while its successor still reads it.
 //    From 3 ranks LINKWISE_GPU_BCAST_ALGO selects a scatter-allgather instead: "push" (one
 //    kernel, bcast_push.cu) or "pull" (copy engines on two streams, reg_pipeline.cu);
-//    "pchain" (any ranks; the default from 3 ranks) is a chain of SM stores in one kernel
-//    (bcast_chain.cu), and the copy-engine chain here the default for 2 ranks.
+//    "dchain" (any ranks; the default from 3 ranks, bcast_dchain.cu) and "pchain"
+//    (bcast_chain.cu) are chains of SM stores in one kernel, and the copy-engine chain here
+//    the default for 2 ranks.
+//  * all_reduce as reduce_scatter + all_gather (all_reduce_rsag_reg): reduce kernel,
+//    rendezvous, copy-engine pulls of every peer's reduced chunk, rendezvous.
 //  * send/recv: the sender posts kSigP2pReady and waits kSigP2pDone; the receiver waits
 //    ready, pulls the sender's x, posts done.
 //  * all_reduce / reduce_scatter (large): rendezvous -> reg_reduce_kernel -> rendezvous; the
@@ -234,24 +237,6 @@ void GpuEngine::reduce_reg(uintptr_t own_dst, size_t offset, size_t len, bool pu
   const int dflt = (push ? sm_count_ / 4 : sm_count_ / 2) * (kThreads / threads);
   size_t cap = static_cast<size_t>(reg_blocks > 0 ? reg_blocks : dflt > 0 ? dflt : 1);
   int blocks = static_cast<int>(want < 1 ? 1 : want < cap ? want : cap);
-  // Work claiming (launch.h RegReduceArgs): LINKWISE_GPU_REG_REDUCE_CHUNK bytes of output per
-  // chunk (rounded to 16-byte packs); 0 or unset keeps the fixed grid-stride split.
-  const char* ck = std::getenv("LINKWISE_GPU_REG_REDUCE_CHUNK");
-  const size_t chunk_bytes = ck && std::atoll(ck) > 0 ? static_cast<size_t>(std::atoll(ck)) : 0;
-  const bool vec_ok = len / (16 / es) > 0;
-  if (chunk_bytes && vec_ok) {
-    const uint64_t nvec = len / (16 / es);
-    a.chunk_packs = std::max<uint64_t>(1, chunk_bytes / 16);
-    a.claim = reinterpret_cast<unsigned long long*>(&im.dev.ctrl(rank_)->dchain_claim);
-    a.claim_base = im.dchain_claimed;
-    // Every block claims until it fails once (also when the kernel takes the unaligned path,
-    // where no block claims at all: then the counter stays and so must the host's total).
-    bool vec = true;
-    for (int q = 0; q < a.nsrc; ++q) vec &= reinterpret_cast<uintptr_t>(a.src[q]) % 16 == 0;
-    for (int d = 0; d < a.ndst; ++d) vec &= reinterpret_cast<uintptr_t>(a.dst[d]) % 16 == 0;
-    if (vec) im.dchain_claimed += (nvec + a.chunk_packs - 1) / a.chunk_packs + blocks;
-    else a.claim = nullptr;
-  }
   rendezvous(im, rank_, nranks_, s);
   check_launch(what);
   if (len > 0) {
@@ -322,17 +307,19 @@ void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece
   EngineImpl& im = *impl_;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   char* xp = reinterpret_cast<char*>(x);
-  // LINKWISE_GPU_BCAST_ALGO: "pchain" = push chain in one kernel (bcast_chain.cu), any number
-  // of ranks, and the default from 3 ranks (faster than every other form at 64-512 MiB on
-  // 4xH200; 2 ranks were not measured and keep the copy-engine chain); "chain" = the
+  // LINKWISE_GPU_BCAST_ALGO: "dchain" = work-claiming push chain in one kernel
+  // (bcast_dchain.cu), any number of ranks, and the default from 3 ranks (faster than every
+  // other form at 64-512 MiB on 4xH200, docs/benchmarks.md fifth session; 2 ranks were not
+  // measured and keep the copy-engine chain); "pchain" = the push chain with a fixed slice per
+  // block (bcast_chain.cu, the fourth session's default), any number of ranks; "chain" = the
   // copy-engine chain below; from 3 ranks "push" = one-kernel push scatter-allgather
   // (bcast_push.cu), "pull" = two-stream pull scatter-allgather (reg_pipeline.cu). Measured
   // in docs/benchmarks.md.
   const char* algo = std::getenv("LINKWISE_GPU_BCAST_ALGO");
   const bool push = algo && std::strcmp(algo, "push") == 0, pull = algo && std::strcmp(algo, "pull") == 0;
-  if (algo && std::strcmp(algo, "dchain") == 0) return broadcast_dchain(xp, nbytes, root, stream);
-  if (algo && *algo ? std::strcmp(algo, "pchain") == 0 : nranks_ >= 3)
-    return broadcast_pchain(xp, nbytes, root, stream);
+  if (algo && *algo ? std::strcmp(algo, "dchain") == 0 : nranks_ >= 3)
+    return broadcast_dchain(xp, nbytes, root, stream);
+  if (algo && std::strcmp(algo, "pchain") == 0) return broadcast_pchain(xp, nbytes, root, stream);
   if (nranks_ >= 3 && (push || pull)) {
     const char* r = std::getenv("LINKWISE_GPU_BCAST_ROUNDS");
     int rounds = r && std::atoi(r) > 0 ? std::atoi(r) : 8;

@@ -33,47 +33,6 @@ namespace {
 // Variants (tuning, launch_reg_reduce): kUnroll packs per thread per step, kGroup sources
 // loaded together (nranks > kGroup: several groups, in order), kTh threads per block (its
 // register cap: the loads in flight must fit without spilling).
-// Packs [base + u * stride for u < kUnroll] below `end` of the slice: loads from every source,
-// reduction in rank order, stores to every destination (see the pipeline above).
-template <typename T, class Op, int kUnroll, int kGroup>
-__device__ __forceinline__ void reduce_packs(const RegReduceArgs& a, size_t base, size_t stride,
-                                             size_t end) {
-  using A = typename AccT<T>::type;
-  constexpr int V = Pack<T>::kN;
-  Op op;
-  const int ns = a.nsrc, nd = a.ndst;
-  A acc[kUnroll][V];
-  for (int g = 0; g < ns; g += kGroup) {
-    Pack<T> p[kUnroll][kGroup];
-#pragma unroll
-    for (int s = 0; s < kGroup; ++s)
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        size_t i = base + u * stride;
-        if (g + s < ns && i < end) p[u][s].u = reinterpret_cast<const uint4*>(a.src[g + s])[i];
-      }
-#pragma unroll
-    for (int s = 0; s < kGroup; ++s) {
-      if (g + s >= ns) break;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-        for (int k = 0; k < V; ++k)
-          acc[u][k] = g + s == 0 ? up<T>(p[u][s].v[k]) : op(acc[u][k], up<T>(p[u][s].v[k]));
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    size_t i = base + u * stride;
-    if (i >= end) break;
-    Pack<T> r;
-#pragma unroll
-    for (int k = 0; k < V; ++k)
-      r.v[k] = down<T>(a.avg ? acc[u][k] / static_cast<A>(a.nranks) : acc[u][k]);
-    for (int d = 0; d < nd; ++d) reinterpret_cast<uint4*>(a.dst[d])[i] = r.u;
-  }
-}
-
 template <typename T, class Op, int kUnroll, int kGroup, int kTh>
 __global__ void __launch_bounds__(kTh) reg_reduce_kernel(RegReduceArgs a) {
   using A = typename AccT<T>::type;
@@ -88,22 +47,37 @@ __global__ void __launch_bounds__(kTh) reg_reduce_kernel(RegReduceArgs a) {
   size_t done = 0;
   if (vec) {
     const size_t nvec = a.len / V;
-    if (a.claim) {  // work claiming: chunks of chunk_packs packs, block-strided inside a chunk
-      __shared__ uint64_t s_chunk;
-      const uint64_t chunks = (nvec + a.chunk_packs - 1) / a.chunk_packs;
-      for (;;) {
-        if (threadIdx.x == 0) s_chunk = atomicAdd(a.claim, 1ull) - a.claim_base;
-        __syncthreads();
-        const uint64_t ch = s_chunk;
-        __syncthreads();  // every thread read s_chunk before thread 0 claims again
-        if (ch >= chunks) break;
-        const size_t lo = ch * a.chunk_packs, hi = lo + a.chunk_packs < nvec ? lo + a.chunk_packs : nvec;
-        for (size_t base = lo + threadIdx.x; base < hi; base += kUnroll * blockDim.x)
-          reduce_packs<T, Op, kUnroll, kGroup>(a, base, blockDim.x, hi);
+    for (size_t base = tid; base < nvec; base += kUnroll * stride) {
+      A acc[kUnroll][V];
+      for (int g = 0; g < ns; g += kGroup) {
+        Pack<T> p[kUnroll][kGroup];
+#pragma unroll
+        for (int s = 0; s < kGroup; ++s)
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            size_t i = base + u * stride;
+            if (g + s < ns && i < nvec) p[u][s].u = reinterpret_cast<const uint4*>(a.src[g + s])[i];
+          }
+#pragma unroll
+        for (int s = 0; s < kGroup; ++s) {
+          if (g + s >= ns) break;
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+            for (int k = 0; k < V; ++k)
+              acc[u][k] = g + s == 0 ? up<T>(p[u][s].v[k]) : op(acc[u][k], up<T>(p[u][s].v[k]));
+        }
       }
-    } else {
-      for (size_t base = tid; base < nvec; base += kUnroll * stride)
-        reduce_packs<T, Op, kUnroll, kGroup>(a, base, stride, nvec);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        size_t i = base + u * stride;
+        if (i >= nvec) break;
+        Pack<T> r;
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          r.v[k] = down<T>(a.avg ? acc[u][k] / static_cast<A>(a.nranks) : acc[u][k]);
+        for (int d = 0; d < nd; ++d) reinterpret_cast<uint4*>(a.dst[d])[i] = r.u;
+      }
     }
     done = nvec * V;
   }
