@@ -9,7 +9,7 @@ import os
 
 PCHAIN_KNOBS = ("LINKWISE_GPU_BCAST_ALGO", "LINKWISE_GPU_PCHAIN_BLOCKS", "LINKWISE_GPU_PCHAIN_SLICE",
                 "LINKWISE_GPU_BCAST_UNROLL", "LINKWISE_GPU_PCHAIN_THREADS", "LINKWISE_GPU_DCHAIN_BLOCKS",
-                "LINKWISE_GPU_DCHAIN_ITEM", "LINKWISE_GPU_DCHAIN_THREADS", "LINKWISE_GPU_DCHAIN_EARLY")
+                "LINKWISE_GPU_DCHAIN_ITEM", "LINKWISE_GPU_DCHAIN_THREADS")
 # (blocks, slice KiB, unroll[, threads]); overridable with PCHAIN_SWEEP="b:s:u[:t],b:s:u"
 PCHAIN_SWEEP = [(32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 128, 4), (128, 32, 4), (128, 64, 8)]
 
@@ -89,14 +89,12 @@ def pchain_forms(a, comm, g, torch, t_us, say) -> None:
     def forms_of(size):
         forms = [("chain", {"LINKWISE_GPU_BCAST_ALGO": "chain"})] if os.environ.get("PCHAIN_CE") else []
         forms += [(f"pchain b{b} s{s}K u{u} t{t}", _geom_env(b, s, u, t)) for b, s, u, t in sweep]
-        # DCHAIN_SWEEP="blocks:item KiB:threads[:early],...": the work-claiming chain (bcast_dchain.cu)
+        # DCHAIN_SWEEP="blocks:item KiB:threads,...": the work-claiming chain (bcast_dchain.cu)
         for d in filter(None, os.environ.get("DCHAIN_SWEEP", "").split(",")):
-            b, i, t, *e = (int(v) for v in d.split(":"))
-            early = bool(e and e[0])
-            forms.append((f"dchain b{b} i{i}K t{t}{' early' if early else ''}", {
+            b, i, t = (int(v) for v in d.split(":"))
+            forms.append((f"dchain b{b} i{i}K t{t}", {
                 "LINKWISE_GPU_BCAST_ALGO": "dchain", "LINKWISE_GPU_DCHAIN_BLOCKS": str(b),
-                "LINKWISE_GPU_DCHAIN_ITEM": str(i << 10), "LINKWISE_GPU_DCHAIN_THREADS": str(t),
-                "LINKWISE_GPU_DCHAIN_EARLY": "1" if early else "0"}))
+                "LINKWISE_GPU_DCHAIN_ITEM": str(i << 10), "LINKWISE_GPU_DCHAIN_THREADS": str(t)}))
         if size < 128 << 20:
             forms.append(("scratch", {}))
         return forms

@@ -231,8 +231,6 @@ BCAST_FORMS = {
     "pchain-t1024": {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": "5",
                      "LINKWISE_GPU_PCHAIN_SLICE": "8192", "LINKWISE_GPU_PCHAIN_THREADS": "1024"},
     "dchain": {"LINKWISE_GPU_BCAST_ALGO": "dchain"},
-    "dchain-early": {"LINKWISE_GPU_BCAST_ALGO": "dchain", "LINKWISE_GPU_DCHAIN_EARLY": "1",
-                     "LINKWISE_GPU_DCHAIN_BLOCKS": "5", "LINKWISE_GPU_DCHAIN_ITEM": "4096"},
     "dchain-b3-i4k-t512": {"LINKWISE_GPU_BCAST_ALGO": "dchain", "LINKWISE_GPU_DCHAIN_BLOCKS": "3",
                            "LINKWISE_GPU_DCHAIN_ITEM": "4096", "LINKWISE_GPU_DCHAIN_THREADS": "512"},
     "dchain-b300": {"LINKWISE_GPU_BCAST_ALGO": "dchain", "LINKWISE_GPU_DCHAIN_BLOCKS": "300",

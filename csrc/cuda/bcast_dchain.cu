@@ -61,7 +61,7 @@ struct DchainArgs {
   bool root = false;
 };
 
-template <int kU, int kTh, bool kEarly>
+template <int kU, int kTh>
 __global__ void __launch_bounds__(kTh) bcast_dchain_kernel(DevComm c, DchainArgs a) {
   Control* me = c.ctrl(c.rank);
   if (!a.root && blockIdx.x == 0 && threadIdx.x == 0)  // (1) our x is free
@@ -86,37 +86,29 @@ __global__ void __launch_bounds__(kTh) bcast_dchain_kernel(DevComm c, DchainArgs
   }
   // Control warp: lane 0 claims, waits and posts; the whole warp takes part in the barriers.
   uint64_t* theirs = c.ctrl(a.succ)->item_flag;
-  auto claim_raw = [&]() -> uint64_t {  // lane 0: the next item number (may be >= items)
-    return atomicAdd(reinterpret_cast<unsigned long long*>(&me->dchain_claim), 1ull) - a.claim_base;
-  };
-  auto arrive = [&](uint64_t w) {  // lane 0: item w is in our x (non-root; acquire)
+  auto claim = [&]() -> uint64_t {  // lane 0: the next item (may be >= items), awaited (non-root)
+    const uint64_t w = atomicAdd(reinterpret_cast<unsigned long long*>(&me->dchain_claim), 1ull) - a.claim_base;
     if (!a.root && w < a.items) wait_ge(c, &me->item_flag[w], a.call);
+    return w;
   };
-  uint64_t cur = 0, pend = 0;
+  uint64_t cur = 0;
   if (threadIdx.x == 0) {
     wait_ge(c, &me->sig[kSigChainDone][a.succ], a.ready_want);  // (2)
-    cur = claim_raw();
-    arrive(cur);
+    cur = claim();
     s_item[0] = cur;
-    if (kEarly && cur < a.items) pend = claim_raw();
   }
   cur = __shfl_sync(0xffffffffu, cur, 0);
   bar_sync(1);  // go 0
   for (uint64_t k = 0; cur < a.items; ++k) {
     uint64_t next = 0;
     if (threadIdx.x == 0) {
-      // kEarly: `pend` was claimed right after the previous go; else claim it now.
-      next = kEarly ? pend : claim_raw();
-      arrive(next);
+      next = claim();  // while the copy warps copy item cur
       s_item[(k + 1) & 1] = next;
     }
     next = __shfl_sync(0xffffffffu, next, 0);
     bar_sync(2);  // every copy warp issued its stores of item cur
     bar_sync(1);  // go k + 1 (item next, or the end)
     if (threadIdx.x == 0) {
-      // kEarly: claim the item after `next` before the fence, so the claim's round trip is not
-      // between two copy phases (each block still claims until its first failing claim).
-      if (kEarly && next < a.items) pend = claim_raw();
       __threadfence_system();  // cumulative: the copy warps' stores of item cur (ordered by bar 2)
       st_release_sys(&theirs[cur], a.call);
     }
@@ -155,11 +147,8 @@ void GpuEngine::broadcast_dchain(char* xp, size_t nbytes, int root, uintptr_t st
     im.dchain_claimed += a.items + blocks;  // W successful claims and one failing claim per block
   }
   check_launch("broadcast");
-  e = std::getenv("LINKWISE_GPU_DCHAIN_EARLY");
-  const bool early = e && *e == '1';  // claim the next item before the fence (opt-in, see the kernel)
-  if (t512) bcast_dchain_kernel<4, kThreads, false><<<blocks, kThreads, 0, s>>>(im.dev, a);
-  else if (early) bcast_dchain_kernel<4, 1024, true><<<blocks, 1024, 0, s>>>(im.dev, a);
-  else bcast_dchain_kernel<4, 1024, false><<<blocks, 1024, 0, s>>>(im.dev, a);
+  if (t512) bcast_dchain_kernel<4, kThreads><<<blocks, kThreads, 0, s>>>(im.dev, a);
+  else bcast_dchain_kernel<4, 1024><<<blocks, 1024, 0, s>>>(im.dev, a);
   check_launch("broadcast");
 }
 
