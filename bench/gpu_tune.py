@@ -18,6 +18,7 @@
 --pchain  registered broadcast: the push chain (bcast_chain.cu) over LINKWISE_GPU_PCHAIN_BLOCKS /
           _SLICE / LINKWISE_GPU_BCAST_UNROLL, against the copy-engine chain and NCCL called
           directly (cupy); every root checked bitwise on every rank.
+--pchain-trace  per-block timestamps of the push chain's last call of 8 (gpu_tune_forms.py).
 --ar-forms  large all_reduce: the one-kernel form, LINKWISE_GPU_AR_ALGO=rsag, and
           reduce_scatter + all_gather called in a row, against NCCL called directly; each
           checked bitwise against the one-kernel form's result.
@@ -46,6 +47,7 @@ def main() -> int:
     ap.add_argument("--bcast-forms", action="store_true")
     ap.add_argument("--pchain", action="store_true")
     ap.add_argument("--ar-forms", action="store_true")
+    ap.add_argument("--pchain-trace", action="store_true")
     ap.add_argument("--final", action="store_true",
                     help="large all_reduce, reduce_scatter, all_gather, broadcast with the default "
                          "settings, against nccl (torch.distributed) and nccl-cupy, float32")
@@ -179,6 +181,10 @@ def main() -> int:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from gpu_tune_forms import pchain_forms
         pchain_forms(a, comm, g, torch, t_us, say)
+    if a.pchain_trace:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from gpu_tune_forms import pchain_trace
+        pchain_trace(a, comm, g, torch, t_us, say)
     if a.ar_forms:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from gpu_tune_forms import ar_forms

@@ -1,15 +1,31 @@
 """Sweeps of bench/gpu_tune.py for the fourth session's large forms (--pchain, --ar-forms):
 the push-chain broadcast (csrc/cuda/bcast_chain.cu) and the large all_reduce forms (the
-one-kernel form, registered reduce_scatter + all_gather), each against NCCL called directly (cupy) on the same tensors
+one-kernel form, registered reduce_scatter + all_gather; DCHAIN_SWEEP adds the work-claiming
+chain broadcast), each against NCCL called directly (cupy) on the same tensors
 and stream, and checked bitwise in the same run."""
 from __future__ import annotations
 
 import os
 
 PCHAIN_KNOBS = ("LINKWISE_GPU_BCAST_ALGO", "LINKWISE_GPU_PCHAIN_BLOCKS", "LINKWISE_GPU_PCHAIN_SLICE",
-                "LINKWISE_GPU_BCAST_UNROLL")
-# (blocks, slice KiB, unroll); overridable with PCHAIN_SWEEP="b:s:u,b:s:u"
+                "LINKWISE_GPU_BCAST_UNROLL", "LINKWISE_GPU_PCHAIN_THREADS", "LINKWISE_GPU_DCHAIN_BLOCKS",
+                "LINKWISE_GPU_DCHAIN_ITEM", "LINKWISE_GPU_DCHAIN_THREADS")
+# (blocks, slice KiB, unroll[, threads]); overridable with PCHAIN_SWEEP="b:s:u[:t],b:s:u"
 PCHAIN_SWEEP = [(32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 128, 4), (128, 32, 4), (128, 64, 8)]
+
+
+def _sweep():
+    """PCHAIN_SWEEP (env) or the default, as (blocks, slice KiB, unroll, threads) tuples."""
+    sweep = PCHAIN_SWEEP
+    if os.environ.get("PCHAIN_SWEEP"):
+        sweep = [tuple(int(v) for v in t.split(":")) for t in os.environ["PCHAIN_SWEEP"].split(",")]
+    return [tuple(t) + (512,) * (4 - len(t)) for t in sweep]
+
+
+def _geom_env(b, s, u, t):
+    return {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": str(b),
+            "LINKWISE_GPU_PCHAIN_SLICE": str(s << 10), "LINKWISE_GPU_BCAST_UNROLL": str(u),
+            "LINKWISE_GPU_PCHAIN_THREADS": str(t)}
 
 
 def _sizes(a):
@@ -68,16 +84,17 @@ def sweep_bcast_forms(a, comm, g, torch, t_us, say, what, knobs, forms_of) -> No
 
 def pchain_forms(a, comm, g, torch, t_us, say) -> None:
     """--pchain: the push chain at several block counts / slice sizes against the chain."""
-    sweep = PCHAIN_SWEEP
-    if os.environ.get("PCHAIN_SWEEP"):
-        sweep = [tuple(int(v) for v in t.split(":")) for t in os.environ["PCHAIN_SWEEP"].split(",")]
+    sweep = _sweep()
 
     def forms_of(size):
-        forms = [("chain", {"LINKWISE_GPU_BCAST_ALGO": "chain"})]
-        forms += [(f"pchain b{b} s{s}K u{u}", {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": str(b),
-                                                "LINKWISE_GPU_PCHAIN_SLICE": str(s << 10),
-                                                "LINKWISE_GPU_BCAST_UNROLL": str(u)})
-                  for b, s, u in sweep]
+        forms = [("chain", {"LINKWISE_GPU_BCAST_ALGO": "chain"})] if os.environ.get("PCHAIN_CE") else []
+        forms += [(f"pchain b{b} s{s}K u{u} t{t}", _geom_env(b, s, u, t)) for b, s, u, t in sweep]
+        # DCHAIN_SWEEP="blocks:item KiB:threads,...": the work-claiming chain (bcast_dchain.cu)
+        for d in filter(None, os.environ.get("DCHAIN_SWEEP", "").split(",")):
+            b, i, t = (int(v) for v in d.split(":"))
+            forms.append((f"dchain b{b} i{i}K t{t}", {
+                "LINKWISE_GPU_BCAST_ALGO": "dchain", "LINKWISE_GPU_DCHAIN_BLOCKS": str(b),
+                "LINKWISE_GPU_DCHAIN_ITEM": str(i << 10), "LINKWISE_GPU_DCHAIN_THREADS": str(t)}))
         if size < 128 << 20:
             forms.append(("scratch", {}))
         return forms
@@ -121,3 +138,41 @@ def ar_forms(a, comm, g, torch, t_us, say) -> None:
                  "ratio": round(nc / us, 3)})
         os.environ.pop("LINKWISE_GPU_AR_ALGO", None)
     direct.close()
+
+
+def pchain_trace(a, comm, g, torch, t_us, say) -> None:
+    """--pchain-trace: where a push-chain broadcast's time goes. For each size and geometry of
+    PCHAIN_SWEEP: 8 back-to-back root-0 broadcasts with LINKWISE_GPU_PCHAIN_TRACE=1, then the
+    last call's per-block %globaltimer stamps (bcast_chain.cu g_pchain_trace) of every rank, in
+    µs from the root's earliest block start: block start (min / max), piece 0 ready (median /
+    max), last piece ready (median / max), block done (min / median / max)."""
+    import numpy as np
+    sweep = _sweep()
+    saved = g._bcast_reg_min
+    g._bcast_reg_min = 0
+    for size in _sizes(a):
+        x = torch.ones(size // 4, device="cuda")
+        for b, s, u, t in sweep:
+            os.environ.update(_geom_env(b, s, u, t))
+            us = t_us(lambda: g.broadcast(x, root=0), 10)
+            os.environ["LINKWISE_GPU_PCHAIN_TRACE"] = "1"
+            for _ in range(8):
+                g.broadcast(x, root=0)
+            torch.cuda.synchronize()
+            os.environ.pop("LINKWISE_GPU_PCHAIN_TRACE")
+            tr = np.array(g._engine.pchain_trace(), dtype=np.int64).reshape(-1, 4)[:b]
+            allt = np.asarray(comm.all_gather(tr.reshape(-1))).reshape(comm.size, b, 4)
+            t0 = allt[0, :, 0].min()
+            rel = (allt - t0) / 1e3
+            row = {"what": "pchain-trace", "bytes": size, "geom": f"b{b} s{s}K u{u} t{t}", "us": round(us, 1),
+                   "busbw": round(size / us / 1e3, 1)}
+            for r in range(comm.size):
+                q = rel[r]
+                row[f"r{r}"] = [round(float(v), 1) for v in (
+                    q[:, 0].min(), q[:, 0].max(), np.median(q[:, 1]), q[:, 1].max(),
+                    np.median(q[:, 2]), q[:, 2].max(), q[:, 3].min(), np.median(q[:, 3]), q[:, 3].max())]
+            say(row)
+        x = None
+    for k in PCHAIN_KNOBS:
+        os.environ.pop(k, None)
+    g._bcast_reg_min = saved

@@ -222,11 +222,19 @@ BCAST_FORMS = {
     "pull-r1": {**_PULL, "LINKWISE_GPU_BCAST_ROUNDS": "1"},
     "pull-r3": {**_PULL, "LINKWISE_GPU_BCAST_ROUNDS": "3"},
     "chain-4k": {"LINKWISE_GPU_BCAST_ALGO": "chain", "LINKWISE_GPU_CHAIN_PIECE": "4096"},
-    "pchain": {},  # the default from 3 ranks
+    "pchain": {"LINKWISE_GPU_BCAST_ALGO": "pchain"},
+    "default": {},  # the work-claiming chain from 3 ranks, the copy-engine chain on 2
     "pchain-b3-s4k": {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": "3",
                       "LINKWISE_GPU_PCHAIN_SLICE": "4096"},
     "pchain-b256-u8": {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": "300",
                        "LINKWISE_GPU_BCAST_UNROLL": "8"},
+    "pchain-t1024": {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": "5",
+                     "LINKWISE_GPU_PCHAIN_SLICE": "8192", "LINKWISE_GPU_PCHAIN_THREADS": "1024"},
+    "dchain": {"LINKWISE_GPU_BCAST_ALGO": "dchain"},
+    "dchain-b3-i4k-t512": {"LINKWISE_GPU_BCAST_ALGO": "dchain", "LINKWISE_GPU_DCHAIN_BLOCKS": "3",
+                           "LINKWISE_GPU_DCHAIN_ITEM": "4096", "LINKWISE_GPU_DCHAIN_THREADS": "512"},
+    "dchain-b300": {"LINKWISE_GPU_BCAST_ALGO": "dchain", "LINKWISE_GPU_DCHAIN_BLOCKS": "300",
+                    "LINKWISE_GPU_DCHAIN_ITEM": "8192"},
 }
 
 
@@ -240,14 +248,15 @@ def test_reg_broadcast_forms(form):
     empty); on 4 ranks, then (push, pull, push chain) on 3 and (push chain) on 2."""
     env = {**SAFE_ENV, "LINKWISE_GPU_REG_MIN": "1", "LINKWISE_GPU_BCAST_REG_MIN": "1", **BCAST_FORMS[form]}
     _check(run_ranks(_nranks(), _bcast_body, BCAST_SIZES, env=env, timeout=300))
-    if _nranks() >= 4 and form in ("push-r3-b7", "pull-r3", "pchain-b3-s4k", "pchain"):  # 3 ranks
+    if _nranks() >= 4 and form in ("push-r3-b7", "pull-r3", "pchain-b3-s4k", "pchain", "dchain",
+                                   "dchain-b3-i4k-t512"):  # 3 ranks
         _check(run_ranks(3, _bcast_body, BCAST_SIZES, env=env, timeout=300))
-    if _nranks() >= 3 and form == "pchain-b3-s4k":  # the push chain also serves 2 ranks
+    if _nranks() >= 3 and form in ("pchain-b3-s4k", "dchain-b3-i4k-t512"):  # chains serve 2 ranks too
         _check(run_ranks(2, _bcast_body, BCAST_SIZES, env=env, timeout=300))
 
 
 def _bcast_queue_body(comm, sizes):
-    """Push-chain broadcasts queued back to back on one stream with no host sync between them:
+    """Chain broadcasts (LINKWISE_GPU_BCAST_ALGO: pchain or dchain) queued back to back on one stream with no host sync between them:
     root, size and the kernel's geometry (blocks, slice bytes) change from call to call, and
     consecutive calls reuse one buffer (its result cloned on the stream before the next call).
     Everything is checked after one synchronize at the end."""
@@ -255,6 +264,8 @@ def _bcast_queue_body(comm, sizes):
     g, torch = _setup(comm)
     n, r = comm.size, comm.rank
     geometries = [("3", "4096"), ("0", "0"), ("64", "65536"), ("7", "12288")]
+    knobs = {"pchain": ("LINKWISE_GPU_PCHAIN_BLOCKS", "LINKWISE_GPU_PCHAIN_SLICE"),
+             "dchain": ("LINKWISE_GPU_DCHAIN_BLOCKS", "LINKWISE_GPU_DCHAIN_ITEM")}[os.environ["LINKWISE_GPU_BCAST_ALGO"]]
     plan = []
     for k in range(9):
         nbytes = sizes[k % len(sizes)]
@@ -266,8 +277,8 @@ def _bcast_queue_body(comm, sizes):
     try:
         for k, (root, want) in enumerate(plan):
             blocks, slice_bytes = geometries[k % len(geometries)]
-            os.environ["LINKWISE_GPU_PCHAIN_BLOCKS"] = blocks
-            os.environ["LINKWISE_GPU_PCHAIN_SLICE"] = slice_bytes
+            os.environ[knobs[0]] = blocks
+            os.environ[knobs[1]] = slice_bytes
             reuse = k % 3 != 0  # calls 1-2, 4-5, 7-8 broadcast into the same buffer
             x = shared[:want.numel()] if reuse else torch.zeros_like(want)
             if r == root:
@@ -275,8 +286,8 @@ def _bcast_queue_body(comm, sizes):
             g.broadcast(x, root=root)
             results.append(x.clone() if reuse else x)
     finally:
-        os.environ.pop("LINKWISE_GPU_PCHAIN_BLOCKS", None)
-        os.environ.pop("LINKWISE_GPU_PCHAIN_SLICE", None)
+        for k in knobs:
+            os.environ.pop(k, None)
     torch.cuda.synchronize()
     errors = [f"rank {r} call {k} ({want.numel()} B, root {root}): wrong"
               for k, ((root, want), got) in enumerate(zip(plan, results)) if not torch.equal(got, want)]
@@ -284,10 +295,13 @@ def _bcast_queue_body(comm, sizes):
     return errors
 
 
-def test_reg_broadcast_queued_back_to_back():
-    """The push chain's hand-offs between calls: a rank may store into its successor's buffer
+@pytest.mark.parametrize("algo", ["pchain", "dchain"])
+def test_reg_broadcast_queued_back_to_back(algo):
+    """The chains' hand-offs between calls: a rank may store into its successor's buffer
     only once the successor's previous call is done with it (not covered by the per-call
-    checks above, which read each result on the host before the next call)."""
+    checks above, which read each result on the host before the next call); for the
+    work-claiming chain also the claim counter and item flags across calls of changing size
+    and block count."""
     env = {**SAFE_ENV, "LINKWISE_GPU_REG_MIN": "1", "LINKWISE_GPU_BCAST_REG_MIN": "1",
-           "LINKWISE_GPU_BCAST_ALGO": "pchain"}
+           "LINKWISE_GPU_BCAST_ALGO": algo}
     _check(run_ranks(_nranks(), _bcast_queue_body, BCAST_SIZES + [(1 << 20) + 3, 77], env=env, timeout=300))

@@ -42,10 +42,16 @@
 #include "core/status.h"
 #include "cuda/engine_impl.h"
 #include "cuda/gpu_engine.h"
+#include "cuda/chain_util.cuh"
 #include "cuda/kernel_util.cuh"
 #include "cuda/launch.h"
 
 namespace linkwise::cuda {
+#define LW_CUDA_TRACE(call)                                  \
+  do {                                                       \
+    cudaError_t e_ = (call);                                 \
+    if (e_ != cudaSuccess) fail("pchain_trace", e_);         \
+  } while (0)
 namespace {
 
 struct PchainArgs {
@@ -56,35 +62,18 @@ struct PchainArgs {
   uint64_t ready_want = 0;  // sig[kSigChainDone][succ] total that means "successor's x is free"
   int pred = 0, succ = 0;
   bool root = false;
+  bool trace = false;  // LINKWISE_GPU_PCHAIN_TRACE: stamp g_pchain_trace (diagnostics only)
 };
 
-// Named barriers (ids 1, 2; __syncthreads is 0) over the whole block. bar.arrive signals
-// without waiting; the memory accesses before it are ordered before those after the matching
-// bar.sync of the waiting threads (PTX producer/consumer barrier pattern).
-__device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(blockDim.x) : "memory"); }
-__device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(blockDim.x) : "memory"); }
-
-// Threads t0..t0+nt-1 of the block copy n bytes src -> dst, kU 16-byte loads in flight per
-// thread before the stores.
-template <int kU>
-__device__ __forceinline__ void slice_copy(char* dst, const char* src, size_t n, int t, int nt) {
-  size_t done = 0;
-  if (aligned16(src) && aligned16(dst)) {
-    const size_t nv = n / 16, step = static_cast<size_t>(kU) * nt;
-    const uint4* s = reinterpret_cast<const uint4*>(src);
-    uint4* d = reinterpret_cast<uint4*>(dst);
-    for (size_t i = t; i < nv; i += step) {
-      uint4 v[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (i + u * nt < nv) v[u] = s[i + u * nt];
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (i + u * nt < nv) d[i + u * nt] = v[u];
-    }
-    done = nv * 16;
-  }
-  for (size_t i = done + t; i < n; i += nt) dst[i] = src[i];
+// Diagnostics (LINKWISE_GPU_PCHAIN_TRACE=1, read by GpuEngine::pchain_trace): per block b,
+// %globaltimer ns at [b][0] kernel start, [1] piece 0 ready to copy (successor free and piece
+// 0 arrived), [2] last piece ready, [3] block done. Written by thread 0 of block b only, in the
+// last traced call; read by the host after a synchronise.
+__device__ unsigned long long g_pchain_trace[kChainBlocks][4];
+__device__ __forceinline__ unsigned long long gtimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
 }
 
 // Roles inside a block of a rank with a successor: warp 0 is the control warp (its lane 0 does
@@ -93,20 +82,22 @@ __device__ __forceinline__ void slice_copy(char* dst, const char* src, size_t n,
 // and bar.arrive(2); the control warp's bar.sync(2) then orders all their stores of piece k
 // before its lane 0's system fence and post, and it releases "go k+1" BEFORE that fence, so
 // the copy warps never wait for the fence's NVLink round trip (only for piece k+1's arrival).
-template <int kU>
-__global__ void __launch_bounds__(kThreads) bcast_pchain_kernel(DevComm c, PchainArgs a) {
+template <int kU, int kTh>
+__global__ void __launch_bounds__(kTh) bcast_pchain_kernel(DevComm c, PchainArgs a) {
   const int b = blockIdx.x;
   Control* me = c.ctrl(c.rank);
   uint64_t* mine = &me->chain_blk[b];
   // chain_used[b]: pieces our block b has consumed in all earlier calls (written only by our
   // own block b's thread 0; the previous kernel's write is visible across the kernel boundary).
   const uint64_t base = me->chain_used[b];
+  if (a.trace && threadIdx.x == 0) g_pchain_trace[b][0] = gtimer();
   if (!a.root && b == 0 && threadIdx.x == 0)  // (1) our x is free
     red_release_sys_add(&c.ctrl(a.pred)->sig[kSigChainDone][c.rank], 1);
   if (a.dst == nullptr) {  // (4) last rank
     if (threadIdx.x == 0) {
       wait_ge(c, mine, base + a.pieces);
       me->chain_used[b] = base + a.pieces;
+      if (a.trace) g_pchain_trace[b][1] = g_pchain_trace[b][2] = g_pchain_trace[b][3] = gtimer();
     }
     return;
   }
@@ -135,13 +126,17 @@ __global__ void __launch_bounds__(kThreads) bcast_pchain_kernel(DevComm c, Pchai
   if (threadIdx.x == 0) {
     wait_ge(c, &me->sig[kSigChainDone][a.succ], a.ready_want);  // (2)
     arrived(0);
+    if (a.trace) g_pchain_trace[b][1] = gtimer();
   }
   __syncwarp();
   bar_sync(1);  // go 0
   for (uint64_t k = 0; k < a.pieces; ++k) {
     bar_sync(2);  // every copy warp issued its stores of piece k
     if (k + 1 < a.pieces) {
-      if (threadIdx.x == 0) arrived(k + 1);
+      if (threadIdx.x == 0) {
+        arrived(k + 1);
+        if (a.trace && k + 2 == a.pieces) g_pchain_trace[b][2] = gtimer();
+      }
       __syncwarp();
       bar_sync(1);  // go k + 1
     }
@@ -151,6 +146,7 @@ __global__ void __launch_bounds__(kThreads) bcast_pchain_kernel(DevComm c, Pchai
     }
   }
   if (threadIdx.x == 0 && !a.root) me->chain_used[b] = base + a.pieces;
+  if (a.trace && threadIdx.x == 0) g_pchain_trace[b][3] = gtimer();
 }
 
 }  // namespace
@@ -168,7 +164,9 @@ void GpuEngine::broadcast_pchain(char* xp, size_t nbytes, int root, uintptr_t st
   // 64 KiB below 128 MiB (best at 64 MiB), 64 x 128 KiB from 128 MiB (best at 128 MiB, level
   // with the best at 512 MiB).
   const bool big = nbytes >= (128u << 20);
-  const char* e = std::getenv("LINKWISE_GPU_PCHAIN_BLOCKS");
+  const char* e = std::getenv("LINKWISE_GPU_PCHAIN_THREADS");
+  const bool t1k = e && std::atoi(e) == 1024;  // threads per block: 512 (default) or 1024
+  e = std::getenv("LINKWISE_GPU_PCHAIN_BLOCKS");
   int blocks = e && std::atoi(e) > 0 ? std::atoi(e) : big ? 64 : 32;
   if (blocks > kChainBlocks) blocks = kChainBlocks;
   e = std::getenv("LINKWISE_GPU_PCHAIN_SLICE");
@@ -182,10 +180,20 @@ void GpuEngine::broadcast_pchain(char* xp, size_t nbytes, int root, uintptr_t st
   a.pieces = (nbytes + slice * blocks - 1) / (slice * blocks);
   a.pred = pred, a.succ = succ, a.root = pos == 0;
   if (!last) a.ready_want = ++im.seen[kSigChainDone][succ];
+  e = std::getenv("LINKWISE_GPU_PCHAIN_TRACE");
+  a.trace = e && *e == '1';
   check_launch("broadcast");
-  if (u8) bcast_pchain_kernel<8><<<blocks, kThreads, 0, s>>>(im.dev, a);
-  else bcast_pchain_kernel<4><<<blocks, kThreads, 0, s>>>(im.dev, a);
+  if (t1k) bcast_pchain_kernel<4, 1024><<<blocks, 1024, 0, s>>>(im.dev, a);
+  else if (u8) bcast_pchain_kernel<8, kThreads><<<blocks, kThreads, 0, s>>>(im.dev, a);
+  else bcast_pchain_kernel<4, kThreads><<<blocks, kThreads, 0, s>>>(im.dev, a);
   check_launch("broadcast");
+}
+
+std::vector<uint64_t> GpuEngine::pchain_trace() {
+  DeviceGuard g(device_);
+  std::vector<uint64_t> v(kChainBlocks * 4);
+  LW_CUDA_TRACE(cudaMemcpyFromSymbol(v.data(), g_pchain_trace, v.size() * sizeof(uint64_t)));
+  return v;
 }
 
 }  // namespace linkwise::cuda

@@ -39,6 +39,9 @@ struct EngineImpl {
   // Two-stream pipelines (reg_pipeline.cu): a second stream of this engine's device and the
   // events that fork it from / join it back into the caller's stream. Created on first use,
   // destroyed by GpuEngine::close; used only inside one call (joined before it returns).
+  // Work-claiming chain broadcast (bcast_dchain.cu): calls so far (every rank counts every
+  // call, so the number is the same on all ranks) and our Control.dchain_claim's value now.
+  uint64_t dchain_calls = 0, dchain_claimed = 0;
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
 };

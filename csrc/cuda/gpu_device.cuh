@@ -41,7 +41,8 @@ constexpr int kPhases = 2;
 constexpr int kChainBlocks = 256;  // Control.chain_blk's length: most blocks of the push chain
 // Per rank: the Control block, then the LL region (ll.cuh: 2 parities x kMaxRanks slots of
 // kLLSlotBytes, written only by the LL kernels), then the data regions. All zeroed at setup.
-constexpr size_t kControlStructBytes = 64 * 1024;
+constexpr size_t kControlStructBytes = 128 * 1024;
+constexpr int kDchainItems = 8192;  // Control.item_flag's length: most items of one dchain call
 constexpr size_t kLLSlotBytes = 512 * 1024;
 constexpr size_t kControlBytes = kControlStructBytes + 2 * kMaxRanks * kLLSlotBytes;
 
@@ -72,6 +73,13 @@ struct Control {
   // (written only by our own block b, read by the next launch). Cumulative, never reset.
   uint64_t chain_blk[kChainBlocks];
   uint64_t chain_used[kChainBlocks];
+  // Work-claiming chain broadcast (bcast_dchain.cu): dchain_claim is a cumulative counter our
+  // own blocks claim items from (atomicAdd; the host keeps its value at each call's start);
+  // item_flag[w] = the call number (EngineImpl::dchain_calls) once the call's chain
+  // predecessor stored item w into our x (st.release.sys by it after a system fence,
+  // ld.acquire.sys by us). Call numbers only grow, so the flags are never reset.
+  uint64_t dchain_claim;
+  uint64_t item_flag[kDchainItems];
 };
 constexpr int kMaxPieces = 64;  // piece_arrive's length
 enum SigKind : int { kSigChain = 0, kSigChainDone = 1, kSigP2pReady = 2, kSigP2pDone = 3,

@@ -87,7 +87,13 @@ class GpuEngine {
   // reduce_scatter_reg: slot 0 = every rank's x (count_per_rank * nranks elements), out local.
   void all_reduce_reg(size_t count, int dtype, int op, uintptr_t stream);
   void reduce_scatter_reg(uintptr_t out, size_t count_per_rank, int dtype, int op, uintptr_t stream);
+  // all_reduce_rsag_reg: slot 0 = every rank's x (m * nranks elements), slot 1 = every rank's
+  // own chunk of out (m elements at out + rank * m); reduce_scatter then copy-engine all_gather.
+  void all_reduce_rsag_reg(size_t m, int dtype, int op, uintptr_t stream);
   size_t reg_cached() const;
+  // Diagnostics: the push chain's per-block timestamps of the last call traced with
+  // LINKWISE_GPU_PCHAIN_TRACE=1 (bcast_chain.cu), kChainBlocks x 4 ns values; synchronises.
+  std::vector<uint64_t> pchain_trace();
 
   // Host-staged path helpers (reg_engine.cu): pinned host memory and async copies.
   static uintptr_t host_alloc(size_t nbytes);
@@ -121,6 +127,8 @@ class GpuEngine {
   void broadcast_push(char* x, size_t nbytes, int root, int rounds, uintptr_t stream);
   // Push chain, any number of ranks, one kernel (bcast_chain.cu).
   void broadcast_pchain(char* x, size_t nbytes, int root, uintptr_t stream);
+  // Work-claiming push chain, any number of ranks, one kernel (bcast_dchain.cu).
+  void broadcast_dchain(char* x, size_t nbytes, int root, uintptr_t stream);
   int sm_count_ = 0;
 
   int rank_, nranks_, device_;

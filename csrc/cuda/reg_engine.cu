@@ -16,8 +16,11 @@
 //    i-1 and waits for i+1's, so nobody's x changes while its successor still reads it.
 //    From 3 ranks LINKWISE_GPU_BCAST_ALGO selects a scatter-allgather instead: "push" (one
 //    kernel, bcast_push.cu) or "pull" (copy engines on two streams, reg_pipeline.cu);
-//    "pchain" (any ranks; the default from 3 ranks) is a chain of SM stores in one kernel
-//    (bcast_chain.cu), and the copy-engine chain here the default for 2 ranks.
+//    "dchain" (any ranks; the default from 3 ranks, bcast_dchain.cu) and "pchain"
+//    (bcast_chain.cu) are chains of SM stores in one kernel, and the copy-engine chain here
+//    the default for 2 ranks.
+//  * all_reduce as reduce_scatter + all_gather (all_reduce_rsag_reg): reduce kernel,
+//    rendezvous, copy-engine pulls of every peer's reduced chunk, rendezvous.
 //  * send/recv: the sender posts kSigP2pReady and waits kSigP2pDone; the receiver waits
 //    ready, pulls the sender's x, posts done.
 //  * all_reduce / reduce_scatter (large): rendezvous -> reg_reduce_kernel -> rendezvous; the
@@ -264,22 +267,58 @@ void GpuEngine::reduce_scatter_reg(uintptr_t out, size_t m, int dtype, int op, u
   reduce_reg(out, rank_ * m, m, false, dtype, op, stream, "reduce_scatter");
 }
 
+// all_reduce as reduce_scatter + all_gather in one engine call (GpuComm._rsag). Slot 0 =
+// every rank's x (count = m * nranks elements), slot 1 = every rank's own chunk of out
+// (out + r * m elements on rank r), both mapped by one host all_gather. Ordering contract:
+//  (1) reduce_reg's entry rendezvous, reg_reduce_kernel (rank r reduces chunk r of every x into
+//      its own out chunk), and its exit rendezvous: past it every out chunk is final and no
+//      rank reads any x any more, so (2) may overwrite out even when out == x;
+//  (2) the copy engines pull every peer's out chunk into the same place of our out (rotated
+//      order, so no peer serves two pullers at once; half of them on a second stream at the
+//      same time was 20-25% slower on 4xH200, docs/benchmarks.md fifth session);
+//  (3) exit rendezvous: no rank's stream moves past the call (to reuse out) while a peer may
+//      still pull from its out chunk.
+// One rendezvous and one host all_gather fewer than reduce_scatter_reg then all_gather_reg.
+void GpuEngine::all_reduce_rsag_reg(size_t m, int dtype, int op, uintptr_t stream) {
+  const size_t es = dtype_size(dtype);
+  if (es == 0) throw Error(ErrorKind::Type, "all_reduce: unsupported dtype code");
+  if (m == 0 || nranks_ == 1) throw Error(ErrorKind::Invalid, "all_reduce_rsag_reg: needs count > 0 and 2+ ranks");
+  DeviceGuard g(device_);
+  EngineImpl& im = *impl_;
+  for (int r = 0; r < nranks_; ++r)
+    if (!im.reg[1][r]) throw Error(ErrorKind::Invalid, "all_reduce: buffers not mapped");
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const size_t part = m * es;
+  char* own = im.reg[1][rank_];
+  char* o = own - rank_ * part;
+  reduce_reg(reinterpret_cast<uintptr_t>(own), rank_ * m, m, false, dtype, op, stream, "all_reduce");
+  for (int i = 1; i < nranks_; ++i) {
+    int q = (rank_ + i) % nranks_;
+    LW_CUDA(cudaMemcpyAsync(o + q * part, im.reg[1][q], part, cudaMemcpyDefault, s), "all_reduce");
+  }
+  rendezvous(im, rank_, nranks_, s);
+  check_launch("all_reduce");
+}
+
 void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece, uintptr_t stream) {
   if (nbytes == 0 || nranks_ == 1) return;
   DeviceGuard g(device_);
   EngineImpl& im = *impl_;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   char* xp = reinterpret_cast<char*>(x);
-  // LINKWISE_GPU_BCAST_ALGO: "pchain" = push chain in one kernel (bcast_chain.cu), any number
-  // of ranks, and the default from 3 ranks (faster than every other form at 64-512 MiB on
-  // 4xH200; 2 ranks were not measured and keep the copy-engine chain); "chain" = the
+  // LINKWISE_GPU_BCAST_ALGO: "dchain" = work-claiming push chain in one kernel
+  // (bcast_dchain.cu), any number of ranks, and the default from 3 ranks (faster than every
+  // other form at 64-512 MiB on 4xH200, docs/benchmarks.md fifth session; 2 ranks were not
+  // measured and keep the copy-engine chain); "pchain" = the push chain with a fixed slice per
+  // block (bcast_chain.cu, the fourth session's default), any number of ranks; "chain" = the
   // copy-engine chain below; from 3 ranks "push" = one-kernel push scatter-allgather
   // (bcast_push.cu), "pull" = two-stream pull scatter-allgather (reg_pipeline.cu). Measured
   // in docs/benchmarks.md.
   const char* algo = std::getenv("LINKWISE_GPU_BCAST_ALGO");
   const bool push = algo && std::strcmp(algo, "push") == 0, pull = algo && std::strcmp(algo, "pull") == 0;
-  if (algo && *algo ? std::strcmp(algo, "pchain") == 0 : nranks_ >= 3)
-    return broadcast_pchain(xp, nbytes, root, stream);
+  if (algo && *algo ? std::strcmp(algo, "dchain") == 0 : nranks_ >= 3)
+    return broadcast_dchain(xp, nbytes, root, stream);
+  if (algo && std::strcmp(algo, "pchain") == 0) return broadcast_pchain(xp, nbytes, root, stream);
   if (nranks_ >= 3 && (push || pull)) {
     const char* r = std::getenv("LINKWISE_GPU_BCAST_ROUNDS");
     int rounds = r && std::atoi(r) > 0 ? std::atoi(r) : 8;

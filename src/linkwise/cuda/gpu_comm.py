@@ -12,14 +12,16 @@ host all_gather; send/recv: a host message to the receiver), each peer allocatio
 once and cached per (peer, base) (remapped when the handle changes), and the copy engines
 move the data between user buffers (reg_engine.cu); broadcast (from
 ``LINKWISE_GPU_BCAST_REG_MIN``, 64 MiB, and 3+ ranks) is a push chain of SM stores into the
-next rank's buffer in one kernel (bcast_chain.cu). all_reduce (algo "auto") and
+next rank's buffer in one kernel, its blocks claiming 128 KiB items dynamically
+(bcast_dchain.cu). all_reduce (algo "auto") and
 reduce_scatter of ``LINKWISE_GPU_REG_REDUCE_MIN`` bytes and up (the whole buffer; default 64
 MiB) read the peers' registered inputs directly: rank r reduces chunk r from every rank's x
 with NVLink loads and writes it into its own out and (all_reduce) every peer's out, between
 two device-side rendezvous (reg_reduce.cu, reg_engine.cu). The ranks agree on it in the same
 host all_gather that carries the descriptions: if any rank's buffer cannot be registered, all
 of them take the scratch path. From ``LINKWISE_GPU_AR_RSAG_MIN`` (512 MiB) an all_reduce is
-that reduce_scatter into out's own chunk followed by the registered all_gather (_rsag).
+that reduce_scatter into out's own chunk followed by a copy-engine all_gather, in one engine
+call (_rsag).
 Below the threshold, and on a capturing stream, they go through
 the scratch area (so they stay capturable; every rank must then capture alike, as always).
 With ``LINKWISE_P2P_DISABLE=1`` everything is host-staged (staged.py).
@@ -134,7 +136,7 @@ class GpuComm:
         if not config.get("LINKWISE_GPU_REG"):
             self._red_reg_min = 1 << 62
         self._engine.reg_blocks = config.get("LINKWISE_GPU_REG_REDUCE_BLOCKS")  # 0: engine default
-        # The push chain beats the scratch broadcast kernel at 64 MiB (docs/benchmarks.md).
+        # The push chains beat the scratch broadcast kernel at 64 MiB (docs/benchmarks.md).
         self._bcast_reg_min = max(self._reg_min, config.get("LINKWISE_GPU_BCAST_REG_MIN"))
         self._staged = None
         if config.get("LINKWISE_P2P_DISABLE"):
@@ -299,15 +301,14 @@ class GpuComm:
                 algo != "rsag" and v.nbytes < config.get("LINKWISE_GPU_AR_RSAG_MIN")):
             return False
         m = v.count // self.size
-        part = m * (v.nbytes // v.count)
-        own = o.ptr + self.rank * part
-        # out's chunk is registered below (_reg_all, no fallback): every rank agrees here that
-        # x and it can be registered, before anything is enqueued (else all take another path).
+        own = o.ptr + self.rank * m * (v.nbytes // v.count)
+        # One host all_gather maps every rank's x (slot 0) and its own chunk of out (slot 1);
+        # every rank agrees here that both can be registered, before anything is enqueued
+        # (else all take another path). The engine call is reduce_scatter into that chunk,
+        # one rendezvous, the copy-engine all_gather of the chunks (reg_engine.cu).
         if not self._reg_many([v.ptr, own]):
             return False
-        self._engine.reduce_scatter_reg(own, m, dt, opc, s)
-        self._reg_all(own)
-        self._engine.all_gather_reg(o.ptr, part, s)
+        self._engine.all_reduce_rsag_reg(m, dt, opc, s)
         return True
 
     def reduce_scatter(self, x: Any, out: Any, op: str = "sum", stream: Any = None) -> Any:
