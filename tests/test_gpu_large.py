@@ -183,7 +183,9 @@ def test_reg_reduce_kernel_variants():
 
 def _bcast_body(comm, sizes):
     """Registered broadcast (the form the environment selects) from every root, odd byte
-    counts, misaligned starts, twice in a row; x is a fresh tensor each time."""
+    counts, misaligned starts, twice in place in a row, then once out of place (into a fresh
+    out, misaligned differently; the root's x must stay as it was); x is a fresh tensor each
+    time."""
     g, torch = _setup(comm)
     n, r = comm.size, comm.rank
     errors = []
@@ -202,6 +204,18 @@ def _bcast_body(comm, sizes):
                     errors.append(f"rank {r} broadcast {nbytes} B root {root} +{off} call {rep}: wrong")
             if not torch.equal(buf[:off].cpu(), torch.zeros(off, dtype=torch.uint8)):
                 errors.append(f"rank {r} broadcast {nbytes} B root {root}: wrote before x")
+            want = ((src + 2) % 251).to(torch.uint8)
+            if r == root:
+                x.copy_(want)
+            obuf = torch.zeros(nbytes + 2 - off % 2, dtype=torch.uint8, device="cuda")
+            out = obuf[2 - off % 2:]
+            g.broadcast(x, root=root, out=out)
+            if not torch.equal(out.cpu(), want):
+                errors.append(f"rank {r} broadcast {nbytes} B root {root} out of place: wrong")
+            if r == root and not torch.equal(x.cpu(), want):
+                errors.append(f"rank {r} broadcast {nbytes} B root {root} out of place: x changed")
+            if obuf[:2 - off % 2].any().item():
+                errors.append(f"rank {r} broadcast {nbytes} B root {root} out of place: wrote before out")
     if n > 1 and g._engine.reg_cached() == 0:
         errors.append(f"rank {r}: the registered path was not taken")
     g.close()

@@ -50,7 +50,8 @@ namespace linkwise::cuda {
 namespace {
 
 struct DchainArgs {
-  const char* src = nullptr;  // our x
+  const char* src = nullptr;  // our x (the root's x when it broadcasts out of place)
+  char* local = nullptr;      // the root's out when it broadcasts out of place, else nullptr
   char* dst = nullptr;        // successor's x as mapped here (nullptr on the last rank)
   size_t nbytes = 0, item = 0;
   uint64_t items = 0;
@@ -80,7 +81,7 @@ __global__ void __launch_bounds__(kTh) bcast_dchain_kernel(DevComm c, DchainArgs
       const uint64_t w = s_item[k & 1];
       if (w >= a.items) return;
       const size_t off = w * a.item, n = a.nbytes - off < a.item ? a.nbytes - off : a.item;
-      slice_copy<kU>(a.dst + off, a.src + off, n, t, nt);
+      slice_copy<kU>(a.dst + off, a.src + off, n, t, nt, a.local ? a.local + off : nullptr);
       bar_arrive(2);  // our stores of item w are issued
     }
   }
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(kTh) bcast_dchain_kernel(DevComm c, DchainArgs
 
 }  // namespace
 
-void GpuEngine::broadcast_dchain(char* xp, size_t nbytes, int root, uintptr_t stream) {
+void GpuEngine::broadcast_dchain(char* xp, size_t nbytes, int root, uintptr_t stream, const char* root_src) {
   EngineImpl& im = *impl_;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const int pos = (rank_ - root + nranks_) % nranks_;
@@ -138,6 +139,7 @@ void GpuEngine::broadcast_dchain(char* xp, size_t nbytes, int root, uintptr_t st
   const bool t512 = e && std::atoi(e) == 512;
   DchainArgs a;
   a.src = xp, a.dst = last ? nullptr : im.reg[0][succ], a.nbytes = nbytes, a.item = item;
+  if (pos == 0 && root_src != nullptr) a.src = root_src, a.local = xp;  // out of place: x -> succ and out
   a.items = (nbytes + item - 1) / item;
   a.call = ++im.dchain_calls;
   a.claim_base = im.dchain_claimed;

@@ -79,7 +79,8 @@ class GpuEngine {
   std::string reg_describe(uintptr_t ptr) const;
   void reg_map(const std::vector<std::string>& descs, int slot);
   void all_gather_reg(uintptr_t out, size_t nbytes, uintptr_t stream);  // slot 0 = x
-  void broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece, uintptr_t stream);
+  // root_src: on the root of an out-of-place broadcast its x (x above is then its out), else 0.
+  void broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece, uintptr_t stream, uintptr_t root_src);
   void send_reg(size_t nbytes, int dst, uintptr_t stream);  // peer dst pulls our x
   void recv_reg(uintptr_t x, size_t nbytes, int src, uintptr_t stream);  // slot 0 = src's x
   // Large reductions read peers' registered inputs directly (reg_engine.cu, reg_reduce.cu):
@@ -128,7 +129,8 @@ class GpuEngine {
   // Push chain, any number of ranks, one kernel (bcast_chain.cu).
   void broadcast_pchain(char* x, size_t nbytes, int root, uintptr_t stream);
   // Work-claiming push chain, any number of ranks, one kernel (bcast_dchain.cu).
-  void broadcast_dchain(char* x, size_t nbytes, int root, uintptr_t stream);
+  // root_src (root only, out of place): the kernel reads it and stores into x and the successor.
+  void broadcast_dchain(char* x, size_t nbytes, int root, uintptr_t stream, const char* root_src);
   int sm_count_ = 0;
 
   int rank_, nranks_, device_;

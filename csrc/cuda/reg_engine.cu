@@ -300,12 +300,15 @@ void GpuEngine::all_reduce_rsag_reg(size_t m, int dtype, int op, uintptr_t strea
   check_launch("all_reduce");
 }
 
-void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece, uintptr_t stream) {
-  if (nbytes == 0 || nranks_ == 1) return;
+void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece, uintptr_t stream,
+                              uintptr_t root_src) {
+  if (nbytes == 0) return;
   DeviceGuard g(device_);
   EngineImpl& im = *impl_;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   char* xp = reinterpret_cast<char*>(x);
+  const char* root_x =
+      rank_ == root && root_src != 0 && root_src != x ? reinterpret_cast<const char*>(root_src) : nullptr;
   // LINKWISE_GPU_BCAST_ALGO: "dchain" = work-claiming push chain in one kernel
   // (bcast_dchain.cu), any number of ranks, and the default from 3 ranks (faster than every
   // other form at 64-512 MiB on 4xH200, docs/benchmarks.md fifth session; 2 ranks were not
@@ -316,8 +319,11 @@ void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece
   // in docs/benchmarks.md.
   const char* algo = std::getenv("LINKWISE_GPU_BCAST_ALGO");
   const bool push = algo && std::strcmp(algo, "push") == 0, pull = algo && std::strcmp(algo, "pull") == 0;
-  if (algo && *algo ? std::strcmp(algo, "dchain") == 0 : nranks_ >= 3)
-    return broadcast_dchain(xp, nbytes, root, stream);
+  if (nranks_ > 1 && (algo && *algo ? std::strcmp(algo, "dchain") == 0 : nranks_ >= 3))
+    return broadcast_dchain(xp, nbytes, root, stream, root_x);  // the root's kernel also fills out
+  // The other forms broadcast out itself: the root copies x into it first, on the stream.
+  if (root_x) LW_CUDA(cudaMemcpyAsync(xp, root_x, nbytes, cudaMemcpyDeviceToDevice, s), "broadcast");
+  if (nranks_ == 1) return;
   if (algo && std::strcmp(algo, "pchain") == 0) return broadcast_pchain(xp, nbytes, root, stream);
   if (nranks_ >= 3 && (push || pull)) {
     const char* r = std::getenv("LINKWISE_GPU_BCAST_ROUNDS");

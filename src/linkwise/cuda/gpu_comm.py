@@ -331,8 +331,9 @@ class GpuComm:
     def broadcast(self, x: Any, root: int = 0, stream: Any = None, out: Any = None) -> Any:
         """Root's x into every rank's x (out None or x), or into every rank's out (non-roots
         ignore x's contents; the root's x and out must have the same dtype and size and must not
-        overlap). Below the LL size the root's kernel copies x to out itself; otherwise (and on
-        the registered and host-staged paths) a copy on the stream precedes the broadcast."""
+        overlap). Below the LL size and on the registered path's one-kernel chain the root's
+        kernel copies x to out itself; otherwise (host-staged path, the other registered forms)
+        a copy on the stream precedes the broadcast."""
         v = self._view(x, "broadcast")
         o = v if out is None or out is x else self._view(out, "broadcast")
         if not 0 <= root < self.size:
@@ -347,14 +348,17 @@ class GpuComm:
         # being captured into a CUDA graph: then the scratch kernel below (capturable).
         reg = (not staged and self.size > 1 and o.nbytes >= self._bcast_reg_min
                and not _native().cuda_stream_capturing(s))
-        if o is not v and self.rank == root and (staged or reg):
+        if o is not v and self.rank == root and staged:
             self._engine.copy_async(o.ptr, v.ptr, o.nbytes, s)
         if staged:
             self._no_capture(s, "host-staged broadcast")
             self._staged.broadcast(o, root, s)
         elif reg:
             self._reg_all(o.ptr)
-            self._engine.broadcast_reg(o.ptr, o.nbytes, root, self._piece(o.nbytes), s)
+            # The root's x goes along when out of place: the one-kernel chain reads it and fills
+            # out in the same pass; the other forms copy it into out first (reg_engine.cu).
+            src = v.ptr if o is not v and self.rank == root else 0
+            self._engine.broadcast_reg(o.ptr, o.nbytes, root, self._piece(o.nbytes), s, src)
         else:
             self._engine.broadcast_from(v.ptr, o.ptr, o.nbytes, root, s)
         return x if o is v else out
