@@ -1,10 +1,12 @@
 """LL kernel variant sweep for small all_reduce / broadcast, every rank under ``linkwise launch``
 with LINKWISE_GPU_TUNE=1 (the knobs are re-read at every call):
 
-    LINKWISE_GPU_TUNE=1 python3 -m linkwise.cli launch -n 4 bench/gpu_ll_sweep.py [--json F]
+    LINKWISE_GPU_TUNE=1 python3 -m linkwise.cli launch -n 4 bench/gpu_ll_sweep.py [--rows fifth|third] [--json F]
 
 For each configuration (environment knobs: LINKWISE_GPU_LL_VARIANT bits, _LL_MAX, _LL_THREADS,
-_LL_BLOCKS, _LL_TWOPHASE_MIN, _LL_BCAST2_MIN; ll.cuh / ll_kernels.cu say what they do) and
+_LL_BLOCKS, _LL_TWOPHASE_MIN, _LL_BCAST2_MIN, _LL128_MIN, _LL128_BCAST_MIN, _LL128_THREADS,
+_LL128_BLOCKS; ll.cuh / ll128.cuh / ll_kernels.cu say what they do; --rows picks the third
+session's rows or the fifth session's LL128 / announce rows, the default) and
 size: the GPU µs per op of the engine's all_reduce (float32 sum, in place) and broadcast (root
 0), 100 ops captured in one CUDA graph, 10 replays (linkwise.bench.gpu.time_ops, slowest
 rank), and a correctness check (all_reduce of exact small integers, broadcast from the last
@@ -25,6 +27,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 
 SMALL = [8, 512, 4 << 10, 32 << 10]
 LARGE = [64 << 10, 128 << 10, 256 << 10]
+MID = [32 << 10, 64 << 10, 128 << 10, 256 << 10]
 OFF = str(1 << 30)
 BIG = {"LINKWISE_GPU_LL_MAX": str(256 << 10), "LINKWISE_GPU_LL_TWOPHASE_MIN": OFF,
        "LINKWISE_GPU_LL_BCAST2_MIN": OFF}  # one pass up to 256 KiB
@@ -33,7 +36,32 @@ OLD = {"LINKWISE_GPU_LL_MAX": str(32 << 10), "LINKWISE_GPU_LL_TWOPHASE_MIN": OFF
        "LINKWISE_GPU_LL_BCAST2_MIN": OFF}  # the previous defaults: flag kernels above 32 KiB
 
 
-def configs() -> list:
+def configs_fifth() -> list:
+    """LL128 (one pass / two phases, grid shapes) against the LL defaults at 32-256 KiB, and
+    the spare-warp start announce (variant bit 16) at small sizes; the default rows twice
+    (start and end) to show the drift."""
+    D = {"LINKWISE_GPU_LL_MAX": str(256 << 10), "LINKWISE_GPU_LL128_MIN": OFF,
+         "LINKWISE_GPU_LL128_BCAST_MIN": OFF, "LINKWISE_GPU_LL_TWOPHASE_MIN": str(192 << 10),
+         "LINKWISE_GPU_LL_BCAST2_MIN": str(192 << 10), "LINKWISE_GPU_LL_VARIANT": "15"}
+    L1 = {**D, "LINKWISE_GPU_LL128_MIN": "1", "LINKWISE_GPU_LL128_BCAST_MIN": "1",
+          "LINKWISE_GPU_LL_TWOPHASE_MIN": OFF, "LINKWISE_GPU_LL_BCAST2_MIN": OFF}
+    L2 = {**L1, "LINKWISE_GPU_LL_TWOPHASE_MIN": "1", "LINKWISE_GPU_LL_BCAST2_MIN": "1"}
+    small = [8, 64, 512, 4 << 10]
+    rows = [("v15 ll (old default)", D, small + MID), ("v31 ll", {**D, "LINKWISE_GPU_LL_VARIANT": "31"}, small + MID)]
+    rows += [("ll128 one-pass", L1, MID), ("ll128 two-phase", L2, MID)]
+    for b in (64, 256, 512):
+        rows += [(f"ll128 one-pass b{b}", {**L1, "LINKWISE_GPU_LL128_BLOCKS": str(b)}, LARGE),
+                 (f"ll128 two-phase b{b}", {**L2, "LINKWISE_GPU_LL128_BLOCKS": str(b)}, LARGE)]
+    for t in (128, 256):
+        rows += [(f"ll128 one-pass t{t}", {**L1, "LINKWISE_GPU_LL128_THREADS": str(t)}, LARGE),
+                 (f"ll128 two-phase t{t}", {**L2, "LINKWISE_GPU_LL128_THREADS": str(t)}, LARGE)]
+    rows += [("ll128 one-pass v31", {**L1, "LINKWISE_GPU_LL_VARIANT": "31"}, MID),
+             ("ll128 two-phase v31", {**L2, "LINKWISE_GPU_LL_VARIANT": "31"}, MID)]
+    rows += [("v15 ll (old default) again", D, small + MID), ("v31 ll again", {**D, "LINKWISE_GPU_LL_VARIANT": "31"}, small + MID)]
+    return rows
+
+
+def configs_third() -> list:
     """(name, env, sizes); PDL (variant bit 8) last: a capture failure there spoils no other row."""
     v = lambda bits, **kw: {"LINKWISE_GPU_LL_VARIANT": str(bits), **kw}  # noqa: E731
     rows = [(f"v{b}", v(b, **OLD), SMALL) for b in (0, 1, 2, 4, 3, 7)]
@@ -54,6 +82,7 @@ def configs() -> list:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="")
+    ap.add_argument("--rows", default="fifth", choices=["fifth", "third"])
     a = ap.parse_args()
     import torch
     from gpu_rank import GpuRank
@@ -63,9 +92,11 @@ def main() -> int:
     s, e = stream.cuda_stream, g._engine
 
     def t_us(fn, graph=True, iters=100):
-        return round(R.time_us(fn, iters, 5, graph), 3)
+        """Graphs: the median of 3 timings (each 100 ops captured, replayed) against noise."""
+        reps = sorted(R.time_us(fn, iters, 5, graph) for _ in range(3 if graph else 1))
+        return round(reps[len(reps) // 2], 3)
 
-    sizes = sorted(set(SMALL + LARGE))
+    sizes = sorted(set(SMALL + LARGE + [64]))
     bufs = {b: torch.ones(b // 4, device="cuda") for b in sizes}
     direct = NcclDirectBackend(helper, g.device)
 
@@ -92,7 +123,7 @@ def main() -> int:
 
     nccl_rows("start")
     say({"what": "floor", "torch add_ graph us": t_us(lambda: bufs[8].add_(1))})
-    for name, env, szs in configs():
+    for name, env, szs in (configs_fifth() if a.rows == "fifth" else configs_third()):
         os.environ.update(env)
         try:
             for b in szs:

@@ -44,8 +44,12 @@ constexpr int kLLTwoPhaseMin = 192 * 1024, kLLBcast2Min = 192 * 1024;
 //  kLLWarpLines: pack i of warp group w = i / 32, lane l = i % 32, has its halves at
 //    w*1024 + l*16 and w*1024 + 512 + l*16 (a warp's store covers 512 contiguous bytes)
 //    instead of i*32 and i*32 + 16;
-//  kLLPdl: launched with programmatic dependent launch (launch side only, ll_kernels.cu).
-constexpr int kLLAtomicEpoch = 1, kLLDeferAnnounce = 2, kLLWarpLines = 4, kLLPdl = 8;
+//  kLLPdl: launched with programmatic dependent launch (launch side only, ll_kernels.cu);
+//  kLLSpareAnnounce: the start announce (a system-scope release, i.e. a fence on the issuing
+//    thread) is made by lanes of warp 1 instead of warp 0, so the threads that carry the first
+//    packs (warp 0; all of them up to 512 bytes) store their data without waiting for it.
+constexpr int kLLAtomicEpoch = 1, kLLDeferAnnounce = 2, kLLWarpLines = 4, kLLPdl = 8,
+              kLLSpareAnnounce = 16;
 // Default: all four (sweep on 4xH200, docs/benchmarks.md "third session").
 constexpr int kLLDefaultVariant = kLLAtomicEpoch | kLLDeferAnnounce | kLLWarpLines | kLLPdl;
 
@@ -114,6 +118,18 @@ __device__ __forceinline__ uint4 ll_load_pack(const DevComm& c, LLLines l, uint3
                     static_cast<uint32_t>(d1));
 }
 
+// announce_start (gpu_device.cuh), by lanes 32 + t of block 0 with kLLSpareAnnounce (blocks
+// of 64+ threads), else by threads t.
+__device__ __forceinline__ void ll_announce_start(const DevComm& c, int var, uint64_t epoch) {
+  if (!(var & kLLSpareAnnounce)) {
+    announce_start(c, epoch);
+    return;
+  }
+  const int t = threadIdx.x - 32;
+  if (blockIdx.x == 0 && t >= 0 && t < c.nranks && t != c.rank)
+    st_release_sys(&c.ctrl(t)->start[c.rank], epoch);
+}
+
 // Epoch start of an LL kernel. Every rank: the epoch (epoch_begin, or with kLLAtomicEpoch
 // epoch_arrive) and, unless a writer defers it (kLLDeferAnnounce: ll_announce after its
 // stores), announce_start. A writer (dst_mask: bit p = this rank stores into p's slots) also
@@ -134,7 +150,7 @@ __device__ __forceinline__ uint64_t ll_begin(const DevComm& c, int var, uint32_t
   }
   __syncthreads();
   if (var & kLLAtomicEpoch) epoch = arrived;
-  if (!(dst_mask && (var & kLLDeferAnnounce))) announce_start(c, epoch);
+  if (!(dst_mask && (var & kLLDeferAnnounce))) ll_announce_start(c, var, epoch);
   if (dst_mask) {
     if (mine && epoch >= 2 && seen[t] < epoch - 1)
       wait_ge(c, &c.ctrl(c.rank)->start[t], epoch - 1);
@@ -145,7 +161,7 @@ __device__ __forceinline__ uint64_t ll_begin(const DevComm& c, int var, uint32_t
 
 // A writer's deferred announce (kLLDeferAnnounce), after its stores.
 __device__ __forceinline__ void ll_announce(const DevComm& c, int var, uint64_t epoch) {
-  if (var & kLLDeferAnnounce) announce_start(c, epoch);
+  if (var & kLLDeferAnnounce) ll_announce_start(c, var, epoch);
 }
 
 // The epoch's end: epoch_end (without the cross-block counter when the grid is one block:

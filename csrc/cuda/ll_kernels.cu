@@ -10,7 +10,7 @@
 // byte over fewer links.
 #include <cstdlib>
 
-#include "cuda/ll.cuh"
+#include "cuda/ll128.cuh"
 #include "cuda/launch.h"
 #include "cuda/reduce_ops.cuh"
 
@@ -148,7 +148,9 @@ __global__ void __launch_bounds__(kLLMaxThreads) ll_allreduce2_kernel(DevComm c,
 // broadcast, one pass. Root: ll_begin -> read its packs from src, store them as LL lines into
 // ll_slot(p, par, root) of every peer p and (out of place, src != x) into its own x; it waits
 // for nothing else. Peer: poll its packs from ll_slot(rank, par, root), zero the lines, store
-// the bytes into x (src unused). src and x are equal or do not overlap.
+// the bytes into x (src unused). src and x are equal or do not overlap. kCopy = src != x (a
+// template parameter so the in-place kernel carries no copy work).
+template <bool kCopy>
 __global__ void __launch_bounds__(kLLMaxThreads) ll_bcast_kernel(DevComm c, const char* src, char* x,
                                                             size_t n, int root, int elem, int var) {
   pdl_begin();
@@ -159,12 +161,11 @@ __global__ void __launch_bounds__(kLLMaxThreads) ll_bcast_kernel(DevComm c, cons
   const bool wl = var & kLLWarpLines;
   const size_t npk = (n + 15) / 16;
   if (is_root) {
-    const bool copy = src != x;
     for (size_t i = global_tid(); i < npk; i += grid_threads()) {
       const uint4 d = load_pack(src, i, n, elem);
       for (int p = 0; p < c.nranks; ++p)
         if (p != root) ll_store_pack(ll_lines(ll_slot(c, p, par, root), i, wl), d, flag);
-      if (copy) store_pack(x, i, n, elem, d);
+      if (kCopy) store_pack(x, i, n, elem, d);
     }
     ll_announce(c, var, epoch);
   } else {
@@ -179,7 +180,8 @@ __global__ void __launch_bounds__(kLLMaxThreads) ll_bcast_kernel(DevComm c, cons
 // chunk idx(p) to non-root p (half 0 of ll_slot(p, par, root)). Non-root p: ll_begin -> its
 // pack i from the root into x and to every other non-root (half 1 of their ll_slot(., par,
 // p)) -> every other non-root q's pack i (our half-1 lines from q) into x. Out of place (src
-// != x, root only): the root reads src and also stores every pack into its own x.
+// != x, root only; kCopy): the root reads src and also stores every pack into its own x.
+template <bool kCopy>
 __global__ void __launch_bounds__(kLLMaxThreads) ll_bcast2_kernel(DevComm c, const char* src, char* x,
                                                              size_t n, int root, int elem, int var) {
   pdl_begin();
@@ -193,13 +195,12 @@ __global__ void __launch_bounds__(kLLMaxThreads) ll_bcast2_kernel(DevComm c, con
   auto idx = [&](int p) -> size_t { return p < root ? p : p - 1; };
   if (c.rank == root) {
     // Every pack k < npk is idx(p) * C + i for exactly one (p, i): the copy covers x.
-    const bool copy = src != x;
     for (size_t i = global_tid(); i < C; i += grid_threads())
       for (int p = 0; p < c.nranks; ++p)
         if (p != root && idx(p) * C + i < npk) {
           const uint4 d = load_pack(src, idx(p) * C + i, n, elem);
           ll_store_pack(ll_lines(ll_slot(c, p, par, root, 0), i, wl), d, flag);
-          if (copy) store_pack(x, idx(p) * C + i, n, elem, d);
+          if (kCopy) store_pack(x, idx(p) * C + i, n, elem, d);
         }
     ll_announce(c, var, epoch);
   } else {
@@ -307,6 +308,11 @@ bool launch_ll_allreduce(const DevComm& c, int dtype, int op, const void* x, voi
   const size_t npk = (n + 15) / 16;
   const bool two = c.nranks > 2 && n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL_TWOPHASE_MIN", kLLTwoPhaseMin)) &&
                    twophase_fits(npk, c.nranks);
+  if (n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL128_MIN", kL128Min)) &&
+      l128_fits(n, two ? c.nranks : 1)) {
+    launch_l128_allreduce(c, dtype, op, x, out, count, two, var, s);
+    return true;
+  }
   int blocks, threads;
   ll_grid(two ? (npk + c.nranks - 1) / c.nranks : npk, &blocks, &threads);
   dispatch<LLAllReduce>(dtype, op, c, x, out, count, op == kAvg, two, blocks, threads, var, s);
@@ -326,9 +332,17 @@ bool launch_ll_broadcast(const DevComm& c, const void* src, void* x, size_t n, i
   // the widest element that src, x and n allow
   const uintptr_t a = reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(src) | n;
   const int elem = (a & 7) == 0 ? 8 : (a & 3) == 0 ? 4 : (a & 1) == 0 ? 2 : 1;
-  ll_launch(two ? ll_bcast2_kernel : ll_bcast_kernel, blocks, threads, s, var, c,
-            static_cast<const char*>(src), static_cast<char*>(x), n, root, elem,
-            var & ~kLLDeferAnnounce);
+  const int bvar = var & ~kLLDeferAnnounce;
+  if (n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL128_BCAST_MIN", kL128BcastMin)) &&
+      l128_fits(n, two ? c.nranks - 1 : 1)) {
+    launch_l128_broadcast(c, src, x, n, root, elem, two, bvar, s);
+    return true;
+  }
+  const bool copy = src != x;
+  ll_launch(two ? (copy ? ll_bcast2_kernel<true> : ll_bcast2_kernel<false>)
+                : (copy ? ll_bcast_kernel<true> : ll_bcast_kernel<false>),
+            blocks, threads, s, bvar, c, static_cast<const char*>(src), static_cast<char*>(x), n,
+            root, elem, bvar);
   return true;
 }
 
