@@ -37,27 +37,29 @@ OLD = {"LINKWISE_GPU_LL_MAX": str(32 << 10), "LINKWISE_GPU_LL_TWOPHASE_MIN": OFF
 
 
 def configs_fifth() -> list:
-    """LL128 (one pass / two phases, grid shapes) against the LL defaults at 32-256 KiB, and
-    the spare-warp start announce (variant bit 16) at small sizes; the default rows twice
-    (start and end) to show the drift."""
-    D = {"LINKWISE_GPU_LL_MAX": str(256 << 10), "LINKWISE_GPU_LL128_MIN": OFF,
-         "LINKWISE_GPU_LL128_BCAST_MIN": OFF, "LINKWISE_GPU_LL_TWOPHASE_MIN": str(192 << 10),
-         "LINKWISE_GPU_LL_BCAST2_MIN": str(192 << 10), "LINKWISE_GPU_LL_VARIANT": "15"}
-    L1 = {**D, "LINKWISE_GPU_LL128_MIN": "1", "LINKWISE_GPU_LL128_BCAST_MIN": "1",
+    """The fifth session's rows: LL against LL128 (one pass / two phases) at 16-256 KiB and the
+    start-announce variants at small sizes (bit 16: warp 1 announces; bit 32: a spare block 0
+    announces, the default since), the defaults of that session's start (v15, LL128 off,
+    two-phase from 192 KiB) and of its end (v47, LL128 from 32 / 128 KiB, one pass for
+    broadcast) first and last, to show the drift."""
+    LL = {"LINKWISE_GPU_LL_MAX": str(256 << 10), "LINKWISE_GPU_LL128_MIN": OFF,
+          "LINKWISE_GPU_LL128_BCAST_MIN": OFF, "LINKWISE_GPU_LL_TWOPHASE_MIN": str(192 << 10),
+          "LINKWISE_GPU_LL_BCAST2_MIN": str(192 << 10)}
+    NEW = {"LINKWISE_GPU_LL_MAX": str(256 << 10), "LINKWISE_GPU_LL128_MIN": str(32 << 10),
+           "LINKWISE_GPU_LL128_BCAST_MIN": str(128 << 10),
+           "LINKWISE_GPU_LL_TWOPHASE_MIN": str(192 << 10), "LINKWISE_GPU_LL_BCAST2_MIN": OFF}
+    L1 = {**LL, "LINKWISE_GPU_LL128_MIN": "1", "LINKWISE_GPU_LL128_BCAST_MIN": "1",
           "LINKWISE_GPU_LL_TWOPHASE_MIN": OFF, "LINKWISE_GPU_LL_BCAST2_MIN": OFF}
     L2 = {**L1, "LINKWISE_GPU_LL_TWOPHASE_MIN": "1", "LINKWISE_GPU_LL_BCAST2_MIN": "1"}
-    small = [8, 64, 512, 4 << 10]
-    rows = [("v15 ll (old default)", D, small + MID), ("v31 ll", {**D, "LINKWISE_GPU_LL_VARIANT": "31"}, small + MID)]
-    rows += [("ll128 one-pass", L1, MID), ("ll128 two-phase", L2, MID)]
-    for b in (64, 256, 512):
-        rows += [(f"ll128 one-pass b{b}", {**L1, "LINKWISE_GPU_LL128_BLOCKS": str(b)}, LARGE),
-                 (f"ll128 two-phase b{b}", {**L2, "LINKWISE_GPU_LL128_BLOCKS": str(b)}, LARGE)]
-    for t in (128, 256):
-        rows += [(f"ll128 one-pass t{t}", {**L1, "LINKWISE_GPU_LL128_THREADS": str(t)}, LARGE),
-                 (f"ll128 two-phase t{t}", {**L2, "LINKWISE_GPU_LL128_THREADS": str(t)}, LARGE)]
-    rows += [("ll128 one-pass v31", {**L1, "LINKWISE_GPU_LL_VARIANT": "31"}, MID),
-             ("ll128 two-phase v31", {**L2, "LINKWISE_GPU_LL_VARIANT": "31"}, MID)]
-    rows += [("v15 ll (old default) again", D, small + MID), ("v31 ll again", {**D, "LINKWISE_GPU_LL_VARIANT": "31"}, small + MID)]
+    v = lambda b, env: {**env, "LINKWISE_GPU_LL_VARIANT": str(b)}  # noqa: E731
+    small, mid = [8, 64, 512, 4 << 10], [16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10]
+    rows = [("old default v15", v(15, LL), small + mid), ("new default v47", v(47, NEW), small + mid)]
+    rows += [("ll v31", v(31, LL), small), ("ll v47", v(47, LL), small + mid)]
+    for b in (15, 47):
+        rows += [(f"ll128 one-pass v{b}", v(b, L1), mid), (f"ll128 two-phase v{b}", v(b, L2), mid)]
+    rows += [("ll128 one-pass v47 t128", {**v(47, L1), "LINKWISE_GPU_LL128_THREADS": "128"}, LARGE),
+             ("ll128 one-pass v47 b128", {**v(47, L1), "LINKWISE_GPU_LL128_BLOCKS": "128"}, LARGE)]
+    rows += [("old default v15 again", v(15, LL), small + mid), ("new default v47 again", v(47, NEW), small + mid)]
     return rows
 
 
@@ -96,7 +98,7 @@ def main() -> int:
         reps = sorted(R.time_us(fn, iters, 5, graph) for _ in range(3 if graph else 1))
         return round(reps[len(reps) // 2], 3)
 
-    sizes = sorted(set(SMALL + LARGE + [64]))
+    sizes = sorted(set(SMALL + LARGE + [64, 16 << 10]))
     bufs = {b: torch.ones(b // 4, device="cuda") for b in sizes}
     direct = NcclDirectBackend(helper, g.device)
 

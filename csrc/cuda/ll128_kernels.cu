@@ -23,11 +23,13 @@ constexpr int G = 8;  // sources polled at once
 __device__ __forceinline__ uint32_t peers_of(const DevComm& c) {
   return ((1u << c.nranks) - 1) & ~(1u << c.rank);
 }
-__device__ __forceinline__ size_t warp0() {  // first line of this warp's groups
-  return 4 * ((static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5);
+// First line of this warp's groups, and the lines all data warps cover per round
+// (kLLSpareBlock: block 0 carries none; kernels return there first).
+__device__ __forceinline__ size_t warp0(int var) {
+  return 4 * ((ll_data_block(var) * blockDim.x + threadIdx.x) >> 5);
 }
-__device__ __forceinline__ size_t line_stride() {
-  return 4 * (static_cast<size_t>(gridDim.x) * blockDim.x >> 5);
+__device__ __forceinline__ size_t line_stride(int var) {
+  return 4 * (ll_data_blocks(var) * blockDim.x >> 5);
 }
 __device__ __forceinline__ uint4 zero4() { return make_uint4(0, 0, 0, 0); }
 
@@ -101,11 +103,12 @@ __global__ void __launch_bounds__(kMaxThreads) l128_allreduce_kernel(DevComm c, 
                                                                 size_t count, bool avg, int var) {
   pdl_begin();
   const uint64_t epoch = ll_begin(c, var, peers_of(c));
+  if (ll_is_spare(var)) return ll_end(c, var);
   const int par = epoch & 1;
   const L128Lane ln = l128_lane();
   const size_t n = count * sizeof(T), npk = (n + 15) / 16, nl = (npk + kL128Packs - 1) / kL128Packs;
   const char* xb = reinterpret_cast<const char*>(x);
-  for (size_t L0 = warp0(); L0 < nl; L0 += line_stride()) {
+  for (size_t L0 = warp0(var); L0 < nl; L0 += line_stride(var)) {
     const size_t L = L0 + ln.g, i = L * kL128Packs + ln.k;
     if (L >= nl) continue;
     const uint4 d = pack_if(ln.k < 7 && i < npk, xb, i, n, sizeof(T));
@@ -113,7 +116,7 @@ __global__ void __launch_bounds__(kMaxThreads) l128_allreduce_kernel(DevComm c, 
       if (p != c.rank) l128_store(ll_slot(c, p, par, c.rank), L, ln.k, d, epoch);
   }
   ll_announce(c, var, epoch);
-  for (size_t L0 = warp0(); L0 < nl; L0 += line_stride()) {
+  for (size_t L0 = warp0(var); L0 < nl; L0 += line_stride(var)) {
     const size_t L = L0 + ln.g, i = L * kL128Packs + ln.k;
     const bool live = L < nl, mine = live && ln.k < 7 && i < npk;
     const uint4 r = l128_reduce<T, Op>(c, pack_if(mine, xb, i, n, sizeof(T)), par, 0, live, L,
@@ -135,6 +138,7 @@ __global__ void __launch_bounds__(kMaxThreads) l128_allreduce2_kernel(DevComm c,
   pdl_begin();
   const uint32_t peers = peers_of(c);
   const uint64_t epoch = ll_begin(c, var, peers);
+  if (ll_is_spare(var)) return ll_end(c, var);
   const int par = epoch & 1;
   const L128Lane ln = l128_lane();
   const size_t n = count * sizeof(T), npk = (n + 15) / 16;
@@ -143,7 +147,7 @@ __global__ void __launch_bounds__(kMaxThreads) l128_allreduce2_kernel(DevComm c,
   auto valid = [&](int q, size_t j) { return ln.k < 7 && j < C && q * C + j < npk; };
   const char* xb = reinterpret_cast<const char*>(x);
   char* ob = reinterpret_cast<char*>(out);
-  for (size_t L0 = warp0(); L0 < CL; L0 += line_stride()) {
+  for (size_t L0 = warp0(var); L0 < CL; L0 += line_stride(var)) {
     const size_t L = L0 + ln.g, j = L * kL128Packs + ln.k;
     for (int p = 0; p < c.nranks; ++p)
       if (p != c.rank && exists(p, L))
@@ -151,7 +155,7 @@ __global__ void __launch_bounds__(kMaxThreads) l128_allreduce2_kernel(DevComm c,
                    pack_if(valid(p, j), xb, p * C + j, n, sizeof(T)), epoch);
   }
   ll_announce(c, var, epoch);
-  for (size_t L0 = warp0(); L0 < CL; L0 += line_stride()) {
+  for (size_t L0 = warp0(var); L0 < CL; L0 += line_stride(var)) {
     const size_t L = L0 + ln.g, j = L * kL128Packs + ln.k;
     const bool live = exists(c.rank, L), mine = live && valid(c.rank, j);
     const size_t pk = c.rank * C + j;
@@ -162,7 +166,7 @@ __global__ void __launch_bounds__(kMaxThreads) l128_allreduce2_kernel(DevComm c,
       for (int p = 0; p < c.nranks; ++p)
         if (p != c.rank) l128_store(ll_slot(c, p, par, c.rank, 1), L, ln.k, r, epoch);
   }
-  for (size_t L0 = warp0(); L0 < CL; L0 += line_stride()) {
+  for (size_t L0 = warp0(var); L0 < CL; L0 += line_stride(var)) {
     const size_t L = L0 + ln.g, j = L * kL128Packs + ln.k;
     uint32_t from = 0;
     for (int q = 0; q < c.nranks; ++q)
@@ -183,11 +187,12 @@ __global__ void __launch_bounds__(kMaxThreads) l128_bcast_kernel(DevComm c, cons
   pdl_begin();
   const bool is_root = c.rank == root;
   const uint64_t epoch = ll_begin(c, var, is_root ? peers_of(c) : 0u);
+  if (ll_is_spare(var)) return ll_end(c, var);
   const int par = epoch & 1;
   const L128Lane ln = l128_lane();
   const size_t npk = (n + 15) / 16, nl = (npk + kL128Packs - 1) / kL128Packs;
   if (is_root) {
-    for (size_t L0 = warp0(); L0 < nl; L0 += line_stride()) {
+    for (size_t L0 = warp0(var); L0 < nl; L0 += line_stride(var)) {
       const size_t L = L0 + ln.g, i = L * kL128Packs + ln.k;
       if (L >= nl) continue;
       const bool valid = ln.k < 7 && i < npk;
@@ -198,7 +203,7 @@ __global__ void __launch_bounds__(kMaxThreads) l128_bcast_kernel(DevComm c, cons
     }
     ll_announce(c, var, epoch);
   } else {
-    for (size_t L0 = warp0(); L0 < nl; L0 += line_stride()) {
+    for (size_t L0 = warp0(var); L0 < nl; L0 += line_stride(var)) {
       const size_t L = L0 + ln.g, i = L * kL128Packs + ln.k;
       l128_gather(c, 1u << root, par, 0, L < nl, L, ln.k, epoch, [&](int, uint4 d) {
         if (ln.k < 7 && i < npk) store_pack(x, i, n, elem, d);
@@ -220,6 +225,7 @@ __global__ void __launch_bounds__(kMaxThreads) l128_bcast2_kernel(DevComm c, con
   const uint32_t nonroots = ((1u << c.nranks) - 1) & ~(1u << root);
   const uint32_t dst = nonroots & ~(1u << c.rank);
   const uint64_t epoch = ll_begin(c, var, dst);
+  if (ll_is_spare(var)) return ll_end(c, var);
   const int par = epoch & 1;
   const L128Lane ln = l128_lane();
   const size_t npk = (n + 15) / 16, C = (npk + c.nranks - 2) / (c.nranks - 1);
@@ -228,7 +234,7 @@ __global__ void __launch_bounds__(kMaxThreads) l128_bcast2_kernel(DevComm c, con
   auto exists = [&](int q, size_t L) { return L < CL && idx(q) * C + L * kL128Packs < npk; };
   auto valid = [&](int q, size_t j) { return ln.k < 7 && j < C && idx(q) * C + j < npk; };
   if (c.rank == root) {
-    for (size_t L0 = warp0(); L0 < CL; L0 += line_stride()) {
+    for (size_t L0 = warp0(var); L0 < CL; L0 += line_stride(var)) {
       const size_t L = L0 + ln.g, j = L * kL128Packs + ln.k;
       for (int p = 0; p < c.nranks; ++p) {
         if (p == root || !exists(p, L)) continue;
@@ -240,7 +246,7 @@ __global__ void __launch_bounds__(kMaxThreads) l128_bcast2_kernel(DevComm c, con
     }
     ll_announce(c, var, epoch);
   } else {
-    for (size_t L0 = warp0(); L0 < CL; L0 += line_stride()) {
+    for (size_t L0 = warp0(var); L0 < CL; L0 += line_stride(var)) {
       const size_t L = L0 + ln.g, j = L * kL128Packs + ln.k;
       const bool live = exists(c.rank, L);
       l128_gather(c, 1u << root, par, 0, live, L, ln.k, epoch, [&](int, uint4 d) {
@@ -250,7 +256,7 @@ __global__ void __launch_bounds__(kMaxThreads) l128_bcast2_kernel(DevComm c, con
       });
     }
     ll_announce(c, var, epoch);
-    for (size_t L0 = warp0(); L0 < CL; L0 += line_stride()) {
+    for (size_t L0 = warp0(var); L0 < CL; L0 += line_stride(var)) {
       const size_t L = L0 + ln.g, j = L * kL128Packs + ln.k;
       uint32_t from = 0;
       for (int q = 0; q < c.nranks; ++q)
@@ -267,13 +273,15 @@ __global__ void __launch_bounds__(kMaxThreads) l128_bcast2_kernel(DevComm c, con
 template <typename... K, typename... A>
 void l128_launch(void (*kernel)(K...), size_t lines, cudaStream_t s, int var, A... args) {
   // 8 lanes per line; blocks of LINKWISE_GPU_LL128_THREADS (default 64, a multiple of 32,
-  // 64..256) up to LINKWISE_GPU_LL128_BLOCKS (default 128).
+  // 64..256) up to LINKWISE_GPU_LL128_BLOCKS (default 1024: every line its own lane group up
+  // to 256 KiB; 128 and 256 blocks measured slower at 128-256 KiB one pass).
   int t = tune_int("LINKWISE_GPU_LL128_THREADS", 64) / 32 * 32;
   t = t < 64 ? 64 : t > kMaxThreads ? kMaxThreads : t;
-  int cap = tune_int("LINKWISE_GPU_LL128_BLOCKS", 128);
+  int cap = tune_int("LINKWISE_GPU_LL128_BLOCKS", 1024);
   cap = cap > 1024 ? 1024 : cap;
   const size_t b = (lines * 8 + t - 1) / t;
-  const int blocks = static_cast<int>(b < 1 ? 1 : b > static_cast<size_t>(cap) ? cap : b);
+  const int blocks = static_cast<int>(b < 1 ? 1 : b > static_cast<size_t>(cap) ? cap : b) +
+                     ((var & kLLSpareBlock) ? 1 : 0);  // block 0: the spare block
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(blocks);
   cfg.blockDim = dim3(t);
