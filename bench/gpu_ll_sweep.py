@@ -45,6 +45,9 @@ def configs_fifth() -> list:
     LL = {"LINKWISE_GPU_LL_MAX": str(256 << 10), "LINKWISE_GPU_LL128_MIN": OFF,
           "LINKWISE_GPU_LL128_BCAST_MIN": OFF, "LINKWISE_GPU_LL_TWOPHASE_MIN": str(192 << 10),
           "LINKWISE_GPU_LL_BCAST2_MIN": str(192 << 10)}
+    # "new default" as first measured (LL128 all_reduce from 32 KiB, two phases from 192 KiB);
+    # the final defaults (LL128 from 16 KiB, one pass up to 256 KiB on 4 ranks) are the
+    # "ll128 one-pass v47" rows from 16 KiB.
     NEW = {"LINKWISE_GPU_LL_MAX": str(256 << 10), "LINKWISE_GPU_LL128_MIN": str(32 << 10),
            "LINKWISE_GPU_LL128_BCAST_MIN": str(128 << 10),
            "LINKWISE_GPU_LL_TWOPHASE_MIN": str(192 << 10), "LINKWISE_GPU_LL_BCAST2_MIN": OFF}

@@ -286,6 +286,9 @@ void ll_grid(size_t units, int* blocks, int* threads) {
   *blocks = static_cast<int>(b < 1 ? 1 : b > static_cast<size_t>(cap) ? cap : b);
 }
 
+// Default two-phase threshold: none up to kLLOnePassRanks ranks, else `dflt`.
+int two_min(const DevComm& c, int dflt) { return c.nranks <= kLLOnePassRanks ? 1 << 30 : dflt; }
+
 // Two phases fit when a chunk of C packs fits half a slot (warp groups of 32 packs).
 bool twophase_fits(size_t npk, int parts) {
   const size_t chunk = (npk + parts - 1) / parts;
@@ -312,7 +315,7 @@ bool launch_ll_allreduce(const DevComm& c, int dtype, int op, const void* x, voi
   if (n == 0 || n > ll_max()) return false;
   const int var = ll_variant();
   const size_t npk = (n + 15) / 16;
-  const bool two = c.nranks > 2 && n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL_TWOPHASE_MIN", kLLTwoPhaseMin)) &&
+  const bool two = c.nranks > 2 && n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL_TWOPHASE_MIN", two_min(c, kLLTwoPhaseMin))) &&
                    twophase_fits(npk, c.nranks);
   if (n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL128_MIN", kL128Min)) &&
       l128_fits(n, two ? c.nranks : 1)) {
@@ -330,7 +333,7 @@ bool launch_ll_broadcast(const DevComm& c, const void* src, void* x, size_t n, i
   if (n == 0 || n > ll_max()) return false;
   const int var = ll_variant();
   const size_t npk = (n + 15) / 16;
-  const bool two = c.nranks > 2 && n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL_BCAST2_MIN", kLLBcast2Min)) &&
+  const bool two = c.nranks > 2 && n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL_BCAST2_MIN", two_min(c, kLLBcast2Min))) &&
                    twophase_fits(npk, c.nranks - 1);
   int blocks, threads;
   ll_grid(two ? (npk + c.nranks - 2) / (c.nranks - 1) : npk, &blocks, &threads);
