@@ -35,9 +35,10 @@ constexpr size_t kLLMaxData = kLLSlotBytes / 2;  // data bytes one LL slot carri
 constexpr size_t kLLDefaultMax = 256 * 1024;     // LINKWISE_GPU_LL_MAX default
 // Two-phase kernels (3+ ranks) from this many bytes: LINKWISE_GPU_LL_TWOPHASE_MIN (all_reduce)
 // and LINKWISE_GPU_LL_BCAST2_MIN (broadcast) defaults; they apply to LL and LL128 lines alike.
-// Up to 4 ranks: never (above the LL cap): LL128 one pass measured faster at 256 KiB on 4xH200
-// (fifth session: all_reduce 5.84 vs 6.01 us, broadcast 3.64 vs 4.85). More ranks (one pass
-// pushes (n-1)x the message; not measured): two phases from 192 KiB, as before.
+// all_reduce up to kLLOnePassRanks ranks: never (above the LL cap): LL128 one pass measured
+// faster at 256 KiB on 4xH200 (fifth session: 5.84 vs 6.01 us); more ranks (one pass pushes
+// (n-1)x the message; not measured): from 192 KiB, as before. Broadcast: from 192 KiB (LL
+// lines, LL128 being off by default for broadcast: ll128.cuh).
 constexpr int kLLTwoPhaseMin = 192 * 1024, kLLBcast2Min = 192 * 1024;
 constexpr int kLLOnePassRanks = 4;
 

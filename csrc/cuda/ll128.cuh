@@ -35,9 +35,12 @@ namespace linkwise::cuda {
 
 // LINKWISE_GPU_LL128_MIN (all_reduce) and _LL128_BCAST_MIN (broadcast) defaults: LL128 from
 // this many bytes (one pass or two phases as ll_kernels.cu chooses), LL lines below. 4xH200
-// (fifth session, spare block): all_reduce 16 KiB 3.03 us LL128 vs 4.02 LL; broadcast 16 KiB
-// 2.28 vs 2.10, 64 KiB 2.47 vs 2.48, 128 KiB 2.80 vs 3.47.
-constexpr int kL128Min = 16 * 1024, kL128BcastMin = 128 * 1024;
+// (fifth session, spare block, CUDA graphs): all_reduce 16 KiB 3.03 us LL128 vs 4.02 LL;
+// broadcast 16 KiB 2.28 vs 2.10, 64 KiB 2.47 vs 2.48, 128 KiB 2.80 vs 3.47, 256 KiB 3.64 one
+// pass vs 5.47 LL two phases. Broadcast is OFF by default all the same: eager (no graph) 256
+// KiB LL128 one-pass broadcasts took ~360 us per call (every result right; cause not found,
+// see docs/benchmarks.md fifth session), against ~5.6 us for the LL two-phase kernel.
+constexpr int kL128Min = 16 * 1024, kL128BcastMin = 1 << 30;
 constexpr int kL128Packs = 7;      // data packs per line
 constexpr size_t kL128Bytes = 128;
 constexpr unsigned kFullWarp = 0xffffffffu;

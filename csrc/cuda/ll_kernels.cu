@@ -333,7 +333,7 @@ bool launch_ll_broadcast(const DevComm& c, const void* src, void* x, size_t n, i
   if (n == 0 || n > ll_max()) return false;
   const int var = ll_variant();
   const size_t npk = (n + 15) / 16;
-  const bool two = c.nranks > 2 && n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL_BCAST2_MIN", two_min(c, kLLBcast2Min))) &&
+  const bool two = c.nranks > 2 && n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL_BCAST2_MIN", kLLBcast2Min)) &&
                    twophase_fits(npk, c.nranks - 1);
   int blocks, threads;
   ll_grid(two ? (npk + c.nranks - 2) / (c.nranks - 1) : npk, &blocks, &threads);
