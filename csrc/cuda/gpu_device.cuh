@@ -24,8 +24,7 @@
 //  * our Control.error is nonzero (latched: once a wait of this engine failed, every later
 //    wait gives up within ~kLocalPollTicks, so a queue of kernels drains fast),
 //  * the host set HostFlags::abort (a peer process died: GpuEngine's watchdog, gpu_engine.h),
-//    polled every ~kHostPollTicks by one lane of each group of waiting lanes (a PCIe read; the
-//    others see the latched error), or
+//    polled every ~kHostPollTicks since the host word is a PCIe read, or
 //  * it spun spin_limit ticks (the communicator's timeout): then it also sets
 //    HostFlags::timed_out so the host can report it without synchronising.
 // A wait that gives up returns false; kernels carry on without the data (results undefined),
@@ -153,15 +152,7 @@ struct WaitGuard {
     if (*reinterpret_cast<volatile unsigned long long*>(err)) return true;
     if (dt > host_at) {
       host_at = dt + kHostPollTicks;
-      // One PCIe read per group of converged waiting lanes (its lowest lane), not one per
-      // lane: thousands of spinning LL / LL128 lanes reading the host word at once queued
-      // hundreds of us of PCIe reads, and a lane stuck in one does not see its data arrive, so
-      // ops that waited > ~32 us kept doing so (eager 256 KiB LL128 broadcast: ~370 us per
-      // call, fifth session). Every group has a lowest lane, so some waiting lane still reads
-      // the word each period; it latches `error`, which the others see within kLocalPollTicks.
-      const unsigned act = __activemask();
-      if (static_cast<int>(threadIdx.x & 31) == __ffs(act) - 1 &&
-          *reinterpret_cast<volatile uint32_t*>(&c.host->abort)) {
+      if (*reinterpret_cast<volatile uint32_t*>(&c.host->abort)) {
         atomicCAS(err, 0ull, static_cast<unsigned long long>(kErrAborted));
         return true;
       }
