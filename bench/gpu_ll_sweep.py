@@ -1,10 +1,12 @@
 """LL kernel variant sweep for small all_reduce / broadcast, every rank under ``linkwise launch``
 with LINKWISE_GPU_TUNE=1 (the knobs are re-read at every call):
 
-    LINKWISE_GPU_TUNE=1 python3 -m linkwise.cli launch -n 4 bench/gpu_ll_sweep.py [--json F]
+    LINKWISE_GPU_TUNE=1 python3 -m linkwise.cli launch -n 4 bench/gpu_ll_sweep.py [--rows fifth|third] [--json F]
 
 For each configuration (environment knobs: LINKWISE_GPU_LL_VARIANT bits, _LL_MAX, _LL_THREADS,
-_LL_BLOCKS, _LL_TWOPHASE_MIN, _LL_BCAST2_MIN; ll.cuh / ll_kernels.cu say what they do) and
+_LL_BLOCKS, _LL_TWOPHASE_MIN, _LL_BCAST2_MIN, _LL128_MIN, _LL128_BCAST_MIN, _LL128_THREADS,
+_LL128_BLOCKS; ll.cuh / ll128.cuh / ll_kernels.cu say what they do; --rows picks the third
+session's rows or the fifth session's LL128 / announce rows, the default) and
 size: the GPU µs per op of the engine's all_reduce (float32 sum, in place) and broadcast (root
 0), 100 ops captured in one CUDA graph, 10 replays (linkwise.bench.gpu.time_ops, slowest
 rank), and a correctness check (all_reduce of exact small integers, broadcast from the last
@@ -25,6 +27,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 
 SMALL = [8, 512, 4 << 10, 32 << 10]
 LARGE = [64 << 10, 128 << 10, 256 << 10]
+MID = [32 << 10, 64 << 10, 128 << 10, 256 << 10]
 OFF = str(1 << 30)
 BIG = {"LINKWISE_GPU_LL_MAX": str(256 << 10), "LINKWISE_GPU_LL_TWOPHASE_MIN": OFF,
        "LINKWISE_GPU_LL_BCAST2_MIN": OFF}  # one pass up to 256 KiB
@@ -33,7 +36,37 @@ OLD = {"LINKWISE_GPU_LL_MAX": str(32 << 10), "LINKWISE_GPU_LL_TWOPHASE_MIN": OFF
        "LINKWISE_GPU_LL_BCAST2_MIN": OFF}  # the previous defaults: flag kernels above 32 KiB
 
 
-def configs() -> list:
+def configs_fifth() -> list:
+    """The fifth session's rows: LL against LL128 (one pass / two phases) at 16-256 KiB and the
+    start-announce variants at small sizes (bit 16: warp 1 announces; bit 32: a spare block 0
+    announces, the default since), the defaults of that session's start (v15, LL128 off,
+    two-phase from 192 KiB) and of its end (v47, LL128 from 32 / 128 KiB, one pass for
+    broadcast) first and last, to show the drift."""
+    LL = {"LINKWISE_GPU_LL_MAX": str(256 << 10), "LINKWISE_GPU_LL128_MIN": OFF,
+          "LINKWISE_GPU_LL128_BCAST_MIN": OFF, "LINKWISE_GPU_LL_TWOPHASE_MIN": str(192 << 10),
+          "LINKWISE_GPU_LL_BCAST2_MIN": str(192 << 10)}
+    # "new default" as first measured (LL128 all_reduce from 32 KiB, two phases from 192 KiB);
+    # the final defaults (LL128 from 16 KiB, one pass up to 256 KiB on 4 ranks) are the
+    # "ll128 one-pass v47" rows from 16 KiB.
+    NEW = {"LINKWISE_GPU_LL_MAX": str(256 << 10), "LINKWISE_GPU_LL128_MIN": str(32 << 10),
+           "LINKWISE_GPU_LL128_BCAST_MIN": str(128 << 10),
+           "LINKWISE_GPU_LL_TWOPHASE_MIN": str(192 << 10), "LINKWISE_GPU_LL_BCAST2_MIN": OFF}
+    L1 = {**LL, "LINKWISE_GPU_LL128_MIN": "1", "LINKWISE_GPU_LL128_BCAST_MIN": "1",
+          "LINKWISE_GPU_LL_TWOPHASE_MIN": OFF, "LINKWISE_GPU_LL_BCAST2_MIN": OFF}
+    L2 = {**L1, "LINKWISE_GPU_LL_TWOPHASE_MIN": "1", "LINKWISE_GPU_LL_BCAST2_MIN": "1"}
+    v = lambda b, env: {**env, "LINKWISE_GPU_LL_VARIANT": str(b)}  # noqa: E731
+    small, mid = [8, 64, 512, 4 << 10], [16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10]
+    rows = [("old default v15", v(15, LL), small + mid), ("new default v47", v(47, NEW), small + mid)]
+    rows += [("ll v31", v(31, LL), small), ("ll v47", v(47, LL), small + mid)]
+    for b in (15, 47):
+        rows += [(f"ll128 one-pass v{b}", v(b, L1), mid), (f"ll128 two-phase v{b}", v(b, L2), mid)]
+    rows += [("ll128 one-pass v47 t128", {**v(47, L1), "LINKWISE_GPU_LL128_THREADS": "128"}, LARGE),
+             ("ll128 one-pass v47 b128", {**v(47, L1), "LINKWISE_GPU_LL128_BLOCKS": "128"}, LARGE)]
+    rows += [("old default v15 again", v(15, LL), small + mid), ("new default v47 again", v(47, NEW), small + mid)]
+    return rows
+
+
+def configs_third() -> list:
     """(name, env, sizes); PDL (variant bit 8) last: a capture failure there spoils no other row."""
     v = lambda bits, **kw: {"LINKWISE_GPU_LL_VARIANT": str(bits), **kw}  # noqa: E731
     rows = [(f"v{b}", v(b, **OLD), SMALL) for b in (0, 1, 2, 4, 3, 7)]
@@ -54,6 +87,7 @@ def configs() -> list:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="")
+    ap.add_argument("--rows", default="fifth", choices=["fifth", "third"])
     a = ap.parse_args()
     import torch
     from gpu_rank import GpuRank
@@ -63,9 +97,11 @@ def main() -> int:
     s, e = stream.cuda_stream, g._engine
 
     def t_us(fn, graph=True, iters=100):
-        return round(R.time_us(fn, iters, 5, graph), 3)
+        """Graphs: the median of 3 timings (each 100 ops captured, replayed) against noise."""
+        reps = sorted(R.time_us(fn, iters, 5, graph) for _ in range(3 if graph else 1))
+        return round(reps[len(reps) // 2], 3)
 
-    sizes = sorted(set(SMALL + LARGE))
+    sizes = sorted(set(SMALL + LARGE + [64, 16 << 10]))
     bufs = {b: torch.ones(b // 4, device="cuda") for b in sizes}
     direct = NcclDirectBackend(helper, g.device)
 
@@ -92,7 +128,7 @@ def main() -> int:
 
     nccl_rows("start")
     say({"what": "floor", "torch add_ graph us": t_us(lambda: bufs[8].add_(1))})
-    for name, env, szs in configs():
+    for name, env, szs in (configs_fifth() if a.rows == "fifth" else configs_third()):
         os.environ.update(env)
         try:
             for b in szs:

@@ -58,7 +58,7 @@ def _bcast_body(comm, sizes):
 BCAST_SIZES = [1, 2, 15, 16, 17, 48, 1000, 4099, 65536 * 3 + 5, LL_CAP, LL_CAP + 1]
 
 
-@pytest.mark.parametrize("variant", [0, 15])
+@pytest.mark.parametrize("variant", [0, 15, 47])
 def test_twophase_all_reduce_dtypes_ops_sizes(variant):
     n = _nranks()
     cases = [(c, d, o, "auto", 0) for d in DTYPES for o in OPS for c in (1, 7, 3001)]
@@ -69,7 +69,7 @@ def test_twophase_all_reduce_dtypes_ops_sizes(variant):
         _check(run_ranks(3, _allreduce_body, cases[-16:], env=_env(variant, 1), timeout=300))
 
 
-@pytest.mark.parametrize("variant", [0, 15])
+@pytest.mark.parametrize("variant", [0, 15, 47])
 def test_twophase_broadcast_every_root(variant):
     n = _nranks()
     _check(run_ranks(n, _bcast_body, BCAST_SIZES, env=_env(variant, 1), timeout=300))
@@ -77,7 +77,7 @@ def test_twophase_broadcast_every_root(variant):
         _check(run_ranks(3, _bcast_body, BCAST_SIZES[5:], env=_env(variant, 1), timeout=300))
 
 
-@pytest.mark.parametrize("variant", [0, 15])
+@pytest.mark.parametrize("variant", [0, 15, 47])
 def test_twophase_mixed_and_graph_replays(variant):
     """One-pass (below 2 KiB) and two-phase LL, flag kernels and two-shot in a random mix,
     then a captured two-phase all_reduce (999 float32) and broadcast (4001 bytes) replayed

@@ -34,8 +34,13 @@ constexpr size_t kLLPackBytes = 32;  // 16 data bytes as 4 lines
 constexpr size_t kLLMaxData = kLLSlotBytes / 2;  // data bytes one LL slot carries
 constexpr size_t kLLDefaultMax = 256 * 1024;     // LINKWISE_GPU_LL_MAX default
 // Two-phase kernels (3+ ranks) from this many bytes: LINKWISE_GPU_LL_TWOPHASE_MIN (all_reduce)
-// and LINKWISE_GPU_LL_BCAST2_MIN (broadcast) defaults.
+// and LINKWISE_GPU_LL_BCAST2_MIN (broadcast) defaults; they apply to LL and LL128 lines alike.
+// all_reduce up to kLLOnePassRanks ranks: never (above the LL cap): LL128 one pass measured
+// faster at 256 KiB on 4xH200 (fifth session: 5.84 vs 6.01 us); more ranks (one pass pushes
+// (n-1)x the message; not measured): from 192 KiB, as before. Broadcast: from 192 KiB (LL
+// lines, LL128 being off by default for broadcast: ll128.cuh).
 constexpr int kLLTwoPhaseMin = 192 * 1024, kLLBcast2Min = 192 * 1024;
+constexpr int kLLOnePassRanks = 4;
 
 // Variant bits of the LL kernels (LINKWISE_GPU_LL_VARIANT, tuning sweeps):
 //  kLLAtomicEpoch: epoch_arrive instead of epoch_begin/epoch_end (nothing at the kernel's end);
@@ -44,10 +49,31 @@ constexpr int kLLTwoPhaseMin = 192 * 1024, kLLBcast2Min = 192 * 1024;
 //  kLLWarpLines: pack i of warp group w = i / 32, lane l = i % 32, has its halves at
 //    w*1024 + l*16 and w*1024 + 512 + l*16 (a warp's store covers 512 contiguous bytes)
 //    instead of i*32 and i*32 + 16;
-//  kLLPdl: launched with programmatic dependent launch (launch side only, ll_kernels.cu).
-constexpr int kLLAtomicEpoch = 1, kLLDeferAnnounce = 2, kLLWarpLines = 4, kLLPdl = 8;
-// Default: all four (sweep on 4xH200, docs/benchmarks.md "third session").
-constexpr int kLLDefaultVariant = kLLAtomicEpoch | kLLDeferAnnounce | kLLWarpLines | kLLPdl;
+//  kLLPdl: launched with programmatic dependent launch (launch side only, ll_kernels.cu);
+//  kLLSpareAnnounce: the start announce (a system-scope release, i.e. a fence on the issuing
+//    thread) is made by lanes of warp 1 instead of warp 0, so the threads that carry the first
+//    packs (warp 0; all of them up to 512 bytes) store their data without waiting for it.
+//  kLLSpareBlock: the grid has one more block, block 0, which carries no data: it makes the
+//    start announce at once and ends; the data blocks (1..) never announce, so no data warp
+//    waits for that fence and no announce needs deferring (kLLDeferAnnounce, kLLSpareAnnounce
+//    have no effect with it).
+constexpr int kLLAtomicEpoch = 1, kLLDeferAnnounce = 2, kLLWarpLines = 4, kLLPdl = 8,
+              kLLSpareAnnounce = 16, kLLSpareBlock = 32;
+
+// With kLLSpareBlock: whether this is the spare block 0; the data blocks' index and count.
+__device__ __forceinline__ bool ll_is_spare(int var) {
+  return (var & kLLSpareBlock) && blockIdx.x == 0;
+}
+__device__ __forceinline__ size_t ll_data_block(int var) {
+  return blockIdx.x - ((var & kLLSpareBlock) ? 1 : 0);
+}
+__device__ __forceinline__ size_t ll_data_blocks(int var) {
+  return gridDim.x - ((var & kLLSpareBlock) ? 1 : 0);
+}
+// Default: A, D, W, P (sweep on 4xH200, docs/benchmarks.md "third session") and the spare
+// block (fifth session: the start-announce fence off every data warp's path).
+constexpr int kLLDefaultVariant =
+    kLLAtomicEpoch | kLLDeferAnnounce | kLLWarpLines | kLLPdl | kLLSpareBlock;
 
 __device__ __forceinline__ uint64_t* ll_slot(const DevComm& c, int r, int par, int src,
                                              int half = 0) {
@@ -114,12 +140,25 @@ __device__ __forceinline__ uint4 ll_load_pack(const DevComm& c, LLLines l, uint3
                     static_cast<uint32_t>(d1));
 }
 
+// announce_start (gpu_device.cuh), by lanes 32 + t of block 0 with kLLSpareAnnounce (blocks
+// of 64+ threads), else by threads t.
+__device__ __forceinline__ void ll_announce_start(const DevComm& c, int var, uint64_t epoch) {
+  if (!(var & kLLSpareAnnounce)) {
+    announce_start(c, epoch);
+    return;
+  }
+  const int t = threadIdx.x - 32;
+  if (blockIdx.x == 0 && t >= 0 && t < c.nranks && t != c.rank)
+    st_release_sys(&c.ctrl(t)->start[c.rank], epoch);
+}
+
 // Epoch start of an LL kernel. Every rank: the epoch (epoch_begin, or with kLLAtomicEpoch
 // epoch_arrive) and, unless a writer defers it (kLLDeferAnnounce: ll_announce after its
 // stores), announce_start. A writer (dst_mask: bit p = this rank stores into p's slots) also
 // waits until each such peer may be written (it started epoch e-1); the start-flag loads
 // (warp 1, lane t < nranks) are issued at once with the epoch read (warp 0); the block barrier
-// then orders every thread's later stores after those acquires. Needs blockDim.x >= 64.
+// then orders every thread's later stores after those acquires. Needs blockDim.x >= 64. The
+// kernels return right after it in the spare block (kLLSpareBlock), after ll_end.
 __device__ __forceinline__ uint64_t ll_begin(const DevComm& c, int var, uint32_t dst_mask) {
   __shared__ uint64_t seen[kMaxRanks];
   __shared__ uint64_t arrived;
@@ -134,8 +173,12 @@ __device__ __forceinline__ uint64_t ll_begin(const DevComm& c, int var, uint32_t
   }
   __syncthreads();
   if (var & kLLAtomicEpoch) epoch = arrived;
-  if (!(dst_mask && (var & kLLDeferAnnounce))) announce_start(c, epoch);
-  if (dst_mask) {
+  if (var & kLLSpareBlock) {
+    if (blockIdx.x == 0) announce_start(c, epoch);  // the spare block, threads t < nranks
+  } else if (!(dst_mask && (var & kLLDeferAnnounce))) {
+    ll_announce_start(c, var, epoch);
+  }
+  if (dst_mask && !ll_is_spare(var)) {
     if (mine && epoch >= 2 && seen[t] < epoch - 1)
       wait_ge(c, &c.ctrl(c.rank)->start[t], epoch - 1);
     __syncthreads();
@@ -145,7 +188,7 @@ __device__ __forceinline__ uint64_t ll_begin(const DevComm& c, int var, uint32_t
 
 // A writer's deferred announce (kLLDeferAnnounce), after its stores.
 __device__ __forceinline__ void ll_announce(const DevComm& c, int var, uint64_t epoch) {
-  if (var & kLLDeferAnnounce) announce_start(c, epoch);
+  if ((var & kLLDeferAnnounce) && !(var & kLLSpareBlock)) ll_announce_start(c, var, epoch);
 }
 
 // The epoch's end: epoch_end (without the cross-block counter when the grid is one block:
@@ -199,21 +242,29 @@ __device__ __forceinline__ void ll_load_group(const DevComm& c, int g0, uint32_t
 
 // Bytes [16*i, 16*i + 16) of p (n bytes long) as a pack; missing bytes read as 0. One 16-byte
 // load when p is 16-byte aligned and the pack is whole, else element by element (elem bytes,
-// p is aligned to elem).
+// p and n aligned to elem; 8-byte elements as two words). Constant indices only, so the pack
+// stays in registers (no local-memory union).
 __device__ __forceinline__ uint4 load_pack(const char* p, size_t i, size_t n, int elem) {
   const size_t off = i * 16;
   if ((reinterpret_cast<uintptr_t>(p) & 15) == 0 && off + 16 <= n)
     return reinterpret_cast<const uint4*>(p)[i];
-  union { uint4 u; char b[16]; uint16_t h[8]; uint32_t w[4]; uint64_t q[2]; } v;
-  v.u = make_uint4(0, 0, 0, 0);
-  const size_t k = n - off < 16 ? n - off : 16;
-  for (size_t j = 0; j < k; j += elem) {
-    if (elem == 8) v.q[j / 8] = *reinterpret_cast<const uint64_t*>(p + off + j);
-    else if (elem == 4) v.w[j / 4] = *reinterpret_cast<const uint32_t*>(p + off + j);
-    else if (elem == 2) v.h[j / 2] = *reinterpret_cast<const uint16_t*>(p + off + j);
-    else v.b[j] = p[off + j];
+  const size_t k = n - off < 16 ? n - off : 16;  // valid bytes, a multiple of elem
+  const char* q = p + off;
+  uint32_t w[4] = {0, 0, 0, 0};
+  if (elem >= 4) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (4 * j < k) w[j] = reinterpret_cast<const uint32_t*>(q)[j];
+  } else if (elem == 2) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (2 * j < k) w[j / 2] |= static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(q)[j]) << (16 * (j & 1));
+  } else {
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      if (j < k) w[j / 4] |= static_cast<uint32_t>(static_cast<unsigned char>(q[j])) << (8 * (j & 3));
   }
-  return v.u;
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // Stores the valid bytes of pack i (see load_pack) into p.
@@ -223,14 +274,21 @@ __device__ __forceinline__ void store_pack(char* p, size_t i, size_t n, int elem
     reinterpret_cast<uint4*>(p)[i] = d;
     return;
   }
-  union { uint4 u; char b[16]; uint16_t h[8]; uint32_t w[4]; uint64_t q[2]; } v;
-  v.u = d;
   const size_t k = n - off < 16 ? n - off : 16;
-  for (size_t j = 0; j < k; j += elem) {
-    if (elem == 8) *reinterpret_cast<uint64_t*>(p + off + j) = v.q[j / 8];
-    else if (elem == 4) *reinterpret_cast<uint32_t*>(p + off + j) = v.w[j / 4];
-    else if (elem == 2) *reinterpret_cast<uint16_t*>(p + off + j) = v.h[j / 2];
-    else p[off + j] = v.b[j];
+  char* q = p + off;
+  const uint32_t w[4] = {d.x, d.y, d.z, d.w};
+  if (elem >= 4) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (4 * j < k) reinterpret_cast<uint32_t*>(q)[j] = w[j];
+  } else if (elem == 2) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (2 * j < k) reinterpret_cast<uint16_t*>(q)[j] = static_cast<uint16_t>(w[j / 2] >> (16 * (j & 1)));
+  } else {
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      if (j < k) q[j] = static_cast<char>(w[j / 4] >> (8 * (j & 3)));
   }
 }
 

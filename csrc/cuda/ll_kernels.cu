@@ -10,7 +10,7 @@
 // byte over fewer links.
 #include <cstdlib>
 
-#include "cuda/ll.cuh"
+#include "cuda/ll128.cuh"
 #include "cuda/launch.h"
 #include "cuda/reduce_ops.cuh"
 
@@ -24,11 +24,12 @@ constexpr int G = 8;  // sources polled at once (more ranks: several groups, in 
 __device__ __forceinline__ uint32_t peers_of(const DevComm& c) {
   return ((1u << c.nranks) - 1) & ~(1u << c.rank);
 }
-__device__ __forceinline__ size_t global_tid() {
-  return static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+// Data threads (kLLSpareBlock: block 0 is not one of them; kernels return there first).
+__device__ __forceinline__ size_t global_tid(int var) {
+  return ll_data_block(var) * blockDim.x + threadIdx.x;
 }
-__device__ __forceinline__ size_t grid_threads() {
-  return static_cast<size_t>(gridDim.x) * blockDim.x;
+__device__ __forceinline__ size_t grid_threads(int var) {
+  return ll_data_blocks(var) * blockDim.x;
 }
 
 // Pack i reduced in rank order 0..n-1: `own` for q == rank, else q's lines from our
@@ -86,18 +87,19 @@ __global__ void __launch_bounds__(kLLMaxThreads) ll_allreduce_kernel(DevComm c, 
                                                                 size_t count, bool avg, int var) {
   pdl_begin();
   const uint64_t epoch = ll_begin(c, var, peers_of(c));
+  if (ll_is_spare(var)) return ll_end(c, var);
   const int par = epoch & 1;
   const uint32_t flag = ll_flag(epoch);
   const bool wl = var & kLLWarpLines;
   const size_t n = count * sizeof(T), npk = (n + 15) / 16;
   const char* xb = reinterpret_cast<const char*>(x);
-  for (size_t i = global_tid(); i < npk; i += grid_threads()) {
+  for (size_t i = global_tid(var); i < npk; i += grid_threads(var)) {
     const uint4 d = load_pack(xb, i, n, sizeof(T));
     for (int p = 0; p < c.nranks; ++p)
       if (p != c.rank) ll_store_pack(ll_lines(ll_slot(c, p, par, c.rank), i, wl), d, flag);
   }
   ll_announce(c, var, epoch);
-  for (size_t i = global_tid(); i < npk; i += grid_threads())
+  for (size_t i = global_tid(var); i < npk; i += grid_threads(var))
     store_pack(reinterpret_cast<char*>(out), i, n, sizeof(T),
                ll_reduce_pack<T, Op>(c, load_pack(xb, i, n, sizeof(T)), par, 0, i, wl, flag, avg));
   ll_end(c, var);
@@ -116,6 +118,7 @@ __global__ void __launch_bounds__(kLLMaxThreads) ll_allreduce2_kernel(DevComm c,
   pdl_begin();
   const uint32_t peers = peers_of(c);
   const uint64_t epoch = ll_begin(c, var, peers);
+  if (ll_is_spare(var)) return ll_end(c, var);
   const int par = epoch & 1;
   const uint32_t flag = ll_flag(epoch);
   const bool wl = var & kLLWarpLines;
@@ -123,20 +126,20 @@ __global__ void __launch_bounds__(kLLMaxThreads) ll_allreduce2_kernel(DevComm c,
   const size_t C = (npk + c.nranks - 1) / c.nranks, own = c.rank * C;
   const char* xb = reinterpret_cast<const char*>(x);
   char* ob = reinterpret_cast<char*>(out);
-  for (size_t i = global_tid(); i < C; i += grid_threads())
+  for (size_t i = global_tid(var); i < C; i += grid_threads(var))
     for (int p = 0; p < c.nranks; ++p)
       if (p != c.rank && p * C + i < npk)
         ll_store_pack(ll_lines(ll_slot(c, p, par, c.rank, 0), i, wl),
                       load_pack(xb, p * C + i, n, sizeof(T)), flag);
   ll_announce(c, var, epoch);
-  for (size_t i = global_tid(); i < C && own + i < npk; i += grid_threads()) {
+  for (size_t i = global_tid(var); i < C && own + i < npk; i += grid_threads(var)) {
     const uint4 r = ll_reduce_pack<T, Op>(c, load_pack(xb, own + i, n, sizeof(T)), par, 0, i, wl,
                                           flag, avg);
     store_pack(ob, own + i, n, sizeof(T), r);
     for (int p = 0; p < c.nranks; ++p)
       if (p != c.rank) ll_store_pack(ll_lines(ll_slot(c, p, par, c.rank, 1), i, wl), r, flag);
   }
-  for (size_t i = global_tid(); i < C; i += grid_threads()) {
+  for (size_t i = global_tid(var); i < C; i += grid_threads(var)) {
     uint32_t from = 0;
     for (int q = 0; q < c.nranks; ++q)
       if (((peers >> q) & 1) && q * C + i < npk) from |= 1u << q;
@@ -148,27 +151,29 @@ __global__ void __launch_bounds__(kLLMaxThreads) ll_allreduce2_kernel(DevComm c,
 // broadcast, one pass. Root: ll_begin -> read its packs from src, store them as LL lines into
 // ll_slot(p, par, root) of every peer p and (out of place, src != x) into its own x; it waits
 // for nothing else. Peer: poll its packs from ll_slot(rank, par, root), zero the lines, store
-// the bytes into x (src unused). src and x are equal or do not overlap.
+// the bytes into x (src unused). src and x are equal or do not overlap. kCopy = src != x (a
+// template parameter so the in-place kernel carries no copy work).
+template <bool kCopy>
 __global__ void __launch_bounds__(kLLMaxThreads) ll_bcast_kernel(DevComm c, const char* src, char* x,
                                                             size_t n, int root, int elem, int var) {
   pdl_begin();
   const bool is_root = c.rank == root;
   const uint64_t epoch = ll_begin(c, var, is_root ? peers_of(c) : 0u);
+  if (ll_is_spare(var)) return ll_end(c, var);
   const int par = epoch & 1;
   const uint32_t flag = ll_flag(epoch);
   const bool wl = var & kLLWarpLines;
   const size_t npk = (n + 15) / 16;
   if (is_root) {
-    const bool copy = src != x;
-    for (size_t i = global_tid(); i < npk; i += grid_threads()) {
+    for (size_t i = global_tid(var); i < npk; i += grid_threads(var)) {
       const uint4 d = load_pack(src, i, n, elem);
       for (int p = 0; p < c.nranks; ++p)
         if (p != root) ll_store_pack(ll_lines(ll_slot(c, p, par, root), i, wl), d, flag);
-      if (copy) store_pack(x, i, n, elem, d);
+      if (kCopy) store_pack(x, i, n, elem, d);
     }
     ll_announce(c, var, epoch);
   } else {
-    for (size_t i = global_tid(); i < npk; i += grid_threads())
+    for (size_t i = global_tid(var); i < npk; i += grid_threads(var))
       store_pack(x, i, n, elem, ll_load_pack(c, ll_lines(ll_slot(c, c.rank, par, root), i, wl), flag));
   }
   ll_end(c, var);
@@ -179,13 +184,15 @@ __global__ void __launch_bounds__(kLLMaxThreads) ll_bcast_kernel(DevComm c, cons
 // chunk idx(p) to non-root p (half 0 of ll_slot(p, par, root)). Non-root p: ll_begin -> its
 // pack i from the root into x and to every other non-root (half 1 of their ll_slot(., par,
 // p)) -> every other non-root q's pack i (our half-1 lines from q) into x. Out of place (src
-// != x, root only): the root reads src and also stores every pack into its own x.
+// != x, root only; kCopy): the root reads src and also stores every pack into its own x.
+template <bool kCopy>
 __global__ void __launch_bounds__(kLLMaxThreads) ll_bcast2_kernel(DevComm c, const char* src, char* x,
                                                              size_t n, int root, int elem, int var) {
   pdl_begin();
   const uint32_t nonroots = ((1u << c.nranks) - 1) & ~(1u << root);
   const uint32_t dst = nonroots & ~(1u << c.rank);
   const uint64_t epoch = ll_begin(c, var, dst);
+  if (ll_is_spare(var)) return ll_end(c, var);
   const int par = epoch & 1;
   const uint32_t flag = ll_flag(epoch);
   const bool wl = var & kLLWarpLines;
@@ -193,25 +200,24 @@ __global__ void __launch_bounds__(kLLMaxThreads) ll_bcast2_kernel(DevComm c, con
   auto idx = [&](int p) -> size_t { return p < root ? p : p - 1; };
   if (c.rank == root) {
     // Every pack k < npk is idx(p) * C + i for exactly one (p, i): the copy covers x.
-    const bool copy = src != x;
-    for (size_t i = global_tid(); i < C; i += grid_threads())
+    for (size_t i = global_tid(var); i < C; i += grid_threads(var))
       for (int p = 0; p < c.nranks; ++p)
         if (p != root && idx(p) * C + i < npk) {
           const uint4 d = load_pack(src, idx(p) * C + i, n, elem);
           ll_store_pack(ll_lines(ll_slot(c, p, par, root, 0), i, wl), d, flag);
-          if (copy) store_pack(x, idx(p) * C + i, n, elem, d);
+          if (kCopy) store_pack(x, idx(p) * C + i, n, elem, d);
         }
     ll_announce(c, var, epoch);
   } else {
     const size_t mine = idx(c.rank) * C;
-    for (size_t i = global_tid(); i < C && mine + i < npk; i += grid_threads()) {
+    for (size_t i = global_tid(var); i < C && mine + i < npk; i += grid_threads(var)) {
       const uint4 d = ll_load_pack(c, ll_lines(ll_slot(c, c.rank, par, root, 0), i, wl), flag);
       store_pack(x, mine + i, n, elem, d);
       for (int q = 0; q < c.nranks; ++q)
         if ((dst >> q) & 1) ll_store_pack(ll_lines(ll_slot(c, q, par, c.rank, 1), i, wl), d, flag);
     }
     ll_announce(c, var, epoch);
-    for (size_t i = global_tid(); i < C; i += grid_threads()) {
+    for (size_t i = global_tid(var); i < C; i += grid_threads(var)) {
       uint32_t from = 0;
       for (int q = 0; q < c.nranks; ++q)
         if (((dst >> q) & 1) && idx(q) * C + i < npk) from |= 1u << q;
@@ -226,9 +232,10 @@ __global__ void __launch_bounds__(kLLMaxThreads) ll_bcast2_kernel(DevComm c, con
 template <typename... K, typename... A>
 void ll_launch(void (*kernel)(K...), int blocks, int threads, cudaStream_t s, int var, A... args) {
   if (!(var & kLLPdl)) {
-    kernel<<<blocks, threads, 0, s>>>(args...);
+    kernel<<<blocks + ((var & kLLSpareBlock) ? 1 : 0), threads, 0, s>>>(args...);
     return;
   }
+  if (var & kLLSpareBlock) ++blocks;  // block 0: the spare block
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(blocks);
   cfg.blockDim = dim3(threads);
@@ -279,6 +286,9 @@ void ll_grid(size_t units, int* blocks, int* threads) {
   *blocks = static_cast<int>(b < 1 ? 1 : b > static_cast<size_t>(cap) ? cap : b);
 }
 
+// Default two-phase threshold: none up to kLLOnePassRanks ranks, else `dflt`.
+int two_min(const DevComm& c, int dflt) { return c.nranks <= kLLOnePassRanks ? 1 << 30 : dflt; }
+
 // Two phases fit when a chunk of C packs fits half a slot (warp groups of 32 packs).
 bool twophase_fits(size_t npk, int parts) {
   const size_t chunk = (npk + parts - 1) / parts;
@@ -305,8 +315,13 @@ bool launch_ll_allreduce(const DevComm& c, int dtype, int op, const void* x, voi
   if (n == 0 || n > ll_max()) return false;
   const int var = ll_variant();
   const size_t npk = (n + 15) / 16;
-  const bool two = c.nranks > 2 && n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL_TWOPHASE_MIN", kLLTwoPhaseMin)) &&
+  const bool two = c.nranks > 2 && n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL_TWOPHASE_MIN", two_min(c, kLLTwoPhaseMin))) &&
                    twophase_fits(npk, c.nranks);
+  if (n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL128_MIN", kL128Min)) &&
+      l128_fits(n, two ? c.nranks : 1)) {
+    launch_l128_allreduce(c, dtype, op, x, out, count, two, var, s);
+    return true;
+  }
   int blocks, threads;
   ll_grid(two ? (npk + c.nranks - 1) / c.nranks : npk, &blocks, &threads);
   dispatch<LLAllReduce>(dtype, op, c, x, out, count, op == kAvg, two, blocks, threads, var, s);
@@ -326,9 +341,17 @@ bool launch_ll_broadcast(const DevComm& c, const void* src, void* x, size_t n, i
   // the widest element that src, x and n allow
   const uintptr_t a = reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(src) | n;
   const int elem = (a & 7) == 0 ? 8 : (a & 3) == 0 ? 4 : (a & 1) == 0 ? 2 : 1;
-  ll_launch(two ? ll_bcast2_kernel : ll_bcast_kernel, blocks, threads, s, var, c,
-            static_cast<const char*>(src), static_cast<char*>(x), n, root, elem,
-            var & ~kLLDeferAnnounce);
+  const int bvar = var & ~kLLDeferAnnounce;
+  if (n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL128_BCAST_MIN", kL128BcastMin)) &&
+      l128_fits(n, two ? c.nranks - 1 : 1)) {
+    launch_l128_broadcast(c, src, x, n, root, elem, two, bvar, s);
+    return true;
+  }
+  const bool copy = src != x;
+  ll_launch(two ? (copy ? ll_bcast2_kernel<true> : ll_bcast2_kernel<false>)
+                : (copy ? ll_bcast_kernel<true> : ll_bcast_kernel<false>),
+            blocks, threads, s, bvar, c, static_cast<const char*>(src), static_cast<char*>(x), n,
+            root, elem, bvar);
   return true;
 }
 

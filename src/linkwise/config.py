@@ -160,16 +160,25 @@ declare("LINKWISE_GPU_REG_REDUCE_UNROLL", 2, int, "tuning: registered all_reduce
 # Read by the engine only under LINKWISE_GPU_TUNE=1 (sweeps; bench/gpu_ll_sweep.py, gpu_tune.py).
 declare("LINKWISE_GPU_LL_THREADS", 64, int, "tuning: threads per block of the LL kernels (64-256)")
 declare("LINKWISE_GPU_LL_BLOCKS", 128, int, "tuning: most blocks of an LL kernel")
-declare("LINKWISE_GPU_LL_VARIANT", 15, int,
-        "tuning: LL kernel switches, bits 1 atomic epoch, 2 deferred announce, 4 warp layout, 8 PDL")
+declare("LINKWISE_GPU_LL_VARIANT", 47, int,
+        "tuning: LL/LL128 kernel switches, bits 1 atomic epoch, 2 deferred announce, 4 warp "
+        "layout, 8 PDL, 16 warp-1 announce, 32 spare announce block")
 declare("LINKWISE_GPU_LL_TWOPHASE_MIN", 192 << 10, int,
-        "tuning: LL all_reduce of 3+ ranks this large runs as reduce-scatter + all-gather")
+        "tuning: LL/LL128 all_reduce of 5+ ranks this large runs as reduce-scatter + all-gather "
+        "(3-4 ranks: never by default)")
 declare("LINKWISE_GPU_LL_BCAST2_MIN", 192 << 10, int,
         "tuning: LL broadcast of 3+ ranks this large runs as scatter + all-gather")
+declare("LINKWISE_GPU_LL128_MIN", 16 << 10, int,
+        "tuning: LL all_reduce this large uses 128-byte LL128 lines (relies on NVLink "
+        "delivering a warp's 128-byte store whole, as NCCL's LL128)")
+declare("LINKWISE_GPU_LL128_BCAST_MIN", 1 << 30, int,
+        "tuning: LL broadcast this large uses LL128 lines (default off: eager stalls seen at 256 KiB)")
+declare("LINKWISE_GPU_LL128_THREADS", 64, int, "tuning: threads per block of the LL128 kernels (64-256)")
+declare("LINKWISE_GPU_LL128_BLOCKS", 1024, int, "tuning: most blocks of an LL128 kernel")
 declare("LINKWISE_GPU_ONESHOT_BLOCK_BYTES", 8192, int, "tuning: bytes per block of the one-shot flag kernel")
 declare("LINKWISE_GPU_TUNE", False, _bool,
         "tuning: re-read LINKWISE_GPU_LL_MAX / _LL_THREADS / _LL_BLOCKS / _LL_VARIANT / "
-        "_LL_TWOPHASE_MIN / _LL_BCAST2_MIN / _ONESHOT_BLOCK_BYTES at every call")
+        "_LL_TWOPHASE_MIN / _LL_BCAST2_MIN / _LL128_* / _ONESHOT_BLOCK_BYTES at every call")
 declare("LINKWISE_STAGED_BUFFERS", 3, int, "pinned chunks in flight on the host-staged GPU path (2-16)")
 declare("LINKWISE_STAGED_SHM", True, _bool,
         "host-staged GPU transfers within a host go through shared pinned memory (no CPU copy)")

@@ -1,0 +1,131 @@
+// LL128 lines for mid-size collectives (64-256 KiB): the LL idea (a receiver polls the data
+// itself, no fence + separate ready flag) at 128-byte granularity, so the flag costs 16 of
+// every 128 bytes (x1.14 on NVLink) instead of half of them (LL, ll.cuh: x2). Device code;
+// internal to csrc/cuda (ll128_kernels.cu).
+//
+// Line format: 128 bytes, 128-byte aligned, written by 8 consecutive lanes of one warp with
+// one st.volatile.global.v2.u64 each (the same warp instruction): lanes k = 0..6 carry data
+// pack 7*L + k (16 bytes), lane 7 carries {flag, flag}, flag = the epoch (64 bits, never 0,
+// never repeats). A reader loads the line the same way (8 lanes, one ld.volatile.v2.u64 each,
+// one warp instruction) and accepts it when lane 7 sees the flag.
+//
+// HARDWARE ASSUMPTION (not given by the PTX memory model, which makes only each 8-byte element
+// single-copy atomic): a warp's 128-byte aligned, fully covered line store over NVLink lands in
+// the peer's memory as one unit, and a warp's 128-byte aligned line load observes it whole, so
+// a reader that sees the flag sees the line's data of the same store. NCCL's LL128 protocol
+// relies on the same property and enables it by default on NVLink for sm_80/sm_90. It is used
+// here only from LINKWISE_GPU_LL128_MIN / _LL128_BCAST_MIN bytes and is checked by the
+// stress tests in tests/test_gpu_ll128.py (all data verified bitwise, many epochs); set the
+// knobs above the LL cap to turn it off.
+//
+// Region and contracts: the LL slots of ll.cuh (ll_slot), shared with the LL kernels, and
+// their contracts unchanged: every line a writer stores in an epoch is read exactly once by
+// the slot's owner in that epoch, which then zeroes the whole line (so the region is all zeros
+// between epochs and an LL kernel of a later epoch can never mistake an LL128 line's bytes for
+// its own flags); a writer stores into a peer's slot only after that peer started epoch e-1
+// (ll_begin). A line is either stored by all 8 of its lanes or by none, and writer and reader
+// decide "this line exists" by the same condition.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/ll.cuh"
+
+namespace linkwise::cuda {
+
+// LINKWISE_GPU_LL128_MIN (all_reduce) and _LL128_BCAST_MIN (broadcast) defaults: LL128 from
+// this many bytes (one pass or two phases as ll_kernels.cu chooses), LL lines below. 4xH200
+// (fifth session, spare block, CUDA graphs): all_reduce 16 KiB 3.03 us LL128 vs 4.02 LL;
+// broadcast 16 KiB 2.28 vs 2.10, 64 KiB 2.47 vs 2.48, 128 KiB 2.80 vs 3.47, 256 KiB 3.64 one
+// pass vs 5.47 LL two phases. Broadcast is OFF by default all the same: eager (no graph) 256
+// KiB LL128 one-pass broadcasts took ~360 us per call (every result right; cause not found,
+// see docs/benchmarks.md fifth session), against ~5.6 us for the LL two-phase kernel.
+constexpr int kL128Min = 16 * 1024, kL128BcastMin = 1 << 30;
+constexpr int kL128Packs = 7;      // data packs per line
+constexpr size_t kL128Bytes = 128;
+constexpr unsigned kFullWarp = 0xffffffffu;
+
+// This lane's place: line group g = lane / 8 of the warp, k = lane % 8 (7: the flag lane).
+struct L128Lane {
+  int k;
+  int g;
+};
+__device__ __forceinline__ L128Lane l128_lane() {
+  const int l = threadIdx.x & 31;
+  return {l & 7, l >> 3};
+}
+
+// Lane k's 16 bytes of line L in slot.
+__device__ __forceinline__ uint64_t* l128_at(uint64_t* slot, size_t L, int k) {
+  return slot + L * 16 + k * 2;
+}
+
+// Stores this lane's part of line L: data d (k < 7) or the flag (k == 7). All 8 lanes of the
+// group call it together (the __syncwarp on the group's mask reconverges them, so the 8 stores
+// issue as one warp instruction).
+__device__ __forceinline__ void l128_store(uint64_t* slot, size_t L, int k, uint4 d, uint64_t flag) {
+  __syncwarp(0xffu << (threadIdx.x & 24));
+  uint64_t a, b;
+  if (k == 7) {
+    a = b = flag;
+  } else {
+    a = (static_cast<uint64_t>(d.y) << 32) | d.x;
+    b = (static_cast<uint64_t>(d.w) << 32) | d.z;
+  }
+  asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(l128_at(slot, L, k)), "l"(a), "l"(b)
+               : "memory");
+}
+
+// Polls line L of up to G sources at once (source j live when bit j of `want` is set and the
+// lane's group is live: `live`, identical for the 8 lanes of a group); every lane of the warp
+// must call it (warp-synchronous). Returns each source's 16 bytes of this lane in d[j] and
+// zeroes the lines read. When the wait gives up (WaitGuard: timeout, abort, earlier failure;
+// recorded) the missing data reads as zeros.
+template <int G>
+__device__ __forceinline__ void l128_load(const DevComm& c, uint64_t* const* slots, uint32_t want,
+                                          bool live, size_t L, int k, uint64_t flag, uint4* d) {
+  const int flag_lane = (threadIdx.x & 31) | 7;
+  uint32_t pending = live ? want : 0u;  // sources whose line this lane still waits for
+  uint64_t v[G][2] = {};
+  WaitGuard guard;
+  __syncwarp();  // converged: each group's 8 loads issue as one warp instruction
+  while (true) {
+#pragma unroll
+    for (int j = 0; j < G; ++j)
+      if ((pending >> j) & 1)
+        asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];"
+                     : "=l"(v[j][0]), "=l"(v[j][1]) : "l"(l128_at(slots[j], L, k)) : "memory");
+    uint32_t got = 0;  // on the flag lane: lines whose flag arrived
+#pragma unroll
+    for (int j = 0; j < G; ++j)
+      if (((pending >> j) & 1) && v[j][0] == flag) got |= 1u << j;
+    got = __shfl_sync(kFullWarp, got, flag_lane);  // the group's verdict, lane 7's loads
+    pending &= ~got;
+    if (!__any_sync(kFullWarp, pending != 0)) break;
+    if (__any_sync(kFullWarp, pending != 0 && guard.give_up(c))) {
+#pragma unroll
+      for (int j = 0; j < G; ++j)
+        if ((pending >> j) & 1) v[j][0] = v[j][1] = 0;
+      break;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < G; ++j) {
+    d[j] = make_uint4(static_cast<uint32_t>(v[j][0]), static_cast<uint32_t>(v[j][0] >> 32),
+                      static_cast<uint32_t>(v[j][1]), static_cast<uint32_t>(v[j][1] >> 32));
+    if (live && ((want >> j) & 1))
+      asm volatile("st.global.v2.u64 [%0], {%1, %1};" ::"l"(l128_at(slots[j], L, k)), "l"(0ull)
+                   : "memory");
+  }
+}
+
+// Host side (ll128_kernels.cu), called by launch_ll_allreduce / launch_ll_broadcast for
+// messages they route to LL128; same contracts as those (n fits, 2+ ranks).
+void launch_l128_allreduce(const DevComm& c, int dtype, int op, const void* x, void* out,
+                           size_t count, bool two, int var, cudaStream_t s);
+void launch_l128_broadcast(const DevComm& c, const void* src, void* x, size_t n, int root,
+                           int elem, bool two, int var, cudaStream_t s);
+// Whether n bytes fit LL128 one pass (parts = 1) or two phases (chunks of n / parts).
+bool l128_fits(size_t n, int parts);
+
+}  // namespace linkwise::cuda
