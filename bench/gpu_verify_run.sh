@@ -1,9 +1,9 @@
 #!/bin/bash
-# One device call that checks a whole tree: the GPU test files in three groups, then the
-# benches given as arguments, one at a time. Groups run one after another; PARALLEL=1 runs them
-# side by side on the same GPUs, which on 4xH200 (fifth session) was slower than one at a time:
-# each of three groups ran past 260 s after 12-14 tests. Usage, repo root on the device:
-#   [SKIP_BUILD=1] [PARALLEL=1] [TEST_T=300] [BENCH_T=90] [GROUP_A|B|C="<test files>"] bash bench/gpu_verify_run.sh "<bench cmd>"...
+# One device call that checks a whole tree: the GPU test files in three pytest processes at
+# once (they share the GPUs; with 4 ranks a test spends most of its ~15 s starting processes
+# and CUDA contexts, so running groups side by side cuts the wall time), then the benches given
+# as arguments, one at a time (nothing else running). Usage, repo root on the device:
+#   [SKIP_BUILD=1] [TEST_T=300] [BENCH_T=90] [GROUP_A|B|C="<test files>"] bash bench/gpu_verify_run.sh "<bench cmd>"...
 # Logs go to $OUT (tests-<group>.txt, bench.txt, log.txt). SKIP_BUILD=1 uses the extension
 # already in src/linkwise (built elsewhere for the device's Python and carried).
 set -o pipefail
@@ -25,7 +25,6 @@ for g in A B C; do
   [ -n "${!files}" ] || continue
   ( timeout ${TEST_T:-300} python3 -m pytest ${!files} -q -rs -p no:cacheprovider --durations=5 \
       > $OUT/tests-$g.txt 2>&1; echo "exit $?" >> $OUT/tests-$g.txt ) &
-  [ -n "$PARALLEL" ] || wait
 done
 wait
 for g in A B C; do
