@@ -1,8 +1,10 @@
 #!/bin/bash
 # One device call that checks a whole tree: the GPU test files in three pytest processes at
-# once (they share the GPUs; with 4 ranks a test spends most of its ~15 s starting processes
-# and CUDA contexts, so running groups side by side cuts the wall time), then the benches given
-# as arguments, one at a time (nothing else running). Usage, repo root on the device:
+# once (they share the GPUs), then the benches given as arguments, one at a time (nothing else
+# running). Measured on 4xH200 (fifth session): side by side the three groups finished 39 tests
+# in 260 s (~6.7 s a test, against ~15 s one at a time), so the whole GPU suite (~60 tests)
+# still needs ~400 s: give TEST_T that much or split the files over two calls. Usage, repo
+# root on the device:
 #   [SKIP_BUILD=1] [TEST_T=300] [BENCH_T=90] [GROUP_A|B|C="<test files>"] bash bench/gpu_verify_run.sh "<bench cmd>"...
 # Logs go to $OUT (tests-<group>.txt, bench.txt, log.txt). SKIP_BUILD=1 uses the extension
 # already in src/linkwise (built elsewhere for the device's Python and carried).
