@@ -113,3 +113,16 @@ def check_broadcast(comm, dt: str, count: int, root: int) -> None:
     check_equal(out, ref, f"broadcast out= {dt} {count} root {root}")
     if comm.rank == root:
         check_equal(src, ref, "root's input untouched")
+
+
+def check_bitwise_sum(comm, n: int) -> list:
+    """Random float32 all_reduce (out=) of n elements: every rank must get the bits of a
+    rank-order left fold. Returns a sample of the result's bits for comparing across ranks."""
+    mine = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+    out = np.empty(n, np.float32)
+    comm.all_reduce(mine, out=out)
+    want = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    for r in range(1, comm.size):
+        want = want + np.random.default_rng(r).standard_normal(n).astype(np.float32)
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+    return out.view(np.uint32)[::997].tolist()

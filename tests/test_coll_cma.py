@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from coll_ref import DTYPES, check_all_reduce_matrix, check_broadcast, check_equal, data
+from coll_ref import DTYPES, check_all_reduce_matrix, check_bitwise_sum, check_broadcast, check_equal, data
 from multirank import collective_until_peer_error, run_ranks
 
 # Every message of at least one byte goes through CMA, reduced 4 KiB at a time (the floor).
@@ -67,16 +67,7 @@ def test_helper_threads(n):
 
 
 def _bitwise_body(comm):
-    """Random float32 sums: every rank gets the same bits, those of a rank-order left fold."""
-    n = 100_003
-    mine = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
-    out = np.empty(n, np.float32)
-    comm.all_reduce(mine, out=out)
-    want = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-    for r in range(1, comm.size):
-        want = want + np.random.default_rng(r).standard_normal(n).astype(np.float32)
-    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
-    return out.view(np.uint32)[::997].tolist()
+    return check_bitwise_sum(comm, 100_003)
 
 
 @pytest.mark.skipif(not _cma_permitted(), reason="ptrace_scope forbids process_vm_readv between ranks")

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from coll_ref import DTYPES, check_all_reduce_matrix, check_broadcast, check_equal, data, np_dtype
+from coll_ref import DTYPES, check_all_reduce_matrix, check_bitwise_sum, check_broadcast, check_equal, data, np_dtype
 from multirank import collective_until_peer_error, run_ranks
 
 LANE_ENV = {"LINKWISE_COLL_THREADS": "3", "LINKWISE_COLL_LANE_MIN": "4K", "LINKWISE_SHM_CMA": "0"}
@@ -71,17 +71,9 @@ def test_fewer_threads_than_lanes(n):
 
 
 def _bitwise_body(comm):
-    """Random float32 sums: every rank gets the same bits, those of a rank-order left fold."""
-    n = 300_007  # 1.2 MB: 3 lanes
-    mine = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
-    out = np.empty(n, np.float32)
-    comm.all_reduce(mine, out=out)
-    want = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-    for r in range(1, comm.size):
-        want = want + np.random.default_rng(r).standard_normal(n).astype(np.float32)
-    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+    bits = check_bitwise_sum(comm, 300_007)  # 1.2 MB: 3 lanes
     assert comm._shm.lane_calls[0] == 1
-    return out.view(np.uint32)[::997].tolist()
+    return bits
 
 
 def test_same_bits_everywhere():
