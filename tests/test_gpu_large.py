@@ -236,8 +236,9 @@ BCAST_FORMS = {
     "pull-r1": {**_PULL, "LINKWISE_GPU_BCAST_ROUNDS": "1"},
     "pull-r3": {**_PULL, "LINKWISE_GPU_BCAST_ROUNDS": "3"},
     "chain-4k": {"LINKWISE_GPU_BCAST_ALGO": "chain", "LINKWISE_GPU_CHAIN_PIECE": "4096"},
+    "chain": {"LINKWISE_GPU_BCAST_ALGO": "chain"},  # in one piece on 2 ranks
     "pchain": {"LINKWISE_GPU_BCAST_ALGO": "pchain"},
-    "default": {},  # the work-claiming chain from 3 ranks, the copy-engine chain on 2
+    "default": {},  # the work-claiming chain
     "pchain-b3-s4k": {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": "3",
                       "LINKWISE_GPU_PCHAIN_SLICE": "4096"},
     "pchain-b256-u8": {"LINKWISE_GPU_BCAST_ALGO": "pchain", "LINKWISE_GPU_PCHAIN_BLOCKS": "300",
@@ -257,15 +258,16 @@ def test_reg_broadcast_forms(form):
     """Registered broadcast, every form: the one-kernel push scatter-allgather (bcast_push.cu)
     with 1 to 64 rounds (clamped to the piece limit; more pieces than bytes at the small sizes),
     3 to 256 blocks and both unrolls, the two-stream pull scatter-allgather, the copy-engine
-    chain with 4 KiB pieces, and the push chain (bcast_chain.cu) with 3 blocks x 4 KiB slices
+    chain with 4 KiB pieces, the push chain (bcast_chain.cu) with 3 blocks x 4 KiB slices
     (hundreds of pieces), the default geometry, and 300 blocks (clamped to 256; most slices
-    empty); on 4 ranks, then (push, pull, push chain) on 3 and (push chain) on 2."""
+    empty); on 4 ranks, then (push, pull, chains) on 3 and (the chains, the copy-engine chain
+    in one piece, the default) on 2."""
     env = {**SAFE_ENV, "LINKWISE_GPU_REG_MIN": "1", "LINKWISE_GPU_BCAST_REG_MIN": "1", **BCAST_FORMS[form]}
     _check(run_ranks(_nranks(), _bcast_body, BCAST_SIZES, env=env, timeout=300))
     if _nranks() >= 4 and form in ("push-r3-b7", "pull-r3", "pchain-b3-s4k", "pchain", "dchain",
                                    "dchain-b3-i4k-t512"):  # 3 ranks
         _check(run_ranks(3, _bcast_body, BCAST_SIZES, env=env, timeout=300))
-    if _nranks() >= 3 and form in ("pchain-b3-s4k", "dchain-b3-i4k-t512"):  # chains serve 2 ranks too
+    if _nranks() >= 3 and form in ("pchain-b3-s4k", "dchain-b3-i4k-t512", "chain", "default"):  # 2 ranks too
         _check(run_ranks(2, _bcast_body, BCAST_SIZES, env=env, timeout=300))
 
 

@@ -16,9 +16,9 @@
 //    i-1 and waits for i+1's, so nobody's x changes while its successor still reads it.
 //    From 3 ranks LINKWISE_GPU_BCAST_ALGO selects a scatter-allgather instead: "push" (one
 //    kernel, bcast_push.cu) or "pull" (copy engines on two streams, reg_pipeline.cu);
-//    "dchain" (any ranks; the default from 3 ranks, bcast_dchain.cu) and "pchain"
-//    (bcast_chain.cu) are chains of SM stores in one kernel, and the copy-engine chain here
-//    the default for 2 ranks.
+//    "dchain" (any ranks; the default, bcast_dchain.cu) and "pchain"
+//    (bcast_chain.cu) are chains of SM stores in one kernel; "chain" is the copy-engine chain
+//    here (on 2 ranks in one piece: nobody downstream to overlap with).
 //  * all_reduce as reduce_scatter + all_gather (all_reduce_rsag_reg): reduce kernel,
 //    rendezvous, copy-engine pulls of every peer's reduced chunk, rendezvous.
 //  * send/recv: the sender posts kSigP2pReady and waits kSigP2pDone; the receiver waits
@@ -310,16 +310,17 @@ void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece
   const char* root_x =
       rank_ == root && root_src != 0 && root_src != x ? reinterpret_cast<const char*>(root_src) : nullptr;
   // LINKWISE_GPU_BCAST_ALGO: "dchain" = work-claiming push chain in one kernel
-  // (bcast_dchain.cu), any number of ranks, and the default from 3 ranks (faster than every
-  // other form at 64-512 MiB on 4xH200, docs/benchmarks.md fifth session; 2 ranks were not
-  // measured and keep the copy-engine chain); "pchain" = the push chain with a fixed slice per
+  // (bcast_dchain.cu), any number of ranks, and the default (faster than every other form at
+  // 64-512 MiB on 4xH200, docs/benchmarks.md fifth session; on 2xH200 1.00-1.02x NCCL in place
+  // and out of place, where the copy-engine chain lost 8% out of place to the root's x -> out
+  // copy, sixth session); "pchain" = the push chain with a fixed slice per
   // block (bcast_chain.cu, the fourth session's default), any number of ranks; "chain" = the
   // copy-engine chain below; from 3 ranks "push" = one-kernel push scatter-allgather
   // (bcast_push.cu), "pull" = two-stream pull scatter-allgather (reg_pipeline.cu). Measured
   // in docs/benchmarks.md.
   const char* algo = std::getenv("LINKWISE_GPU_BCAST_ALGO");
   const bool push = algo && std::strcmp(algo, "push") == 0, pull = algo && std::strcmp(algo, "pull") == 0;
-  if (nranks_ > 1 && (algo && *algo ? std::strcmp(algo, "dchain") == 0 : nranks_ >= 3))
+  if (nranks_ > 1 && (!algo || !*algo || std::strcmp(algo, "dchain") == 0))
     return broadcast_dchain(xp, nbytes, root, stream, root_x);  // the root's kernel also fills out
   // The other forms broadcast out itself: the root copies x into it first, on the stream.
   if (root_x) LW_CUDA(cudaMemcpyAsync(xp, root_x, nbytes, cudaMemcpyDeviceToDevice, s), "broadcast");

@@ -11,7 +11,7 @@ copying through the scratch area: each rank describes the allocation holding its
 host all_gather; send/recv: a host message to the receiver), each peer allocation is mapped
 once and cached per (peer, base) (remapped when the handle changes), and the copy engines
 move the data between user buffers (reg_engine.cu); broadcast (from
-``LINKWISE_GPU_BCAST_REG_MIN``, 64 MiB, and 3+ ranks) is a push chain of SM stores into the
+``LINKWISE_GPU_BCAST_REG_MIN``, 64 MiB) is a push chain of SM stores into the
 next rank's buffer in one kernel, its blocks claiming 128 KiB items dynamically
 (bcast_dchain.cu). all_reduce (algo "auto") and
 reduce_scatter of ``LINKWISE_GPU_REG_REDUCE_MIN`` bytes and up (the whole buffer; default 64
@@ -264,6 +264,8 @@ class GpuComm:
     def _piece(self, nbytes: int) -> int:
         if self._chain_piece:
             return self._chain_piece
+        if self.size == 2:  # the copy-engine chain's one hop: nobody downstream to overlap with
+            return nbytes
         return min(32 << 20, max(2 << 20, (nbytes // 8) >> 12 << 12))  # measured best of the two tried
 
     # -- collectives -----------------------------------------------------------------------
