@@ -138,6 +138,7 @@ class GpuComm:
         self._engine.reg_blocks = config.get("LINKWISE_GPU_REG_REDUCE_BLOCKS")  # 0: engine default
         # The push chains beat the scratch broadcast kernel at 64 MiB (docs/benchmarks.md).
         self._bcast_reg_min = max(self._reg_min, config.get("LINKWISE_GPU_BCAST_REG_MIN"))
+        self._prs_mapped = None  # set once every rank's prs scratch is mapped (slot 2)
         self._staged = None
         if config.get("LINKWISE_P2P_DISABLE"):
             from .staged import Staged
@@ -281,6 +282,8 @@ class GpuComm:
         a = {"auto": 0, "oneshot": 1, "twoshot": 2}[algo]
         s = stream_handle(stream, v)
         if a == 0 and self._reg_reduce_ok(v.nbytes, s):
+            if self._prs(v, o, dt, opc, s):
+                return x if out is None else out
             if self._rsag(v, o, dt, opc, s):
                 return x if out is None else out
             if self._reg_many([v.ptr, o.ptr]):
@@ -309,6 +312,21 @@ class GpuComm:
         if not self._reg_many([v.ptr, own]):
             return False
         self._engine.all_reduce_rsag_reg(m, dt, opc, s)
+        return True
+
+    def _prs(self, v, o, dt: int, opc: int, s: int) -> bool:
+        """Large all_reduce as one kernel of SM stores only (reg_prs.cu): each rank pushes the
+        items of chunk p of its x into owner p's prs scratch, the owner reduces them from local
+        memory and pushes the result into every rank's out. LINKWISE_GPU_AR_ALGO='prs' selects
+        it (opt-in). Any count; in place is safe (contract in reg_prs.cu)."""
+        if config.get("LINKWISE_GPU_AR_ALGO") != "prs":
+            return False
+        if self._prs_mapped is None:  # every rank's prs scratch as slot 2, once (collective)
+            self._reg_all(self._engine.prs_scratch(), 2)
+            self._prs_mapped = True
+        if not self._reg_many([o.ptr]):  # slot 0 = every rank's out; x is only read locally
+            return False
+        self._engine.all_reduce_prs_reg(v.ptr, v.count, dt, opc, s)
         return True
 
     def reduce_scatter(self, x: Any, out: Any, op: str = "sum", stream: Any = None) -> Any:
