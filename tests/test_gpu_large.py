@@ -395,3 +395,28 @@ def _prs_queue_body(comm, _):
 def test_reg_all_reduce_prs_queued_back_to_back():
     env = {**REG_RED_ENV, "LINKWISE_GPU_AR_ALGO": "prs"}
     _check(run_ranks(_nranks(), _prs_queue_body, None, env=env, timeout=300))
+
+
+def _prs_default_body(comm, _):
+    """With no LINKWISE_GPU_AR_ALGO, a 2-rank all_reduce from LINKWISE_GPU_AR_PRS_MIN takes the
+    prs kernel (its scratch gets mapped) and a smaller one does not; both exact."""
+    g, torch = _setup(comm)
+    r, errors = comm.rank, []
+    for count, want_prs in ((1000, False), (300001, True)):
+        x = torch.arange(count, device="cuda", dtype=torch.float32) % 97 + r
+        g.all_reduce(x)
+        want = (torch.arange(count, dtype=torch.float32) % 97) * comm.size + sum(range(comm.size))
+        if not torch.equal(x.cpu(), want):
+            errors.append(f"rank {r} {count}: wrong")
+        if bool(g._prs_mapped) != want_prs:
+            errors.append(f"rank {r} {count}: prs taken = {bool(g._prs_mapped)}, expected {want_prs}")
+    g.close()
+    return errors
+
+
+def test_reg_all_reduce_prs_default_on_two_ranks():
+    if _nranks() < 2:
+        pytest.skip("needs 2 GPUs")
+    env = {**REG_RED_ENV, "LINKWISE_GPU_AR_PRS_MIN": str(1 << 20)}
+    env.pop("LINKWISE_GPU_AR_ALGO", None)
+    _check(run_ranks(2, _prs_default_body, None, env=env, timeout=300))

@@ -318,8 +318,12 @@ class GpuComm:
         """Large all_reduce as one kernel of SM stores only (reg_prs.cu): each rank pushes the
         items of chunk p of its x into owner p's prs scratch, the owner reduces them from local
         memory and pushes the result into every rank's out. LINKWISE_GPU_AR_ALGO='prs' selects
-        it (opt-in). Any count; in place is safe (contract in reg_prs.cu)."""
-        if config.get("LINKWISE_GPU_AR_ALGO") != "prs":
+        it at any size; with no LINKWISE_GPU_AR_ALGO it is the default on 2 ranks from
+        LINKWISE_GPU_AR_PRS_MIN bytes, the only case where it has been measured at or above NCCL
+        (docs/benchmarks.md, sixth session; 4 ranks not measured yet). Any count; in place is
+        safe (contract in reg_prs.cu)."""
+        algo = config.get("LINKWISE_GPU_AR_ALGO")
+        if algo != "prs" and (algo or self.size != 2 or v.nbytes < config.get("LINKWISE_GPU_AR_PRS_MIN")):
             return False
         if self._prs_mapped is None:  # every rank's prs scratch as slot 2, once (collective)
             self._reg_all(self._engine.prs_scratch(), 2)
