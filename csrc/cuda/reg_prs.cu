@@ -319,12 +319,13 @@ void GpuEngine::all_reduce_prs_reg(uintptr_t x, size_t count, int dtype, int op,
     if (!im.reg[0][r] || !im.reg[2][r]) throw Error(ErrorKind::Invalid, "all_reduce_prs_reg: buffers not mapped");
   // Tuning knobs (read per call; every rank must see the same values).
   const char* e = std::getenv("LINKWISE_GPU_PRS_BLOCKS");
-  // Defaults: the best of the geometries measured on 2xH200 (docs/benchmarks.md, sixth
-  // session). More blocks x bigger items than the slots cover (b64 i512K, b96 i256K) stall on
-  // slot acks and were 30-40% slower.
+  // Defaults: the best of the geometries measured on 2xH200 (b48 i192K, three repeats over
+  // two calls; docs/benchmarks.md, sixth session). More blocks x bigger items than the slots
+  // cover (b64 i512K, b96 i256K) stall on slot acks and were 30-40% slower. Not measured on
+  // more ranks.
   const int blocks = e && std::atoi(e) > 0 ? std::min(std::atoi(e), 1024) : 48;
   e = std::getenv("LINKWISE_GPU_PRS_ITEM");
-  size_t item = e && std::atoll(e) > 0 ? static_cast<size_t>(std::atoll(e)) : (256u << 10);
+  size_t item = e && std::atoll(e) > 0 ? static_cast<size_t>(std::atoll(e)) : (192u << 10);
   item = std::min<size_t>((item + 4095) / 4096 * 4096, kPrsPeerBytes / 8);
   e = std::getenv("LINKWISE_GPU_PRS_LAG");
   const int lag = e && std::atoi(e) >= 0 ? std::min(std::atoi(e), 4) : 2;

@@ -156,7 +156,7 @@ declare("LINKWISE_GPU_AR_PRS_MIN", 64 << 20, _size,
         "GPU all_reduce on 2 ranks as the prs kernel (push reduce-scatter + push all-gather) from "
         "this many bytes, when LINKWISE_GPU_AR_ALGO is empty")
 declare("LINKWISE_GPU_PRS_BLOCKS", 48, int, "tuning: blocks of the prs all_reduce kernel")
-declare("LINKWISE_GPU_PRS_ITEM", 256 << 10, int,
+declare("LINKWISE_GPU_PRS_ITEM", 192 << 10, int,
         "tuning: bytes (a plain number, rounded up to 4096, at most 1 MiB) per prs all_reduce item")
 declare("LINKWISE_GPU_PRS_LAG", 2, int,
         "tuning: steps (0-4) the prs all_reduce's reductions trail its sends")

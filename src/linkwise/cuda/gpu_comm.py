@@ -21,7 +21,10 @@ two device-side rendezvous (reg_reduce.cu, reg_engine.cu). The ranks agree on it
 host all_gather that carries the descriptions: if any rank's buffer cannot be registered, all
 of them take the scratch path. From ``LINKWISE_GPU_AR_RSAG_MIN`` (512 MiB) an all_reduce is
 that reduce_scatter into out's own chunk followed by a copy-engine all_gather, in one engine
-call (_rsag).
+call (_rsag). On 2 ranks from ``LINKWISE_GPU_AR_PRS_MIN`` (64 MiB), and at any size and rank
+count with ``LINKWISE_GPU_AR_ALGO=prs``, an all_reduce is instead one kernel of SM stores only:
+each rank pushes chunk p of its x into owner p's scratch, the owner reduces it from local
+memory and pushes the result into every rank's out (reg_prs.cu, _prs).
 Below the threshold, and on a capturing stream, they go through
 the scratch area (so they stay capturable; every rank must then capture alike, as always).
 With ``LINKWISE_P2P_DISABLE=1`` everything is host-staged (staged.py).
