@@ -121,6 +121,14 @@ def ar_forms(a, comm, g, torch, t_us, say) -> None:
         forms = [("direct", {"LINKWISE_GPU_AR_ALGO": "direct"}, None),
                  ("rsag (engine)", {"LINKWISE_GPU_AR_ALGO": "rsag"}, None),
                  ("rs+ag (two calls)", {"LINKWISE_GPU_AR_ALGO": "direct"}, rsag)]
+        if os.environ.get("AR_FORMS_SKIP_OLD"):  # only the one-kernel form (the bitwise reference)
+            forms = forms[:1]
+        # PRS_SWEEP="blocks:item KiB:lag,...": the push reduce-scatter all_reduce (reg_prs.cu)
+        for d in filter(None, os.environ.get("PRS_SWEEP", "").split(",")):
+            b, i, lag = (int(v) for v in d.split(":"))
+            forms.append((f"prs b{b} i{i}K lag{lag}", {
+                "LINKWISE_GPU_AR_ALGO": "prs", "LINKWISE_GPU_PRS_BLOCKS": str(b),
+                "LINKWISE_GPU_PRS_ITEM": str(i << 10), "LINKWISE_GPU_PRS_LAG": str(lag)}, None))
         want = None
         for name, env, fn in forms:
             os.environ.update(env)
@@ -136,7 +144,11 @@ def ar_forms(a, comm, g, torch, t_us, say) -> None:
             say({"what": "ar-forms", "algo": name, "bytes": size, "us": round(us, 1), "ok": ok,
                  "busbw": round(f * size / us / 1e3, 1), "nccl_cupy_busbw": round(f * size / nc / 1e3, 1),
                  "ratio": round(nc / us, 3)})
-        os.environ.pop("LINKWISE_GPU_AR_ALGO", None)
+        for k in ("LINKWISE_GPU_AR_ALGO", "LINKWISE_GPU_PRS_BLOCKS", "LINKWISE_GPU_PRS_ITEM", "LINKWISE_GPU_PRS_LAG"):
+            os.environ.pop(k, None)
+        nc2 = t_us(lambda: c.allReduce(x.data_ptr(), x.data_ptr(), cnt, 7, 0, st), it)  # drift check
+        say({"what": "ar-forms", "algo": "nccl again (after the forms)", "bytes": size,
+             "nccl_cupy_busbw": round(2 * (n - 1) / n * size / nc2 / 1e3, 1)})
     direct.close()
 
 

@@ -321,3 +321,104 @@ def test_reg_broadcast_queued_back_to_back(algo):
     env = {**SAFE_ENV, "LINKWISE_GPU_REG_MIN": "1", "LINKWISE_GPU_BCAST_REG_MIN": "1",
            "LINKWISE_GPU_BCAST_ALGO": algo}
     _check(run_ranks(_nranks(), _bcast_queue_body, BCAST_SIZES + [(1 << 20) + 3, 77], env=env, timeout=300))
+
+
+PRS_GEOMS = {
+    "default": {},
+    "b3-i4k-lag0": {"LINKWISE_GPU_PRS_BLOCKS": "3", "LINKWISE_GPU_PRS_ITEM": "4096", "LINKWISE_GPU_PRS_LAG": "0"},
+    "b300-i8k-lag4": {"LINKWISE_GPU_PRS_BLOCKS": "300", "LINKWISE_GPU_PRS_ITEM": "5000", "LINKWISE_GPU_PRS_LAG": "4"},
+}
+
+
+@pytest.mark.parametrize("geom", list(PRS_GEOMS))
+def test_reg_all_reduce_prs(geom):
+    """The push reduce-scatter all_reduce (LINKWISE_GPU_AR_ALGO=prs, reg_prs.cu) gives the
+    rank-order reference bitwise on every rank: default geometry with every dtype and op, odd
+    and tiny counts (chunks of 0 elements), misaligned x, in place and out=; with 4 KiB items
+    (hundreds per chunk: every scratch slot reused many times, sizes not multiples of items)
+    on 3 blocks and no lag, and 300 blocks (most units claimed by few) with 8 KiB items
+    (5000 rounded up) and the largest lag; on 4 ranks, then 3."""
+    if geom == "default":
+        cases = [("ar", c, d, o, j % 2, j % 3 == 0) for d in DTYPES for o in OPS
+                 for j, c in enumerate((1, 7, 65537, 300001))]
+    else:
+        cases = [("ar", c, d, o, off, ip) for c, d, o, off, ip in (
+            (300001, "float32", "sum", 0, True), (300001, "float32", "avg", 1, False),
+            (3000017, "float32", "sum", 0, False), (1000003, "bfloat16", "sum", 0, True),
+            (777777, "float16", "max", 1, True), (250001, "int64", "prod", 0, False),
+            (5, "float64", "min", 0, True))]
+    env = {**REG_RED_ENV, "LINKWISE_GPU_AR_ALGO": "prs", **PRS_GEOMS[geom]}
+    _check(run_ranks(_nranks(), _body, cases, env=env, timeout=300))
+    if _nranks() >= 4 and geom != "b300-i8k-lag4":
+        _check(run_ranks(3, _body, cases[::3], env=env, timeout=300))
+
+
+def _prs_queue_body(comm, _):
+    """prs all_reduces queued back to back with no host sync: sizes, item bytes and blocks
+    change between calls (so scratch slots and flags carry over between calls of different
+    geometry), some calls in place on one reused buffer (cloned on the stream in between),
+    some out=. Checked after one synchronize, bitwise against the rank-order reference."""
+    import os
+    from gpu_util import host_input, mismatch, reference
+    g, torch = _setup(comm)
+    n, r = comm.size, comm.rank
+    geoms = [("3", "4096"), ("32", "131072"), ("7", "12288"), ("64", "65536")]
+    counts = [300001, 5, 1 << 20, 123457, 3000017, 77, 65536]
+    shared = torch.empty(max(counts), device="cuda")
+    plan, results = [], []
+    try:
+        for k, count in enumerate(counts):
+            os.environ["LINKWISE_GPU_PRS_BLOCKS"], os.environ["LINKWISE_GPU_PRS_ITEM"] = geoms[k % 4]
+            ins = [host_input(q, count, "float32", "sum", seed=900 + k) for q in range(n)]
+            plan.append(reference(ins, "float32", "sum"))
+            if k % 2 == 0:  # in place on the shared buffer
+                x = shared[:count]
+                x.copy_(ins[r])
+                g.all_reduce(x)
+                results.append(x.clone())
+            else:
+                x = ins[r].cuda()
+                out = torch.full_like(x, 7)
+                g.all_reduce(x, out=out)
+                results.append(out)
+    finally:
+        os.environ.pop("LINKWISE_GPU_PRS_BLOCKS", None)
+        os.environ.pop("LINKWISE_GPU_PRS_ITEM", None)
+    torch.cuda.synchronize()
+    errors = []
+    for k, (want, got) in enumerate(zip(plan, results)):
+        bad = mismatch(got.cpu(), want)
+        if bad:
+            errors.append(f"rank {r} call {k} ({counts[k]}): {bad}")
+    g.close()
+    return errors
+
+
+def test_reg_all_reduce_prs_queued_back_to_back():
+    env = {**REG_RED_ENV, "LINKWISE_GPU_AR_ALGO": "prs"}
+    _check(run_ranks(_nranks(), _prs_queue_body, None, env=env, timeout=300))
+
+
+def _prs_default_body(comm, _):
+    """With no LINKWISE_GPU_AR_ALGO, a 2-rank all_reduce from LINKWISE_GPU_AR_PRS_MIN takes the
+    prs kernel (its scratch gets mapped) and a smaller one does not; both exact."""
+    g, torch = _setup(comm)
+    r, errors = comm.rank, []
+    for count, want_prs in ((1000, False), (300001, True)):
+        x = torch.arange(count, device="cuda", dtype=torch.float32) % 97 + r
+        g.all_reduce(x)
+        want = (torch.arange(count, dtype=torch.float32) % 97) * comm.size + sum(range(comm.size))
+        if not torch.equal(x.cpu(), want):
+            errors.append(f"rank {r} {count}: wrong")
+        if bool(g._prs_mapped) != want_prs:
+            errors.append(f"rank {r} {count}: prs taken = {bool(g._prs_mapped)}, expected {want_prs}")
+    g.close()
+    return errors
+
+
+def test_reg_all_reduce_prs_default_on_two_ranks():
+    if _nranks() < 2:
+        pytest.skip("needs 2 GPUs")
+    env = {**REG_RED_ENV, "LINKWISE_GPU_AR_PRS_MIN": str(1 << 20)}
+    env.pop("LINKWISE_GPU_AR_ALGO", None)
+    _check(run_ranks(2, _prs_default_body, None, env=env, timeout=300))

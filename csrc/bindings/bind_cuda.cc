@@ -111,6 +111,8 @@ void bind_cuda(nb::module_& m) {
       .def("reduce_scatter_reg", &GpuEngine::reduce_scatter_reg, rel())
       .def("pchain_trace", &GpuEngine::pchain_trace, rel())
       .def("all_reduce_rsag_reg", &GpuEngine::all_reduce_rsag_reg, rel())
+      .def("all_reduce_prs_reg", &GpuEngine::all_reduce_prs_reg, rel())
+      .def("prs_scratch", &GpuEngine::prs_scratch, rel())
       .def_static("host_alloc", &GpuEngine::host_alloc, rel())
       .def_static("host_free", &GpuEngine::host_free, rel())
       .def("copy_async", &GpuEngine::copy_async, rel())

@@ -33,7 +33,9 @@ struct EngineImpl {
   // Registered user buffers: (peer, peer's allocation base) -> mapping. A new handle for the
   // same (peer, base) means the peer freed and reallocated: the old mapping is closed.
   std::map<std::pair<int, uint64_t>, RegMapping> reg_cache;
-  char* reg[2][kMaxRanks] = {};  // per call: buffer `slot` of every rank, as mapped here
+  // per call: buffer `slot` of every rank, as mapped here; slot 2 is every rank's prs scratch
+  // (reg_prs.cu), mapped once and kept
+  char* reg[3][kMaxRanks] = {};
   // sig counters: what we have added on each peer (posted) and awaited from each (seen).
   uint64_t posted[6][kMaxRanks] = {}, seen[6][kMaxRanks] = {};
   // Two-stream pipelines (reg_pipeline.cu): a second stream of this engine's device and the
@@ -42,6 +44,11 @@ struct EngineImpl {
   // Work-claiming chain broadcast (bcast_dchain.cu): calls so far (every rank counts every
   // call, so the number is the same on all ranks) and our Control.dchain_claim's value now.
   uint64_t dchain_calls = 0, dchain_claimed = 0;
+  // Push reduce-scatter all_reduce (reg_prs.cu): items per owner summed over calls (the seq
+  // base, the same on every rank), our Control.prs_claim's value now, the cumulative prs_ag
+  // total expected from each peer, and our prs scratch (cudaMalloc, freed by close).
+  uint64_t prs_items = 0, prs_claimed = 0, prs_ag_seen[kMaxRanks] = {};
+  char* prs_own = nullptr;
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
 };

@@ -43,6 +43,11 @@ constexpr int kChainBlocks = 256;  // Control.chain_blk's length: most blocks of
 // kLLSlotBytes, written only by the LL kernels), then the data regions. All zeroed at setup.
 constexpr size_t kControlStructBytes = 128 * 1024;
 constexpr int kDchainItems = 8192;  // Control.item_flag's length: most items of one dchain call
+// Push reduce-scatter all_reduce (reg_prs.cu): slots per sender (Control.prs_arrive / prs_ack)
+// and the bytes of the prs scratch each sender owns on each owner.
+constexpr int kPrsSlots = 64;
+constexpr size_t kPrsPeerBytes = size_t(8) << 20;
+static_assert(kPrsPeerBytes % kPrsSlots == 0, "slots of whole bytes");
 constexpr size_t kLLSlotBytes = 512 * 1024;
 constexpr size_t kControlBytes = kControlStructBytes + 2 * kMaxRanks * kLLSlotBytes;
 
@@ -80,6 +85,16 @@ struct Control {
   // ld.acquire.sys by us). Call numbers only grow, so the flags are never reset.
   uint64_t dchain_claim;
   uint64_t item_flag[kDchainItems];
+  // Push reduce-scatter all_reduce (reg_prs.cu; contract there): prs_claim is a cumulative
+  // counter our own blocks claim units from (host keeps its value per call); prs_ag[p] counts
+  // the reduced items owner p stored into our out (red.release.sys by p); prs_arrive[q][j] =
+  // seq of the item sender q stored into slot j of our prs scratch; prs_ack[p][j] = seq of our
+  // item in slot j of p's scratch that owner p has read. All written with release, read with
+  // acquire, cumulative (never reset).
+  uint64_t prs_claim;
+  uint64_t prs_ag[kMaxRanks];
+  uint64_t prs_arrive[kMaxRanks][kPrsSlots];
+  uint64_t prs_ack[kMaxRanks][kPrsSlots];
 };
 constexpr int kMaxPieces = 64;  // piece_arrive's length
 enum SigKind : int { kSigChain = 0, kSigChainDone = 1, kSigP2pReady = 2, kSigP2pDone = 3,

@@ -88,6 +88,7 @@ void GpuEngine::close() {
     if (impl_->opened[r]) cudaIpcCloseMemHandle(impl_->dev.base[r]);
   reg_release();
   release_side(*impl_);
+  if (impl_->prs_own) cudaFree(impl_->prs_own);
   cudaFree(impl_->own);
   cudaFreeHost(impl_->flags);
   delete impl_;

@@ -72,7 +72,7 @@ class GpuEngine {
 
   // Registered user buffers (reg_engine.cu). reg_describe: what peers need to map the
   // allocation holding ptr (IPC handle of its base, base, offset, allocation size), as bytes.
-  // reg_map: every rank's description (rank order) -> buffer `slot` (0 or 1) of every rank
+  // reg_map: every rank's description (rank order) -> buffer `slot` (0, 1; 2 = prs scratch) of every rank
   // for the next *_reg call; peer allocations are opened once and cached per (peer, base),
   // reopened when the handle changes. The *_reg calls copy with the copy engines
   // (cudaMemcpyAsync between IPC-mapped pointers) and synchronise with sig counters.
@@ -91,6 +91,12 @@ class GpuEngine {
   // all_reduce_rsag_reg: slot 0 = every rank's x (m * nranks elements), slot 1 = every rank's
   // own chunk of out (m elements at out + rank * m); reduce_scatter then copy-engine all_gather.
   void all_reduce_rsag_reg(size_t m, int dtype, int op, uintptr_t stream);
+  // all_reduce_prs_reg (reg_prs.cu): push reduce-scatter + push all-gather in one kernel; x is
+  // ours (read locally only), slot 0 = every rank's out (may equal x), slot 2 = every rank's
+  // prs_scratch(), mapped once. prs_scratch: our (nranks-1) * kPrsPeerBytes scratch, made on
+  // first use, freed by close.
+  void all_reduce_prs_reg(uintptr_t x, size_t count, int dtype, int op, uintptr_t stream);
+  uintptr_t prs_scratch();
   size_t reg_cached() const;
   // Diagnostics: the push chain's per-block timestamps of the last call traced with
   // LINKWISE_GPU_PCHAIN_TRACE=1 (bcast_chain.cu), kChainBlocks x 4 ns values; synchronises.

@@ -115,8 +115,8 @@ std::string GpuEngine::reg_describe(uintptr_t ptr) const {
 }
 
 void GpuEngine::reg_map(const std::vector<std::string>& descs, int slot) {
-  if (slot < 0 || slot > 1 || static_cast<int>(descs.size()) != nranks_)
-    throw Error(ErrorKind::Invalid, "reg_map: one description per rank, slot 0 or 1");
+  if (slot < 0 || slot > 2 || static_cast<int>(descs.size()) != nranks_)
+    throw Error(ErrorKind::Invalid, "reg_map: one description per rank, slot 0, 1 or 2");
   DeviceGuard g(device_);
   EngineImpl& im = *impl_;
   for (int r = 0; r < nranks_; ++r) {

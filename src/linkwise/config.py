@@ -149,7 +149,17 @@ declare("LINKWISE_GPU_PCHAIN_SLICE", 0, int,
         "below 128 MiB, 128 KiB from it")
 declare("LINKWISE_GPU_AR_ALGO", "", str,
         "large registered GPU all_reduce: 'rsag' = registered reduce_scatter then all_gather, "
-        "'direct' = the one-kernel form; empty = rsag from LINKWISE_GPU_AR_RSAG_MIN bytes")
+        "'direct' = the one-kernel form, 'prs' = push reduce-scatter + push all-gather in one "
+        "kernel (reg_prs.cu); empty = prs on 2 ranks from LINKWISE_GPU_AR_PRS_MIN bytes, else "
+        "rsag from LINKWISE_GPU_AR_RSAG_MIN bytes, else the one-kernel form")
+declare("LINKWISE_GPU_AR_PRS_MIN", 64 << 20, _size,
+        "GPU all_reduce on 2 ranks as the prs kernel (push reduce-scatter + push all-gather) from "
+        "this many bytes, when LINKWISE_GPU_AR_ALGO is empty")
+declare("LINKWISE_GPU_PRS_BLOCKS", 48, int, "tuning: blocks of the prs all_reduce kernel")
+declare("LINKWISE_GPU_PRS_ITEM", 192 << 10, int,
+        "tuning: bytes (a plain number, rounded up to 4096, at most 1 MiB) per prs all_reduce item")
+declare("LINKWISE_GPU_PRS_LAG", 2, int,
+        "tuning: steps (0-4) the prs all_reduce's reductions trail its sends")
 declare("LINKWISE_GPU_AR_RSAG_MIN", 512 << 20, _size,
         "GPU all_reduce as registered reduce_scatter + all_gather from this many bytes (count "
         "divisible by the ranks)")

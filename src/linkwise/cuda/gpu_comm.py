@@ -21,7 +21,10 @@ two device-side rendezvous (reg_reduce.cu, reg_engine.cu). The ranks agree on it
 host all_gather that carries the descriptions: if any rank's buffer cannot be registered, all
 of them take the scratch path. From ``LINKWISE_GPU_AR_RSAG_MIN`` (512 MiB) an all_reduce is
 that reduce_scatter into out's own chunk followed by a copy-engine all_gather, in one engine
-call (_rsag).
+call (_rsag). On 2 ranks from ``LINKWISE_GPU_AR_PRS_MIN`` (64 MiB), and at any size and rank
+count with ``LINKWISE_GPU_AR_ALGO=prs``, an all_reduce is instead one kernel of SM stores only:
+each rank pushes chunk p of its x into owner p's scratch, the owner reduces it from local
+memory and pushes the result into every rank's out (reg_prs.cu, _prs).
 Below the threshold, and on a capturing stream, they go through
 the scratch area (so they stay capturable; every rank must then capture alike, as always).
 With ``LINKWISE_P2P_DISABLE=1`` everything is host-staged (staged.py).
@@ -138,6 +141,7 @@ class GpuComm:
         self._engine.reg_blocks = config.get("LINKWISE_GPU_REG_REDUCE_BLOCKS")  # 0: engine default
         # The push chains beat the scratch broadcast kernel at 64 MiB (docs/benchmarks.md).
         self._bcast_reg_min = max(self._reg_min, config.get("LINKWISE_GPU_BCAST_REG_MIN"))
+        self._prs_mapped = None  # set once every rank's prs scratch is mapped (slot 2)
         self._staged = None
         if config.get("LINKWISE_P2P_DISABLE"):
             from .staged import Staged
@@ -283,6 +287,8 @@ class GpuComm:
         a = {"auto": 0, "oneshot": 1, "twoshot": 2}[algo]
         s = stream_handle(stream, v)
         if a == 0 and self._reg_reduce_ok(v.nbytes, s):
+            if self._prs(v, o, dt, opc, s):
+                return x if out is None else out
             if self._rsag(v, o, dt, opc, s):
                 return x if out is None else out
             if self._reg_many([v.ptr, o.ptr]):
@@ -311,6 +317,25 @@ class GpuComm:
         if not self._reg_many([v.ptr, own]):
             return False
         self._engine.all_reduce_rsag_reg(m, dt, opc, s)
+        return True
+
+    def _prs(self, v, o, dt: int, opc: int, s: int) -> bool:
+        """Large all_reduce as one kernel of SM stores only (reg_prs.cu): each rank pushes the
+        items of chunk p of its x into owner p's prs scratch, the owner reduces them from local
+        memory and pushes the result into every rank's out. LINKWISE_GPU_AR_ALGO='prs' selects
+        it at any size; with no LINKWISE_GPU_AR_ALGO it is the default on 2 ranks from
+        LINKWISE_GPU_AR_PRS_MIN bytes, the only case where it has been measured at or above NCCL
+        (docs/benchmarks.md, sixth session; 4 ranks not measured yet). Any count; in place is
+        safe (contract in reg_prs.cu)."""
+        algo = config.get("LINKWISE_GPU_AR_ALGO")
+        if algo != "prs" and (algo or self.size != 2 or v.nbytes < config.get("LINKWISE_GPU_AR_PRS_MIN")):
+            return False
+        if self._prs_mapped is None:  # every rank's prs scratch as slot 2, once (collective)
+            self._reg_all(self._engine.prs_scratch(), 2)
+            self._prs_mapped = True
+        if not self._reg_many([o.ptr]):  # slot 0 = every rank's out; x is only read locally
+            return False
+        self._engine.all_reduce_prs_reg(v.ptr, v.count, dt, opc, s)
         return True
 
     def reduce_scatter(self, x: Any, out: Any, op: str = "sum", stream: Any = None) -> Any:
