@@ -36,12 +36,18 @@
 namespace linkwise::cuda {
 
 // LINKWISE_GPU_LL128_MIN (all_reduce) and _LL128_BCAST_MIN (broadcast) defaults: LL128 from
-// this many bytes (one pass or two phases as ll_kernels.cu chooses), LL lines below. 4xH200
-// (fifth session, spare block, CUDA graphs, before the reload of l128_load): all_reduce 16 KiB
-// 3.03 us LL128 vs 4.02 LL; broadcast 16 KiB 2.28 vs 2.10, 64 KiB 2.47 vs 2.48, 128 KiB 2.80
-// vs 3.47, 256 KiB 3.64 one pass vs 5.47 LL two phases. Sixth session: see
-// docs/benchmarks.md "Update (sixth session): LL128 fixed".
-constexpr int kL128Min = 16 * 1024, kL128BcastMin = 128 * 1024;
+// this many bytes (one pass or two phases as ll_kernels.cu chooses), LL lines below; the env
+// knobs override them for every rank count. docs/benchmarks.md, "Update (sixth session):
+// LL128 reload fix".
+//  * 2 ranks: all_reduce from kL128Min2 (2xH200, CUDA graphs, with the reload: 16 KiB LL 3.03
+//    us vs LL128 3.15, 32 KiB 3.27 vs 3.21, 256 KiB 5.26 vs 4.21; the GPU tests passed there);
+//    broadcast never (LL one pass is faster: 128 KiB 2.34 vs 2.88 us, 256 KiB 2.89 vs 3.16).
+//  * 3+ ranks: OFF (kL128Min) until the LL128 GPU tests pass on 3+ GPUs with the reload fix
+//    (not run in the sixth session: no 4-GPU machine was lent). Fifth-session timings on
+//    4xH200, before the fix, suggest all_reduce from 16 KiB (3.03 us vs 4.02 LL) and
+//    broadcast from 128 KiB one pass (2.80 vs 3.47; 256 KiB 3.64 vs 5.47); the eager 256 KiB
+//    LL128 broadcast stall of that session (~360 us a call) is not re-measured either.
+constexpr int kL128Min2 = 32 * 1024, kL128Min = 1 << 30, kL128BcastMin = 1 << 30;
 constexpr int kL128Packs = 7;      // data packs per line
 constexpr size_t kL128Bytes = 128;
 constexpr unsigned kFullWarp = 0xffffffffu;

@@ -289,6 +289,9 @@ void ll_grid(size_t units, int* blocks, int* threads) {
 // Default two-phase threshold: none up to kLLOnePassRanks ranks, else `dflt`.
 int two_min(const DevComm& c, int dflt) { return c.nranks <= kLLOnePassRanks ? 1 << 30 : dflt; }
 
+// Default LL128 thresholds by rank count (ll128.cuh).
+int l128_min(const DevComm& c) { return c.nranks == 2 ? kL128Min2 : kL128Min; }
+
 // Two phases fit when a chunk of C packs fits half a slot (warp groups of 32 packs).
 bool twophase_fits(size_t npk, int parts) {
   const size_t chunk = (npk + parts - 1) / parts;
@@ -317,7 +320,7 @@ bool launch_ll_allreduce(const DevComm& c, int dtype, int op, const void* x, voi
   const size_t npk = (n + 15) / 16;
   const bool two = c.nranks > 2 && n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL_TWOPHASE_MIN", two_min(c, kLLTwoPhaseMin))) &&
                    twophase_fits(npk, c.nranks);
-  if (n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL128_MIN", kL128Min)) &&
+  if (n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL128_MIN", l128_min(c))) &&
       l128_fits(n, two ? c.nranks : 1)) {
     launch_l128_allreduce(c, dtype, op, x, out, count, two, var, s);
     return true;
