@@ -39,7 +39,7 @@ namespace linkwise::cuda {
 // this many bytes (one pass or two phases as ll_kernels.cu chooses), LL lines below; the env
 // knobs override them for every rank count. docs/benchmarks.md, "Update (sixth session):
 // LL128 reload fix".
-//  * 2 ranks: all_reduce from kL128Min2 (2xH200, CUDA graphs, with the reload: 16 KiB LL 3.03
+//  * 2 ranks: all_reduce from kL128Min2 (2xH200, CUDA graphs, with the reload: 16 KiB LL 3.02
 //    us vs LL128 3.15, 32 KiB 3.27 vs 3.21, 256 KiB 5.26 vs 4.21; the GPU tests passed there);
 //    broadcast never (LL one pass is faster: 128 KiB 2.34 vs 2.88 us, 256 KiB 2.89 vs 3.16).
 //  * 3+ ranks: OFF (kL128Min) until the LL128 GPU tests pass on 3+ GPUs with the reload fix
