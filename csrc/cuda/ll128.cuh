@@ -6,17 +6,19 @@
 // Line format: 128 bytes, 128-byte aligned, written by 8 consecutive lanes of one warp with
 // one st.volatile.global.v2.u64 each (the same warp instruction): lanes k = 0..6 carry data
 // pack 7*L + k (16 bytes), lane 7 carries {flag, flag}, flag = the epoch (64 bits, never 0,
-// never repeats). A reader loads the line the same way (8 lanes, one ld.volatile.v2.u64 each,
-// one warp instruction) and accepts it when lane 7 sees the flag.
+// never repeats). A reader polls the line's last 8 bytes with lane 7 alone and, once it sees
+// the flag, loads the whole line again with all 8 lanes (l128_load) and keeps that data.
 //
 // HARDWARE ASSUMPTION (not given by the PTX memory model, which makes only each 8-byte element
-// single-copy atomic): a warp's 128-byte aligned, fully covered line store over NVLink lands in
-// the peer's memory as one unit, and a warp's 128-byte aligned line load observes it whole, so
-// a reader that sees the flag sees the line's data of the same store. NCCL's LL128 protocol
-// relies on the same property and enables it by default on NVLink for sm_80/sm_90. It is used
-// here only from LINKWISE_GPU_LL128_MIN / _LL128_BCAST_MIN bytes and is checked by the
-// stress tests in tests/test_gpu_ll128.py (all data verified bitwise, many epochs); set the
-// knobs above the LL cap to turn it off.
+// single-copy atomic): a warp's 128-byte aligned, fully covered line store over NVLink
+// becomes visible in the peer's memory no later than its last 16 bytes do, so once a load has
+// returned the flag, loads issued after it see the line's data of the same store. NCCL's
+// LL128 protocol relies on the same property (and reloads the same way after its flag poll)
+// and enables it by default on NVLink for sm_80/sm_90. NOT assumed (the fifth session's bug):
+// that the data lanes' loads of the same instruction that returned the flag see that data.
+// It is used here only from LINKWISE_GPU_LL128_MIN / _LL128_BCAST_MIN bytes and is checked by
+// the stress tests in tests/test_gpu_ll128.py (all data verified bitwise, many epochs); set
+// the knobs above the LL cap to turn it off.
 //
 // Region and contracts: the LL slots of ll.cuh (ll_slot), shared with the LL kernels, and
 // their contracts unchanged: every line a writer stores in an epoch is read exactly once by
@@ -34,16 +36,18 @@
 namespace linkwise::cuda {
 
 // LINKWISE_GPU_LL128_MIN (all_reduce) and _LL128_BCAST_MIN (broadcast) defaults: LL128 from
-// this many bytes (one pass or two phases as ll_kernels.cu chooses), LL lines below. 4xH200
-// (fifth session, spare block, CUDA graphs): all_reduce 16 KiB 3.03 us LL128 vs 4.02 LL;
-// broadcast 16 KiB 2.28 vs 2.10, 64 KiB 2.47 vs 2.48, 128 KiB 2.80 vs 3.47, 256 KiB 3.64 one
-// pass vs 5.47 LL two phases. Broadcast is OFF by default all the same: eager (no graph) 256
-// KiB LL128 one-pass broadcasts took ~360 us per call (every result right; cause not found,
-// see docs/benchmarks.md fifth session), against ~5.6 us for the LL two-phase kernel.
-// all_reduce is OFF by default too: on the merged fifth-session tree the GPU tests found wrong
-// results that also differed between ranks (a few elements: int64 prod/min at 24 KB, float64
-// min/avg at 32 KB, float32 sum at 256 KiB after graph replays), cause not found yet.
-constexpr int kL128Min = 1 << 30, kL128BcastMin = 1 << 30;
+// this many bytes (one pass or two phases as ll_kernels.cu chooses), LL lines below; the env
+// knobs override them for every rank count. docs/benchmarks.md, "Update (sixth session):
+// LL128 reload fix".
+//  * 2 ranks: all_reduce from kL128Min2 (2xH200, CUDA graphs, with the reload: 16 KiB LL 3.02
+//    us vs LL128 3.15, 32 KiB 3.27 vs 3.21, 256 KiB 5.26 vs 4.21; the GPU tests passed there);
+//    broadcast never (LL one pass is faster: 128 KiB 2.34 vs 2.88 us, 256 KiB 2.89 vs 3.16).
+//  * 3+ ranks: OFF (kL128Min) until the LL128 GPU tests pass on 3+ GPUs with the reload fix
+//    (not run in the sixth session: no 4-GPU machine was lent). Fifth-session timings on
+//    4xH200, before the fix, suggest all_reduce from 16 KiB (3.03 us vs 4.02 LL) and
+//    broadcast from 128 KiB one pass (2.80 vs 3.47; 256 KiB 3.64 vs 5.47); the eager 256 KiB
+//    LL128 broadcast stall of that session (~360 us a call) is not re-measured either.
+constexpr int kL128Min2 = 32 * 1024, kL128Min = 1 << 30, kL128BcastMin = 1 << 30;
 constexpr int kL128Packs = 7;      // data packs per line
 constexpr size_t kL128Bytes = 128;
 constexpr unsigned kFullWarp = 0xffffffffu;
@@ -84,39 +88,69 @@ __device__ __forceinline__ void l128_store(uint64_t* slot, size_t L, int k, uint
 // must call it (warp-synchronous). Returns each source's 16 bytes of this lane in d[j] and
 // zeroes the lines read. When the wait gives up (WaitGuard: timeout, abort, earlier failure;
 // recorded) the missing data reads as zeros.
+//
+// Two steps, as NCCL's LL128 receive does:
+//  (1) poll: only the flag lane (k == 7) loads, until it sees `flag` in its last 8 bytes;
+//  (2) reload: all 8 lanes load the line again (one warp instruction per source) and keep
+//      that data. A poll that sees the flag proves the line's store has landed (the flag is
+//      the last 16 bytes of the same warp store), but data loaded by the same load
+//      instruction may have been served before it landed: a warp's 128-byte load is not a
+//      snapshot (sectors are served separately). Taking the poll's data was the cause of the
+//      fifth session's wrong, rank-dependent elements; the reload is issued only after the
+//      flag lane's load returned (it depends on that value through the shuffle).
+// Polling with the flag lane alone also cuts the polling traffic to 1/8. After kL128SpinPolls
+// unsuccessful polls the warp backs off with __nanosleep (32..256 ns), and only lane 0 of a
+// warp runs the WaitGuard checks (one local error read / host abort read per warp, not per
+// lane), so thousands of waiting lanes do not crowd the L2 and PCIe the writers need.
+constexpr unsigned kL128SpinPolls = 16;
 template <int G>
 __device__ __forceinline__ void l128_load(const DevComm& c, uint64_t* const* slots, uint32_t want,
                                           bool live, size_t L, int k, uint64_t flag, uint4* d) {
-  const int flag_lane = (threadIdx.x & 31) | 7;
-  uint32_t pending = live ? want : 0u;  // sources whose line this lane still waits for
+  const int lane = threadIdx.x & 31, flag_lane = lane | 7;
+  const uint32_t mine = live ? want : 0u;  // sources this lane's group reads
+  uint32_t pending = mine;                 // sources whose flag has not been seen yet
   uint64_t v[G][2] = {};
   WaitGuard guard;
-  __syncwarp();  // converged: each group's 8 loads issue as one warp instruction
+  unsigned polls = 0, ns = 32;
+  __syncwarp();
   while (true) {
-#pragma unroll
-    for (int j = 0; j < G; ++j)
-      if ((pending >> j) & 1)
-        asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];"
-                     : "=l"(v[j][0]), "=l"(v[j][1]) : "l"(l128_at(slots[j], L, k)) : "memory");
     uint32_t got = 0;  // on the flag lane: lines whose flag arrived
-#pragma unroll
-    for (int j = 0; j < G; ++j)
-      if (((pending >> j) & 1) && v[j][0] == flag) got |= 1u << j;
-    got = __shfl_sync(kFullWarp, got, flag_lane);  // the group's verdict, lane 7's loads
-    pending &= ~got;
-    if (!__any_sync(kFullWarp, pending != 0)) break;
-    if (__any_sync(kFullWarp, pending != 0 && guard.give_up(c))) {
+    if (k == 7) {
 #pragma unroll
       for (int j = 0; j < G; ++j)
-        if ((pending >> j) & 1) v[j][0] = v[j][1] = 0;
-      break;
+        if ((pending >> j) & 1)
+          asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];"
+                       : "=l"(v[j][0]), "=l"(v[j][1]) : "l"(l128_at(slots[j], L, 7)) : "memory");
+#pragma unroll
+      for (int j = 0; j < G; ++j)
+        if (((pending >> j) & 1) && v[j][1] == flag) got |= 1u << j;
     }
+    got = __shfl_sync(kFullWarp, got, flag_lane);  // the group's verdict
+    pending &= ~got;
+    if (!__any_sync(kFullWarp, pending != 0)) break;
+    bool stop = false;
+    if (lane == 0) stop = guard.give_up(c);
+    if (__shfl_sync(kFullWarp, stop, 0)) break;  // pending sources read as zeros
+    if (++polls > kL128SpinPolls) {
+      __nanosleep(ns);
+      if (ns < 256) ns *= 2;
+    }
+  }
+  const uint32_t seen = mine & ~pending;
+  __syncwarp();  // converged: each group's 8 reloads issue as one warp instruction
+#pragma unroll
+  for (int j = 0; j < G; ++j) {
+    if ((seen >> j) & 1)
+      asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];"
+                   : "=l"(v[j][0]), "=l"(v[j][1]) : "l"(l128_at(slots[j], L, k)) : "memory");
+    else
+      v[j][0] = v[j][1] = 0;
   }
 #pragma unroll
   for (int j = 0; j < G; ++j) {
     d[j] = make_uint4(static_cast<uint32_t>(v[j][0]), static_cast<uint32_t>(v[j][0] >> 32),
                       static_cast<uint32_t>(v[j][1]), static_cast<uint32_t>(v[j][1] >> 32));
-    if (live && ((want >> j) & 1))
+    if ((mine >> j) & 1)
       asm volatile("st.global.v2.u64 [%0], {%1, %1};" ::"l"(l128_at(slots[j], L, k)), "l"(0ull)
                    : "memory");
   }

@@ -2,10 +2,11 @@
 // (one pass; two phases = reduce-scatter + all-gather / scatter + all-gather among the
 // non-roots) with 128-byte lines instead of 8-byte LL lines, so ~1.14x instead of 2x the
 // payload crosses NVLink. launch_ll_allreduce / launch_ll_broadcast (ll_kernels.cu) route a
-// message here from LINKWISE_GPU_LL128_MIN / _LL128_BCAST_MIN bytes (both off by default). The
-// results are meant to be bitwise those of the other kernels (reduction in rank order
-// 0..n-1, same accumulation types), but the all_reduce failed that in the GPU tests of the
-// merged fifth-session tree (a few wrong elements, different on each rank; ll128.cuh).
+// message here from LINKWISE_GPU_LL128_MIN / _LL128_BCAST_MIN bytes (defaults: ll128.cuh).
+// Results are bitwise those of the other kernels (reduction in rank order 0..n-1, same
+// accumulation types). The fifth session's wrong, rank-dependent elements came from
+// l128_load keeping data loaded by the same instruction that saw the flag; it now reloads
+// the line after the flag (ll128.cuh).
 //
 // Thread layout: warp-synchronous. Global warp w handles lines 4w + g (g = lane / 8, its line
 // group), then 4w + g + 4 * (warps in the grid), ...; lane k = lane % 8 of a group carries

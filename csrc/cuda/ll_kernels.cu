@@ -289,6 +289,9 @@ void ll_grid(size_t units, int* blocks, int* threads) {
 // Default two-phase threshold: none up to kLLOnePassRanks ranks, else `dflt`.
 int two_min(const DevComm& c, int dflt) { return c.nranks <= kLLOnePassRanks ? 1 << 30 : dflt; }
 
+// Default LL128 thresholds by rank count (ll128.cuh).
+int l128_min(const DevComm& c) { return c.nranks == 2 ? kL128Min2 : kL128Min; }
+
 // Two phases fit when a chunk of C packs fits half a slot (warp groups of 32 packs).
 bool twophase_fits(size_t npk, int parts) {
   const size_t chunk = (npk + parts - 1) / parts;
@@ -317,7 +320,7 @@ bool launch_ll_allreduce(const DevComm& c, int dtype, int op, const void* x, voi
   const size_t npk = (n + 15) / 16;
   const bool two = c.nranks > 2 && n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL_TWOPHASE_MIN", two_min(c, kLLTwoPhaseMin))) &&
                    twophase_fits(npk, c.nranks);
-  if (n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL128_MIN", kL128Min)) &&
+  if (n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL128_MIN", l128_min(c))) &&
       l128_fits(n, two ? c.nranks : 1)) {
     launch_l128_allreduce(c, dtype, op, x, out, count, two, var, s);
     return true;
@@ -333,7 +336,11 @@ bool launch_ll_broadcast(const DevComm& c, const void* src, void* x, size_t n, i
   if (n == 0 || n > ll_max()) return false;
   const int var = ll_variant();
   const size_t npk = (n + 15) / 16;
-  const bool two = c.nranks > 2 && n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL_BCAST2_MIN", kLLBcast2Min)) &&
+  // LL128 lines: two phases by default only above kLLOnePassRanks ranks (as all_reduce; LL128
+  // one pass measured faster at 256 KiB on 4xH200), LL lines: from kLLBcast2Min.
+  const bool l128 = n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL128_BCAST_MIN", kL128BcastMin));
+  const int two_dflt = l128 ? two_min(c, kLLBcast2Min) : kLLBcast2Min;
+  const bool two = c.nranks > 2 && n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL_BCAST2_MIN", two_dflt)) &&
                    twophase_fits(npk, c.nranks - 1);
   int blocks, threads;
   ll_grid(two ? (npk + c.nranks - 2) / (c.nranks - 1) : npk, &blocks, &threads);
@@ -342,8 +349,7 @@ bool launch_ll_broadcast(const DevComm& c, const void* src, void* x, size_t n, i
   const uintptr_t a = reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(src) | n;
   const int elem = (a & 7) == 0 ? 8 : (a & 3) == 0 ? 4 : (a & 1) == 0 ? 2 : 1;
   const int bvar = var & ~kLLDeferAnnounce;
-  if (n >= static_cast<size_t>(env_int("LINKWISE_GPU_LL128_BCAST_MIN", kL128BcastMin)) &&
-      l128_fits(n, two ? c.nranks - 1 : 1)) {
+  if (l128 && l128_fits(n, two ? c.nranks - 1 : 1)) {
     launch_l128_broadcast(c, src, x, n, root, elem, two, bvar, s);
     return true;
   }

@@ -180,10 +180,11 @@ declare("LINKWISE_GPU_LL_BCAST2_MIN", 192 << 10, int,
         "tuning: LL broadcast of 3+ ranks this large runs as scatter + all-gather")
 declare("LINKWISE_GPU_LL128_MIN", 1 << 30, int,
         "tuning: LL all_reduce this large uses 128-byte LL128 lines (relies on NVLink "
-        "delivering a warp's 128-byte store whole, as NCCL's LL128; default off: wrong results "
-        "seen in the GPU tests, cause not found)")
+        "delivering a warp's 128-byte store whole, as NCCL's LL128); engine default: 32 KiB "
+        "on 2 ranks, off (this value) on 3+ ranks until tested there (csrc/cuda/ll128.cuh)")
 declare("LINKWISE_GPU_LL128_BCAST_MIN", 1 << 30, int,
-        "tuning: LL broadcast this large uses LL128 lines (default off: eager stalls seen at 256 KiB)")
+        "tuning: LL broadcast this large uses LL128 lines (default off: slower than LL on 2 "
+        "ranks; on 4 ranks eager stalls were seen at 256 KiB before the sixth-session fix)")
 declare("LINKWISE_GPU_LL128_THREADS", 64, int, "tuning: threads per block of the LL128 kernels (64-256)")
 declare("LINKWISE_GPU_LL128_BLOCKS", 1024, int, "tuning: most blocks of an LL128 kernel")
 declare("LINKWISE_GPU_ONESHOT_BLOCK_BYTES", 8192, int, "tuning: bytes per block of the one-shot flag kernel")
