@@ -129,7 +129,8 @@ declare("LINKWISE_GPU_REG_MIN", 4 << 20, _size,
 declare("LINKWISE_GPU_BCAST_REG_MIN", 64 << 20, _size,
         "GPU broadcasts this large go as a chain between registered buffers (not while "
         "capturing a CUDA graph)")
-declare("LINKWISE_GPU_CHAIN_PIECE", 0, _size, "piece of the GPU broadcast chain; 0 = size/8")
+declare("LINKWISE_GPU_CHAIN_PIECE", 0, _size,
+        "piece of the copy-engine broadcast chain; 0 = size/8 within 2-32 MiB, the whole size on 2 ranks")
 declare("LINKWISE_GPU_REG_REDUCE_MIN", 64 << 20, _size,
         "GPU all_reduce/reduce_scatter this large read peers' registered buffers directly")
 declare("LINKWISE_GPU_REG_REDUCE_BLOCKS", 0, int,
@@ -138,10 +139,10 @@ declare("LINKWISE_GPU_REG_REDUCE_BLOCKS", 0, int,
 declare("LINKWISE_GPU_LL_MAX", 256 << 10, int,
         "GPU all_reduce/broadcast up to this many bytes (at most 262144) use the LL kernels; 0 = off")
 declare("LINKWISE_GPU_BCAST_ALGO", "", str,
-        "registered-buffer GPU broadcast: 'pchain' = one-kernel push chain (any ranks; the "
-        "default from 3 ranks); 'chain' = the copy-engine chain (the default for 2 ranks); from 3 "
-        "ranks 'push' = one-kernel push scatter-allgather, 'pull' = two-stream copy-engine pull "
-        "scatter-allgather")
+        "registered-buffer GPU broadcast: 'dchain' = work-claiming push chain in one kernel (any "
+        "ranks; the default); 'pchain' = push chain with a fixed slice per block; 'chain' = the "
+        "copy-engine chain; from 3 ranks 'push' = one-kernel push scatter-allgather, 'pull' = "
+        "two-stream copy-engine pull scatter-allgather")
 declare("LINKWISE_GPU_PCHAIN_BLOCKS", 0, int,
         "tuning: blocks of the push-chain broadcast kernel (at most 256); 0 = 32 below 128 MiB, 64 from it")
 declare("LINKWISE_GPU_PCHAIN_SLICE", 0, int,
