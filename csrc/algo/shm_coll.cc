@@ -291,11 +291,18 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
   }
 }
 
-void ShmColl::broadcast(void* buf, size_t bytes, int root, double timeout) {
+void ShmColl::broadcast(const void* src, void* buf, size_t bytes, int root, double timeout) {
   timeout_ = timeout;
+  if (rank_ != root) src = buf;
+  const char* s = static_cast<const char*>(src);
+  char* b = static_cast<char*>(buf);
+  if (s != b && s < b + bytes && b < s + bytes) {  // overlapping: not supported by the paths below
+    std::memmove(b, s, bytes);
+    s = b;
+  }
   try {
-    if (cma_ && bytes >= opt_.bc_min) cma_broadcast(buf, bytes, root);
-    else ring_broadcast(buf, bytes, root);
+    if (cma_ && bytes >= opt_.bc_min) cma_broadcast(s, b, bytes, root);
+    else ring_broadcast(s, b, bytes, root);
   } catch (const Error& e) {
     mark_failed(e.peer());
     cma_drain();
@@ -303,21 +310,24 @@ void ShmColl::broadcast(void* buf, size_t bytes, int root, double timeout) {
   }
 }
 
-void ShmColl::ring_broadcast(void* buf, size_t bytes, int root) {
+void ShmColl::ring_broadcast(const char* src, char* b, size_t bytes, int root) {
   const int lanes = lanes_for(bytes);
   if (lanes != bc_lanes_) {
     if (rank_ == root) ring_drain();  // the ring's areas move: no one may still read the old ones
     bc_lanes_ = lanes;
   }
   if (lanes > 1) ++lane_bc_calls_;
-  char* b = static_cast<char*>(buf);
   const bool stream = bytes >= kStreamMin;
+  // The root sends from src (readers only ever see the ring); its own copy into b comes after,
+  // while the readers drain the last pieces.
+  char* from = rank_ == root ? const_cast<char*>(src) : b;  // the root's ring_lane only reads it
   run_lanes(lanes, [&](int l) {
     // Stripes of whole cache lines (the last one takes the rest).
     const size_t first = part_off(bytes / 64, lanes, l) * 64;
     const size_t end = l + 1 == lanes ? bytes : part_off(bytes / 64, lanes, l + 1) * 64;
-    ring_lane(l, lanes, b + first, end - first, root, stream);
+    ring_lane(l, lanes, from + first, end - first, root, stream);
   });
+  if (rank_ == root && src != b) copy_out(b, src, bytes, stream);
 }
 
 // One lane's stripe, in pieces of 1/lanes of a ring slot.

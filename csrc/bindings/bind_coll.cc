@@ -227,7 +227,7 @@ class CollWorker {
 void run_shm(CollJob& j) {
   j.shm->guarded([&] {
     if (j.p.kind == CollKind::Broadcast)
-      j.shm->shm_.broadcast(j.recv, j.recv_bytes, j.p.root, j.p.timeout);
+      j.shm->shm_.broadcast(j.send ? j.send : j.recv, j.recv, j.recv_bytes, j.p.root, j.p.timeout);
     else
       j.shm->shm_.all_reduce(j.send, j.recv, j.send_bytes / dtype_size(j.p.dtype), j.p.dtype, j.p.op, j.p.timeout);
   });
@@ -297,13 +297,20 @@ void bind_coll(nb::module_& m) {
            },
            nb::arg("x"), nb::arg("out"), nb::arg("code"), nb::arg("timeout"))
       .def("broadcast",
-           [](PyShmColl& s, nb::handle buf, int root, double timeout) {
-             HeldBuffer hb;
+           [](PyShmColl& s, nb::handle buf, int root, double timeout, nb::handle src) {
+             // src (root's source; None: buf itself) must have buf's size: checked by the caller.
+             HeldBuffer hb, hs;
              acquire_buffer(buf, true, "broadcast", hb);
+             const void* from = hb.ptr();
+             if (!src.is_none() && !src.is(buf)) {
+               acquire_buffer(src, false, "broadcast", hs);
+               if (hs.bytes() != hb.bytes()) throw nb::value_error("broadcast: out must have as many bytes as x");
+               from = hs.ptr();
+             }
              nb::gil_scoped_release nogil;
-             s.guarded([&] { s.shm_.broadcast(hb.ptr(), hb.bytes(), root, timeout); });
+             s.guarded([&] { s.shm_.broadcast(from, hb.ptr(), hb.bytes(), root, timeout); });
            },
-           nb::arg("buf"), nb::arg("root"), nb::arg("timeout"));
+           nb::arg("buf"), nb::arg("root"), nb::arg("timeout"), nb::arg("src").none() = nb::none());
 
   m.def("coll",
         [](NativeComm& c, int kind, nb::handle x, nb::handle out, int dtype, int op, int root, uint64_t seq, int algo,
