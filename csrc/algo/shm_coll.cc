@@ -200,16 +200,58 @@ void ShmColl::all_reduce(const void* in, void* out, size_t count, DType t, RedOp
 }
 
 void ShmColl::one_shot(const void* in, void* out, size_t count, DType t, RedOp op) {
-  const size_t bytes = count * dtype_size(t);
+  one_shot_finish(one_shot_post(in, count * dtype_size(t)), out, count, t, op);
+}
+
+// One-shot round r: my input into half r&1 of my area, then b_in = r.
+uint32_t ShmColl::one_shot_post(const void* in, size_t bytes) {
   const uint32_t r = ++one_round_;
   Slot* me = slot(rank_);
   std::memcpy(me->one(r), in, bytes);
   publish(me->h().b_in.v, r);
+  return r;
+}
+
+// Waits for every peer's round r, then combines all inputs in rank order into out.
+void ShmColl::one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedOp op) {
   for (int q = 0; q < n_; ++q)
     if (q != rank_) wait_ge(q, slot(q)->h().b_in.v, r, "all_reduce");
+  one_shot_combine(r, out, count, t, op);
+}
+
+void ShmColl::one_shot_combine(uint32_t r, void* out, size_t count, DType t, RedOp op) {
   reduce3(out, slot(0)->one(r), slot(1)->one(r), count, t, op);
   for (int q = 2; q < n_; ++q) reduce_into(out, slot(q)->one(r), count, t, op);
   if (op == RedOp::Avg) avg_finish(out, count, t, n_);
+}
+
+int ShmColl::all_reduce_start(const void* in, void* out, size_t count, DType t, RedOp op, double timeout) {
+  const size_t bytes = count * dtype_size(t);
+  if ((cma_ && bytes >= opt_.ar_min) || bytes > kOneMax) return -1;
+  timeout_ = timeout;
+  const uint32_t r = one_shot_post(in, bytes);
+  // Spin a little for the peers (no sleeping, no errors: the caller may hold a lock).
+  const double bound = std::min(spin_us_, kStartSpinUs);
+  const auto t0 = Clock::now();
+  for (int q = 0; q < n_; ++q) {
+    if (q == rank_) continue;
+    auto& word = slot(q)->h().b_in.v;
+    while (!reached(word.load(std::memory_order_acquire), r)) {
+      for (int i = 0; i < 16; ++i) cpu_relax();
+      if (seconds_since(t0) * 1e6 >= bound) return 0;
+    }
+  }
+  one_shot_combine(r, out, count, t, op);
+  return 1;
+}
+
+void ShmColl::all_reduce_finish(void* out, size_t count, DType t, RedOp op) {
+  try {
+    one_shot_finish(one_round_, out, count, t, op);
+  } catch (const Error& e) {
+    mark_failed(e.peer());
+    throw;
+  }
 }
 
 // Lanes of a message (see shm_coll.h): every rank computes the same from agreed settings.

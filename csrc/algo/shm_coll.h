@@ -135,6 +135,15 @@ class ShmColl {
   // place the root copies src to its own buf itself while the others receive (the CMA path:
   // readers pull from src meanwhile); src and buf must be the same or not overlap.
   void broadcast(const void* src, void* buf, size_t bytes, int root, double timeout);
+  // all_reduce in two steps for the latency path, so that the caller may hold a lock (the
+  // GIL) during the first: start() returns -1 when the message does not take the one-shot
+  // path (then call all_reduce; nothing was done), 1 when it is complete (the peers were
+  // already there: start() spins at most kStartSpinUs for them, never sleeps and never
+  // raises), 0 when this rank's input is posted and all_reduce_finish(out, count, t, op)
+  // must follow (exactly once, before any other call; it waits, may sleep and raise).
+  int all_reduce_start(const void* in, void* out, size_t count, DType t, RedOp op, double timeout);
+  void all_reduce_finish(void* out, size_t count, DType t, RedOp op);
+  static constexpr double kStartSpinUs = 10.0;
 
   struct Slot;
 
@@ -144,6 +153,9 @@ class ShmColl {
   void publish(std::atomic<uint32_t>& word, uint32_t value);
   bool peer_gone(int peer);
   void one_shot(const void* in, void* out, size_t count, DType t, RedOp op);
+  uint32_t one_shot_post(const void* in, size_t bytes);
+  void one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedOp op);
+  void one_shot_combine(uint32_t r, void* out, size_t count, DType t, RedOp op);
   int lanes_for(size_t bytes) const;
   void run_lanes(int lanes, const std::function<void(int)>& lane);
   void two_shot(const void* in, void* out, size_t count, DType t, RedOp op);
