@@ -45,8 +45,9 @@
 //     between my x_in=r and their x_done=r, and I return only after every x_done>=r.
 //   CMA broadcast round r (large messages): every rank publishes its buffer (the root its
 //     source x; out of place the root copies x into its own out first, which no peer
-//     touches), resets y_work/y_done to (r, 0), y_in=r. Reader q, once root.y_in>=r, claims pieces of its own buffer
-//     (CAS on y_work, refused when the round differs or all are claimed) and reads them from
+//     touches), resets y_work/y_done to (r, 0), y_in=r. Reader q, once root.y_in>=r, claims
+//     pieces of its own buffer (CAS on y_work, refused when the round differs or all are
+//     claimed) and reads them from
 //     the root; the root, meanwhile, claims pieces of each reader in turn and writes them
 //     into it. Whoever copies a reader's last piece sets its y_fin=r. A reader returns once
 //     its y_fin>=r, the root once every reader's y_fin>=r (its buffer is no longer read).

@@ -294,8 +294,9 @@ void bind_coll(nb::module_& m) {
              const size_t count = hx.bytes() / dtype_size(t);
              const RedOp rop = static_cast<RedOp>(code & 7);
              // Small messages start with the GIL held (releasing and retaking it cost ~0.1 us
-             // of a ~2 us call): done when the peers were already there (a bounded spin),
-             // else the wait goes on without the GIL, so other threads run meanwhile.
+             // of a ~2 us call in a same-build A/B, docs/benchmarks.md): done when the peers
+             // were already there (a bounded spin), else the wait goes on without the GIL, so
+             // other threads run meanwhile.
              int started = -1;
              s.guarded([&] { started = s.shm_.all_reduce_start(hx.ptr(), o, count, t, rop, timeout); });
              if (started == 1) return;
@@ -306,7 +307,7 @@ void bind_coll(nb::module_& m) {
            nb::arg("x"), nb::arg("out"), nb::arg("code"), nb::arg("timeout"))
       .def("broadcast",
            [](PyShmColl& s, nb::handle buf, int root, double timeout, nb::handle src) {
-             // src (root's source; None: buf itself) must have buf's size: checked by the caller.
+             // src: the root's source (None: buf itself, in place), as many bytes as buf.
              HeldBuffer hb, hs;
              acquire_buffer(buf, true, "broadcast", hb);
              const void* from = hb.ptr();
