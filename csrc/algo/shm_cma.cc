@@ -93,33 +93,37 @@ void ShmColl::cma_chunk(size_t o, size_t m, DType t, RedOp op, bool stream, int 
   }
 }
 
-void ShmColl::cma_broadcast(void* buf, size_t bytes, int root) {
+void ShmColl::cma_broadcast(const void* src, void* buf, size_t bytes, int root) {
   const uint32_t r = ++y_round_;
   ++cma_bc_calls_;
   auto& me = slot(rank_)->h();
-  me.y_addr = reinterpret_cast<uint64_t>(buf);
+  // The root publishes its source (readers copy from it), a reader its destination.
+  me.y_addr = reinterpret_cast<uint64_t>(rank_ == root ? src : buf);
   me.y_work.v.store(static_cast<uint64_t>(r) << 32, std::memory_order_relaxed);
   me.y_done.v.store(static_cast<uint64_t>(r) << 32, std::memory_order_relaxed);
   publish(me.y_in.v, r);  // seq_cst store: y_addr / y_work / y_done are visible with it
   cma_busy_ = 2;
   y_root_ = root;
-  const uint64_t mine = reinterpret_cast<uint64_t>(buf);
+  const uint64_t mine = me.y_addr;
   if (rank_ != root) {
     wait_ge(root, slot(root)->h().y_in.v, r, "broadcast");
-    const uint64_t src = slot(root)->h().y_addr;
-    pool_->run(pool_->threads(), [&](int, int) { cma_take_pieces(rank_, root, r, src, mine, bytes); });
+    const uint64_t from = slot(root)->h().y_addr;
+    pool_->run(pool_->threads(), [&](int, int) { cma_take_pieces(rank_, root, r, from, mine, bytes); });
     wait_ge(root, me.y_fin.v, r, "broadcast");  // pieces the root claimed have landed
     cma_busy_ = 0;
     return;
   }
-  // The root pushes pieces into each reader in turn (readers pull the rest meanwhile).
+  // Out of place, the root first copies src into its own buf (a user-space copy, faster here
+  // than the kernel's), while the readers pull; then it pushes pieces into each reader in
+  // turn (readers pull the rest meanwhile). Peers only read src, never buf.
+  if (src != buf) copy_out(buf, src, bytes, bytes >= kStreamMin);
   pool_->run(n_ - 1, [&](int k, int) {
     const int q = (root + 1 + k) % n_;
     wait_ge(q, slot(q)->h().y_in.v, r, "broadcast");
     cma_take_pieces(q, root, r, mine, slot(q)->h().y_addr, bytes);
   });
   for (int q = 0; q < n_; ++q)
-    if (q != root) wait_ge(q, slot(q)->h().y_fin.v, r, "broadcast");  // no one reads my buffer any more
+    if (q != root) wait_ge(q, slot(q)->h().y_fin.v, r, "broadcast");  // no one reads my src any more
   cma_busy_ = 0;
 }
 

@@ -200,16 +200,58 @@ void ShmColl::all_reduce(const void* in, void* out, size_t count, DType t, RedOp
 }
 
 void ShmColl::one_shot(const void* in, void* out, size_t count, DType t, RedOp op) {
-  const size_t bytes = count * dtype_size(t);
+  one_shot_finish(one_shot_post(in, count * dtype_size(t)), out, count, t, op);
+}
+
+// One-shot round r: my input into half r&1 of my area, then b_in = r.
+uint32_t ShmColl::one_shot_post(const void* in, size_t bytes) {
   const uint32_t r = ++one_round_;
   Slot* me = slot(rank_);
   std::memcpy(me->one(r), in, bytes);
   publish(me->h().b_in.v, r);
+  return r;
+}
+
+// Waits for every peer's round r, then combines all inputs in rank order into out.
+void ShmColl::one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedOp op) {
   for (int q = 0; q < n_; ++q)
     if (q != rank_) wait_ge(q, slot(q)->h().b_in.v, r, "all_reduce");
+  one_shot_combine(r, out, count, t, op);
+}
+
+void ShmColl::one_shot_combine(uint32_t r, void* out, size_t count, DType t, RedOp op) {
   reduce3(out, slot(0)->one(r), slot(1)->one(r), count, t, op);
   for (int q = 2; q < n_; ++q) reduce_into(out, slot(q)->one(r), count, t, op);
   if (op == RedOp::Avg) avg_finish(out, count, t, n_);
+}
+
+int ShmColl::all_reduce_start(const void* in, void* out, size_t count, DType t, RedOp op, double timeout) {
+  const size_t bytes = count * dtype_size(t);
+  if ((cma_ && bytes >= opt_.ar_min) || bytes > kOneMax) return -1;
+  timeout_ = timeout;
+  const uint32_t r = one_shot_post(in, bytes);
+  // Spin a little for the peers (no sleeping, no errors: the caller may hold a lock).
+  const double bound = std::min(spin_us_, kStartSpinUs);
+  const auto t0 = Clock::now();
+  for (int q = 0; q < n_; ++q) {
+    if (q == rank_) continue;
+    auto& word = slot(q)->h().b_in.v;
+    while (!reached(word.load(std::memory_order_acquire), r)) {
+      for (int i = 0; i < 16; ++i) cpu_relax();
+      if (seconds_since(t0) * 1e6 >= bound) return 0;
+    }
+  }
+  one_shot_combine(r, out, count, t, op);
+  return 1;
+}
+
+void ShmColl::all_reduce_finish(void* out, size_t count, DType t, RedOp op) {
+  try {
+    one_shot_finish(one_round_, out, count, t, op);
+  } catch (const Error& e) {
+    mark_failed(e.peer());
+    throw;
+  }
 }
 
 // Lanes of a message (see shm_coll.h): every rank computes the same from agreed settings.
@@ -291,11 +333,18 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
   }
 }
 
-void ShmColl::broadcast(void* buf, size_t bytes, int root, double timeout) {
+void ShmColl::broadcast(const void* src, void* buf, size_t bytes, int root, double timeout) {
   timeout_ = timeout;
+  if (rank_ != root) src = buf;
+  const char* s = static_cast<const char*>(src);
+  char* b = static_cast<char*>(buf);
+  if (s != b && s < b + bytes && b < s + bytes) {  // overlapping: not supported by the paths below
+    std::memmove(b, s, bytes);
+    s = b;
+  }
   try {
-    if (cma_ && bytes >= opt_.bc_min) cma_broadcast(buf, bytes, root);
-    else ring_broadcast(buf, bytes, root);
+    if (cma_ && bytes >= opt_.bc_min) cma_broadcast(s, b, bytes, root);
+    else ring_broadcast(s, b, bytes, root);
   } catch (const Error& e) {
     mark_failed(e.peer());
     cma_drain();
@@ -303,21 +352,24 @@ void ShmColl::broadcast(void* buf, size_t bytes, int root, double timeout) {
   }
 }
 
-void ShmColl::ring_broadcast(void* buf, size_t bytes, int root) {
+void ShmColl::ring_broadcast(const char* src, char* b, size_t bytes, int root) {
   const int lanes = lanes_for(bytes);
   if (lanes != bc_lanes_) {
     if (rank_ == root) ring_drain();  // the ring's areas move: no one may still read the old ones
     bc_lanes_ = lanes;
   }
   if (lanes > 1) ++lane_bc_calls_;
-  char* b = static_cast<char*>(buf);
   const bool stream = bytes >= kStreamMin;
+  // The root sends from src (readers only ever see the ring); its own copy into b comes after,
+  // while the readers drain the last pieces.
+  char* from = rank_ == root ? const_cast<char*>(src) : b;  // the root's ring_lane only reads it
   run_lanes(lanes, [&](int l) {
     // Stripes of whole cache lines (the last one takes the rest).
     const size_t first = part_off(bytes / 64, lanes, l) * 64;
     const size_t end = l + 1 == lanes ? bytes : part_off(bytes / 64, lanes, l + 1) * 64;
-    ring_lane(l, lanes, b + first, end - first, root, stream);
+    ring_lane(l, lanes, from + first, end - first, root, stream);
   });
+  if (rank_ == root && src != b) copy_out(b, src, bytes, stream);
 }
 
 // One lane's stripe, in pieces of 1/lanes of a ring slot.

@@ -43,9 +43,11 @@
 //     reads a chunk of every input before writing that chunk of any output, so in == out
 //     (in place) is safe; in and out must not otherwise overlap. Peers touch my buffers only
 //     between my x_in=r and their x_done=r, and I return only after every x_done>=r.
-//   CMA broadcast round r (large messages): every rank publishes its buffer, resets y_work/
-//     y_done to (r, 0), y_in=r. Reader q, once root.y_in>=r, claims pieces of its own buffer
-//     (CAS on y_work, refused when the round differs or all are claimed) and reads them from
+//   CMA broadcast round r (large messages): every rank publishes its buffer (the root its
+//     source x; out of place the root copies x into its own out first, which no peer
+//     touches), resets y_work/y_done to (r, 0), y_in=r. Reader q, once root.y_in>=r, claims
+//     pieces of its own buffer (CAS on y_work, refused when the round differs or all are
+//     claimed) and reads them from
 //     the root; the root, meanwhile, claims pieces of each reader in turn and writes them
 //     into it. Whoever copies a reader's last piece sets its y_fin=r. A reader returns once
 //     its y_fin>=r, the root once every reader's y_fin>=r (its buffer is no longer read).
@@ -130,7 +132,19 @@ class ShmColl {
   const std::string& segment_name() const { return seg_.name(); }  // what the others open
 
   void all_reduce(const void* in, void* out, size_t count, DType t, RedOp op, double timeout);
-  void broadcast(void* buf, size_t bytes, int root, double timeout);
+  // Root's src (ignored elsewhere) lands in every rank's buf; src == buf is in place. Out of
+  // place the root copies src to its own buf itself while the others receive (the CMA path:
+  // readers pull from src meanwhile); src and buf must be the same or not overlap.
+  void broadcast(const void* src, void* buf, size_t bytes, int root, double timeout);
+  // all_reduce in two steps for the latency path, so that the caller may hold a lock (the
+  // GIL) during the first: start() returns -1 when the message does not take the one-shot
+  // path (then call all_reduce; nothing was done), 1 when it is complete (the peers were
+  // already there: start() spins at most kStartSpinUs for them, never sleeps and never
+  // raises), 0 when this rank's input is posted and all_reduce_finish(out, count, t, op)
+  // must follow (exactly once, before any other call; it waits, may sleep and raise).
+  int all_reduce_start(const void* in, void* out, size_t count, DType t, RedOp op, double timeout);
+  void all_reduce_finish(void* out, size_t count, DType t, RedOp op);
+  static constexpr double kStartSpinUs = 10.0;
 
   struct Slot;
 
@@ -140,16 +154,19 @@ class ShmColl {
   void publish(std::atomic<uint32_t>& word, uint32_t value);
   bool peer_gone(int peer);
   void one_shot(const void* in, void* out, size_t count, DType t, RedOp op);
+  uint32_t one_shot_post(const void* in, size_t bytes);
+  void one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedOp op);
+  void one_shot_combine(uint32_t r, void* out, size_t count, DType t, RedOp op);
   int lanes_for(size_t bytes) const;
   void run_lanes(int lanes, const std::function<void(int)>& lane);
   void two_shot(const void* in, void* out, size_t count, DType t, RedOp op);
   void two_shot_lane(int lane, int lanes, const char* in, char* out, size_t count, DType t, RedOp op, bool stream);
   void cma_all_reduce(const void* in, void* out, size_t count, DType t, RedOp op);
   void cma_chunk(size_t o, size_t m, DType t, RedOp op, bool stream, int thread);
-  void ring_broadcast(void* buf, size_t bytes, int root);
+  void ring_broadcast(const char* src, char* buf, size_t bytes, int root);
   void ring_lane(int lane, int lanes, char* buf, size_t bytes, int root, bool stream);
   void ring_drain();
-  void cma_broadcast(void* buf, size_t bytes, int root);
+  void cma_broadcast(const void* src, void* buf, size_t bytes, int root);
   void cma_take_pieces(int q, int root, uint32_t r, uint64_t src, uint64_t dst, size_t bytes);
   void mark_failed(int culprit);
   void cma_drain();

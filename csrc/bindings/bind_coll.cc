@@ -227,7 +227,7 @@ class CollWorker {
 void run_shm(CollJob& j) {
   j.shm->guarded([&] {
     if (j.p.kind == CollKind::Broadcast)
-      j.shm->shm_.broadcast(j.recv, j.recv_bytes, j.p.root, j.p.timeout);
+      j.shm->shm_.broadcast(j.send ? j.send : j.recv, j.recv, j.recv_bytes, j.p.root, j.p.timeout);
     else
       j.shm->shm_.all_reduce(j.send, j.recv, j.send_bytes / dtype_size(j.p.dtype), j.p.dtype, j.p.op, j.p.timeout);
   });
@@ -292,18 +292,34 @@ void bind_coll(nb::module_& m) {
              }
              const DType t = static_cast<DType>(code >> 3);
              const size_t count = hx.bytes() / dtype_size(t);
+             const RedOp rop = static_cast<RedOp>(code & 7);
+             // Small messages start with the GIL held (releasing and retaking it cost ~0.1 us
+             // of a ~2 us call in a same-build A/B, docs/benchmarks.md): done when the peers
+             // were already there (a bounded spin), else the wait goes on without the GIL, so
+             // other threads run meanwhile.
+             int started = -1;
+             s.guarded([&] { started = s.shm_.all_reduce_start(hx.ptr(), o, count, t, rop, timeout); });
+             if (started == 1) return;
              nb::gil_scoped_release nogil;
-             s.guarded([&] { s.shm_.all_reduce(hx.ptr(), o, count, t, static_cast<RedOp>(code & 7), timeout); });
+             if (started == 0) s.guarded([&] { s.shm_.all_reduce_finish(o, count, t, rop); });
+             else s.guarded([&] { s.shm_.all_reduce(hx.ptr(), o, count, t, rop, timeout); });
            },
            nb::arg("x"), nb::arg("out"), nb::arg("code"), nb::arg("timeout"))
       .def("broadcast",
-           [](PyShmColl& s, nb::handle buf, int root, double timeout) {
-             HeldBuffer hb;
+           [](PyShmColl& s, nb::handle buf, int root, double timeout, nb::handle src) {
+             // src: the root's source (None: buf itself, in place), as many bytes as buf.
+             HeldBuffer hb, hs;
              acquire_buffer(buf, true, "broadcast", hb);
+             const void* from = hb.ptr();
+             if (!src.is_none() && !src.is(buf)) {
+               acquire_buffer(src, false, "broadcast", hs);
+               if (hs.bytes() != hb.bytes()) throw nb::value_error("broadcast: out must have as many bytes as x");
+               from = hs.ptr();
+             }
              nb::gil_scoped_release nogil;
-             s.guarded([&] { s.shm_.broadcast(hb.ptr(), hb.bytes(), root, timeout); });
+             s.guarded([&] { s.shm_.broadcast(from, hb.ptr(), hb.bytes(), root, timeout); });
            },
-           nb::arg("buf"), nb::arg("root"), nb::arg("timeout"));
+           nb::arg("buf"), nb::arg("root"), nb::arg("timeout"), nb::arg("src").none() = nb::none());
 
   m.def("coll",
         [](NativeComm& c, int kind, nb::handle x, nb::handle out, int dtype, int op, int root, uint64_t seq, int algo,

@@ -123,14 +123,12 @@ class CollectivesMixin:
         inline = not async_op and (worker is None or worker.pending == 0)
         shm = self._shm_for(kind, nbytes)
         if shm is not None:
-            if kind == "broadcast" and self.rank == root and out is not x:
-                np.copyto(out, x)
             xr, outr = _raw(x), _raw(out)
             if inline:
                 if kind == "all_reduce":
                     shm.all_reduce(xr, outr, DTYPES[dtype] * 8 + OPS[op], self.timeout)
-                else:
-                    shm.broadcast(outr, root, self.timeout)
+                else:  # out of place, the root copies x into out natively (with the transfer)
+                    shm.broadcast(outr, root, self.timeout, xr)
                 return result
             args = (KINDS[kind], xr, outr, DTYPES.get(dtype, _U8) if kind == "all_reduce" else _U8,
                     OPS.get(op, 0), root, 0, 0, 1, [], -1, [], self.timeout, shm)
