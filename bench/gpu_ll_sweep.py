@@ -6,7 +6,8 @@ with LINKWISE_GPU_TUNE=1 (the knobs are re-read at every call):
 For each configuration (environment knobs: LINKWISE_GPU_LL_VARIANT bits, _LL_MAX, _LL_THREADS,
 _LL_BLOCKS, _LL_TWOPHASE_MIN, _LL_BCAST2_MIN, _LL128_MIN, _LL128_BCAST_MIN, _LL128_THREADS,
 _LL128_BLOCKS; ll.cuh / ll128.cuh / ll_kernels.cu say what they do; --rows picks the third
-session's rows or the fifth session's LL128 / announce rows, the default) and
+session's rows, the fifth session's LL128 / announce rows (the default) or the sixth session's
+2-rank LL128 geometry rows, sixth2) and
 size: the GPU µs per op of the engine's all_reduce (float32 sum, in place) and broadcast (root
 0), 100 ops captured in one CUDA graph, 10 replays (linkwise.bench.gpu.time_ops, slowest
 rank), and a correctness check (all_reduce of exact small integers, broadcast from the last
@@ -66,6 +67,21 @@ def configs_fifth() -> list:
     return rows
 
 
+def configs_sixth2() -> list:
+    """The sixth session's 2-rank rows: LL128 all_reduce geometry at 64-256 KiB (threads per
+    block, block cap) against the defaults of that session (LL128 from 32 KiB on 2 ranks) and
+    LL one pass, the defaults first and last to show the drift."""
+    base = {"LINKWISE_GPU_LL_MAX": str(256 << 10), "LINKWISE_GPU_LL128_MIN": str(32 << 10),
+            "LINKWISE_GPU_LL128_BCAST_MIN": OFF}
+    rows = [("default", base, LARGE)]
+    for t in ("128", "256"):
+        rows.append((f"ll128 t{t}", {**base, "LINKWISE_GPU_LL128_THREADS": t}, LARGE))
+    for b in ("512", "256"):
+        rows.append((f"ll128 b{b}", {**base, "LINKWISE_GPU_LL128_BLOCKS": b}, LARGE))
+    rows += [("ll one pass", {**base, "LINKWISE_GPU_LL128_MIN": OFF}, LARGE), ("default again", base, LARGE)]
+    return rows
+
+
 def configs_third() -> list:
     """(name, env, sizes); PDL (variant bit 8) last: a capture failure there spoils no other row."""
     v = lambda bits, **kw: {"LINKWISE_GPU_LL_VARIANT": str(bits), **kw}  # noqa: E731
@@ -87,7 +103,7 @@ def configs_third() -> list:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="")
-    ap.add_argument("--rows", default="fifth", choices=["fifth", "third"])
+    ap.add_argument("--rows", default="fifth", choices=["fifth", "third", "sixth2"])
     a = ap.parse_args()
     import torch
     from gpu_rank import GpuRank
@@ -128,7 +144,8 @@ def main() -> int:
 
     nccl_rows("start")
     say({"what": "floor", "torch add_ graph us": t_us(lambda: bufs[8].add_(1))})
-    for name, env, szs in (configs_fifth() if a.rows == "fifth" else configs_third()):
+    configs = {"fifth": configs_fifth, "third": configs_third, "sixth2": configs_sixth2}[a.rows]
+    for name, env, szs in configs():
         os.environ.update(env)
         try:
             for b in szs:
