@@ -311,9 +311,9 @@ void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece
       rank_ == root && root_src != 0 && root_src != x ? reinterpret_cast<const char*>(root_src) : nullptr;
   // LINKWISE_GPU_BCAST_ALGO: "dchain" = work-claiming push chain in one kernel
   // (bcast_dchain.cu), any number of ranks, and the default (faster than every other form at
-  // 64-512 MiB on 4xH200, docs/benchmarks.md fifth session; on 2xH200 1.00-1.02x NCCL in place
-  // and out of place, where the copy-engine chain lost 8% out of place to the root's x -> out
-  // copy, sixth session); "pchain" = the push chain with a fixed slice per
+  // 64-512 MiB on 4xH200, docs/benchmarks.md fifth session; on 2xH200 1.02-1.05x NCCL out of
+  // place and 0.98-1.05x in place, where the copy-engine chain lost ~8% out of place to the
+  // root's x -> out copy, sixth session); "pchain" = the push chain with a fixed slice per
   // block (bcast_chain.cu, the fourth session's default), any number of ranks; "chain" = the
   // copy-engine chain below; from 3 ranks "push" = one-kernel push scatter-allgather
   // (bcast_push.cu), "pull" = two-stream pull scatter-allgather (reg_pipeline.cu). Measured
