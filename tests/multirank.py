@@ -79,6 +79,7 @@ def run_ranks(n: int, fn: Callable, *args: Any, env: Optional[dict] = None, time
     _jobs[0] += 1
     env = dict(env or {})
     env.setdefault("LINKWISE_JOB_ID", f"{JOB_PREFIX}{_jobs[0]}")
+    env.setdefault("LINKWISE_MASTER_PORT_SPARE", "8")  # free_port() is free now, not reserved
     children = []
     for rank in range(n):
         rfd, wfd = os.pipe()

@@ -50,7 +50,7 @@ def test_torchrun(env):
     env(RANK=3, WORLD_SIZE=8, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2, MASTER_ADDR="n1",
         MASTER_PORT=29500, TORCHELASTIC_RUN_ID="run7")
     # torchrun's agent already listens on MASTER_PORT: linkwise takes the next one.
-    assert detect() == LaunchEnv(3, 8, 1, 2, "n1", 29501, "torchrun", "run7")
+    assert detect() == LaunchEnv(3, 8, 1, 2, "n1", 29501, "torchrun", "run7", spare_ports=8)
 
 
 def test_torchrun_default_run_id_is_no_job_id(env):

@@ -68,9 +68,16 @@ def test_environment_and_prefixed_output(tmp_path):
 
 
 def test_free_port_chosen(tmp_path):
-    p, _ = run_launch(tmp_path, "print(os.environ['LINKWISE_MASTER_PORT'])\n", "-n", "2")
-    ports = {ln.split()[-1] for ln in p.stdout.splitlines()}
-    assert p.returncode == 0 and len(ports) == 1 and 0 < int(ports.pop()) < 65536
+    body = ("from linkwise.bootstrap import detect\n"
+            "print(os.environ['LINKWISE_MASTER_PORT'], detect().spare_ports)\n")
+    p, _ = run_launch(tmp_path, body, "-n", "2")
+    rows = {tuple(ln.split()[-2:]) for ln in p.stdout.splitlines()}
+    assert p.returncode == 0 and len(rows) == 1, p.stdout + p.stderr
+    port, spare = rows.pop()
+    # a port found free is not reserved: the store may move up if it is taken by then
+    assert 0 < int(port) < 65536 and spare == "8"
+    p, _ = run_launch(tmp_path, body, "-n", "2", "--master-port", "24568")
+    assert p.returncode == 0 and {ln.split(" ", 2)[2] for ln in p.stdout.splitlines()} == {"24568 0"}
 
 
 def test_module_mode(tmp_path):

@@ -19,6 +19,9 @@ Precedence, field by field:
     (torchrun's agent, or torch's own TCPStore, already listens on ``MASTER_PORT`` itself, so
     linkwise takes the next port), else a port in [20000, 40000) derived from the launcher's
     job id (the same on every rank of a job), else 0 for a single process, else an error.
+    A derived port (MASTER_PORT + 1 or from the job id) is a first choice: if something holds
+    it, rank 0's store takes one of the next SPARE_PORTS ports and the others find it there
+    (``LINKWISE_MASTER_PORT_SPARE`` sets that number for any port, given or derived).
   * job id: ``LINKWISE_JOB_ID``, else the launcher's job id, else "" (rank 0 makes one up).
 """
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = ["LaunchEnv", "detect", "expand_hostlist", "parse_tasks_per_node", "de
            "Store", "StoreClosedError"]
 
 PORT_RANGE = (20000, 40000)
+SPARE_PORTS = 8  # a derived port may move up by this many when taken (see store.py)
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -52,6 +56,10 @@ class LaunchEnv:
     master_port: int
     launcher: str
     job_id: str
+    #: How many ports above master_port the store may move to when that one is taken:
+    #: SPARE_PORTS for a derived port (MASTER_PORT + 1, or from the job id), 0 for a given one,
+    #: unless LINKWISE_MASTER_PORT_SPARE says otherwise.
+    spare_ports: int = 0
 
 
 @dataclass
@@ -277,6 +285,8 @@ def _validate(e: LaunchEnv) -> LaunchEnv:
         raise ValueError(f"local_rank must be in 0..{e.local_size - 1}, got {e.local_rank} {where}")
     if not 0 <= e.master_port < 65536:
         raise ValueError(f"master port must be in 0..65535, got {e.master_port} {where}")
+    if not 0 <= e.spare_ports <= 1024:
+        raise ValueError(f"LINKWISE_MASTER_PORT_SPARE must be in 0..1024, got {e.spare_ports}")
     return e
 
 
@@ -334,6 +344,7 @@ def detect(rank: Optional[int] = None, size: Optional[int] = None,
 
     torch_port = _int(env, "MASTER_PORT")
     port = explicit_port if explicit_port is not None else config.get("LINKWISE_MASTER_PORT")
+    derived = port is None and size > 1
     if port is None and torch_port is not None:
         port = torch_port + 1 if torch_port < 65535 else 65534
     if port is None and found is not None and found.port_seed:
@@ -349,5 +360,8 @@ def detect(rank: Optional[int] = None, size: Optional[int] = None,
         port = 0
 
     job_id = config.get("LINKWISE_JOB_ID") or (found.job_id if found else "") or ""
+    spare = config.get("LINKWISE_MASTER_PORT_SPARE")
+    if spare is None:
+        spare = SPARE_PORTS if derived else 0
     return _validate(LaunchEnv(rank, size, local_rank, local_size, host, int(port), launcher,
-                               _clean_id(job_id)))
+                               _clean_id(job_id), int(spare)))

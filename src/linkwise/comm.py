@@ -234,7 +234,8 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, addr: Optional[
     job_id = env.job_id
     if env.size > 1:
         store = bootstrap.Store(env.master_addr, env.master_port, is_server=env.rank == 0,
-                                timeout=setup_timeout)
+                                timeout=setup_timeout, spare_ports=env.spare_ports,
+                                token=f"{env.job_id}|{env.size}|{env.master_port}")
         if not job_id:
             if env.rank == 0:
                 store.set("job_id", new_job_id().encode())

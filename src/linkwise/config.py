@@ -89,7 +89,11 @@ declare("LINKWISE_LOCAL_RANK", None, int, "rank among the processes of this host
 declare("LINKWISE_LOCAL_SIZE", None, int, "number of ranks on this host")
 declare("LINKWISE_MASTER_ADDR", "", str, "host of rank 0's rendezvous store (overrides MASTER_ADDR)")
 declare("LINKWISE_MASTER_PORT", None, int,
-        "port of rank 0's rendezvous store; default MASTER_PORT+1, else derived from the job id")
+        "port of rank 0's rendezvous store; default MASTER_PORT+1, else derived from the job id "
+        "(a derived port may move up to 8 higher when taken)")
+declare("LINKWISE_MASTER_PORT_SPARE", None, int,
+        "how many ports above the store's port rank 0 may move to when that one is taken (the "
+        "others find it by a job token); default 8 for a derived port, 0 for a given one")
 declare("LINKWISE_JOB_ID", "", str, "job identifier; names shared-memory segments /dev/shm/linkwise-<id>-*")
 declare("LINKWISE_DEVICE", None, int, "GPU index this rank uses (set by `linkwise launch --bind auto`)")
 declare("LINKWISE_TOPO_FILE", "", str,

@@ -184,6 +184,10 @@ def run(args: argparse.Namespace) -> int:
     base = dict(os.environ, PYTHONUNBUFFERED="1", LINKWISE_SIZE=str(n), LINKWISE_LOCAL_SIZE=str(n),
                 LINKWISE_MASTER_ADDR="127.0.0.1", LINKWISE_MASTER_PORT=str(port),
                 LINKWISE_JOB_ID=job_id)
+    if not args.master_port:
+        # The port was free a moment ago, not reserved: let the store move up if it is taken
+        # by then (the ranks find it by the job id).
+        base.setdefault("LINKWISE_MASTER_PORT_SPARE", "8")
     procs: list[subprocess.Popen] = []
     try:
         return _run_ranks(cmd, n, base, args.bind, out, procs)

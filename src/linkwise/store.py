@@ -5,10 +5,16 @@ when that is a loopback address, else on every interface) from a daemon thread a
 connects to itself as a client. Every other rank creates ``Store(host, port, is_server=False)``
 and retries connecting until ``timeout``.
 
+Spare ports: when the port was derived (MASTER_PORT+1, or hashed from a job id) rather than
+chosen by the user, another process may already hold it (a listener, or an outgoing connection
+that the kernel gave that local port). ``spare_ports=k`` then lets the server take the first
+free port of ``port .. port+k``; clients try those ports in turn and keep the one whose server
+answers a HELLO with the job's ``token``, so a foreign listener on one of them is skipped.
+
 Wire format (both ways): ``u32 length`` + payload, big-endian. A request payload is
 ``op:u8  key_len:u32  key  body`` where body is the value (SET), an f64 timeout in seconds,
 negative for none (GET), an i64 amount (ADD), or an i64 size and an f64 timeout (BARRIER: count
-one arrival and wait for ``size``). A reply payload is ``status:u8  body``.
+one arrival and wait for ``size``), or nothing (HELLO: the reply body is the token). A reply payload is ``status:u8  body``.
 
 Threading: the server runs one daemon thread per client connection; all of them share one
 dict guarded by one Condition, so any number of blocking GETs wait concurrently and a SET wakes
@@ -33,7 +39,7 @@ from .errors import BootstrapError, PeerError, TimeoutError
 
 __all__ = ["Store", "StoreClosedError"]
 
-_SET, _GET, _ADD, _BARRIER = 1, 2, 3, 4
+_SET, _GET, _ADD, _BARRIER, _HELLO = 1, 2, 3, 4, 5
 _OK, _MISSING, _FAIL = 0, 1, 2
 _LEN = struct.Struct("!I")
 _KEY = struct.Struct("!BI")
@@ -43,6 +49,7 @@ _BAR = struct.Struct("!qd")  # size, timeout
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _GRACE = 10.0  # seconds a client waits beyond a server-side timeout before it gives up
 DRAIN = 2.0  # seconds a closing server waits for requests in progress to be answered
+_HELLO_WAIT = 2.0  # seconds a client waits for a candidate port's HELLO reply
 
 
 class StoreClosedError(PeerError, BootstrapError):
@@ -79,17 +86,25 @@ def _recv_frame(sock: socket.socket) -> Optional[bytes]:
 class _Server:
     """The store itself; lives in rank 0's process. See the module docstring for threading."""
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int, token: bytes, spare_ports: int):
         bind = host if host in _LOOPBACK else "0.0.0.0"
         if bind == "localhost":
             bind = "127.0.0.1"
-        try:
-            family = socket.AF_INET6 if bind == "::1" else socket.AF_INET
-            self.listener = socket.create_server((bind, port), family=family, backlog=256)
-        except OSError as exc:
+        family = socket.AF_INET6 if bind == "::1" else socket.AF_INET
+        last = None
+        ports = [port] if port == 0 else list(range(port, min(port + spare_ports, 65535) + 1))
+        for p in ports:
+            try:
+                self.listener = socket.create_server((bind, p), family=family, backlog=256)
+                break
+            except OSError as exc:
+                last = exc
+        else:
+            tried = f"{bind}:{port}" + (f"..{ports[-1]}" if len(ports) > 1 else "")
             raise BootstrapError(
-                f"rank 0 cannot listen on {bind}:{port} for the rendezvous store ({exc}); another "
+                f"rank 0 cannot listen on {tried} for the rendezvous store ({last}); another "
                 f"job may hold the port: set LINKWISE_MASTER_PORT to a free port") from None
+        self.token = token
         self.port = self.listener.getsockname()[1]
         self.bind = bind
         self._data: dict[str, bytes] = {}
@@ -144,6 +159,8 @@ class _Server:
         op, klen = _KEY.unpack_from(req)
         key = req[_KEY.size:_KEY.size + klen].decode()
         body = req[_KEY.size + klen:]
+        if op == _HELLO:
+            return bytes([_OK]) + self.token
         with self._cond:
             if op == _SET:
                 self._data[key] = body
@@ -211,42 +228,69 @@ class Store:
     :meth:`all_gather`. With ``port=0`` and ``is_server=True`` the OS picks a port, readable
     as ``store.port``. Calls on one object are serialised (see the module docstring)."""
 
-    def __init__(self, host: str, port: int, *, is_server: bool, timeout: float):
+    def __init__(self, host: str, port: int, *, is_server: bool, timeout: float,
+                 token: str = "", spare_ports: int = 0):
         self.host, self.timeout, self.is_server = host, float(timeout), is_server
         self._server: Optional[_Server] = None
         self._lock = threading.Lock()
         self._sock: Optional[socket.socket] = None
+        self._token = token.encode()
+        candidates, self.port = [port], port
         if is_server:
-            self._server = _Server(host, port)
-            port = self._server.port
+            self._server = _Server(host, port, self._token, spare_ports)
+            port = candidates[0] = self._server.port
             host = "127.0.0.1" if self._server.bind == "0.0.0.0" else self._server.bind
-        self.port = port
+        elif spare_ports > 0 and port > 0:
+            candidates = list(range(port, min(port + spare_ports, 65535) + 1))
         try:
-            self._sock = self._connect(host, port)
+            self._sock, self.port = self._connect(host, candidates)
         except BaseException:
             self.close()
             raise
 
-    def _connect(self, host: str, port: int) -> socket.socket:
+    def _connect(self, host: str, candidates: list[int]) -> tuple[socket.socket, int]:
+        """Connect to the first candidate port whose server is this job's store (with one
+        candidate: to that port, unchecked). Retries until ``timeout``."""
         deadline = time.monotonic() + self.timeout
         delay, last = 0.01, None
         while True:
-            left = deadline - time.monotonic()
-            try:
-                sock = socket.create_connection((host, port), timeout=max(0.1, min(left, 5.0)))
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.settimeout(None)
-                return sock
-            except OSError as exc:
-                last = exc
+            for port in candidates:
+                left = deadline - time.monotonic()
+                try:
+                    sock = socket.create_connection((host, port), timeout=max(0.1, min(left, 5.0)))
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                except OSError as exc:
+                    last = exc
+                    continue
+                if len(candidates) == 1 or self._is_ours(sock):
+                    sock.settimeout(None)
+                    return sock, port
+                sock.close()
+                last = f"port {port} is held by something other than this job's store"
             if time.monotonic() + delay > deadline:
+                ports = f"{candidates[0]}" + (f"..{candidates[-1]}" if len(candidates) > 1 else "")
                 raise BootstrapError(
-                    f"could not reach the rendezvous store at {host}:{port} within "
+                    f"could not reach the rendezvous store at {host}:{ports} within "
                     f"{self.timeout:g} s ({last}); check that rank 0 is running, that "
                     f"LINKWISE_MASTER_ADDR/LINKWISE_MASTER_PORT (or MASTER_ADDR/MASTER_PORT) "
                     f"point to it, and that no firewall blocks the port")
             time.sleep(delay)
             delay = min(delay * 2, 0.25)
+
+    def _is_ours(self, sock: socket.socket) -> bool:
+        """Ask a freshly connected server for its token (HELLO); False for anything else,
+        including a listener that does not answer within _HELLO_WAIT."""
+        try:
+            sock.settimeout(_HELLO_WAIT)
+            _send_frame(sock, _KEY.pack(_HELLO, 0))
+            head = _recv_exact(sock, _LEN.size)
+            n = _LEN.unpack(head)[0] if head is not None else -1
+            if n != 1 + len(self._token):  # also keeps a foreign length from sizing a buffer
+                return False
+            reply = _recv_exact(sock, n)
+        except OSError:
+            return False
+        return reply == bytes([_OK]) + self._token
 
     def _request(self, op: int, key: str, body: bytes, wait: Optional[float],
                  what: str) -> bytes:
