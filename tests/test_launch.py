@@ -128,23 +128,34 @@ def test_rank_ignoring_sigterm_gets_killed(tmp_path):
     assert not alive(int((tmp_path / "pids" / "1").read_text()))
 
 
-def test_sigint_is_forwarded(tmp_path):
+@pytest.mark.parametrize("sigint_ignored", [False, True])
+def test_sigint_is_forwarded(tmp_path, sigint_ignored):
+    """Also when the launcher starts with SIGINT ignored (a background job of a non-interactive
+    shell): the ranks must not inherit that, or a forwarded SIGINT would do nothing."""
     (tmp_path / "pids").mkdir()
     script = tmp_path / "prog.py"
     script.write_text("import os, time\nRANK = int(os.environ['LINKWISE_RANK'])\n"
                       + PIDS.format(d=str(tmp_path / "pids")) + "print('ready', flush=True)\n"
                       "time.sleep(60)\n")
     env = dict(os.environ, PYTHONPATH=SRC)
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
     p = subprocess.Popen([sys.executable, "-m", "linkwise.cli", "launch", "-n", "2", str(script)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=ignore)
     for _ in range(2):
         assert "ready" in p.stdout.readline()
     t0 = time.monotonic()
     p.send_signal(signal.SIGINT)
-    p.communicate(timeout=10)
+    pids = [int((tmp_path / "pids" / str(k)).read_text()) for k in range(2)]
+    try:
+        p.communicate(timeout=10)
+    finally:  # on failure, leave nothing running
+        p.kill()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
     assert p.returncode != 0 and time.monotonic() - t0 < 8
-    for k in range(2):
-        assert not alive(int((tmp_path / "pids" / str(k)).read_text()))
+    assert not any(alive(pid) for pid in pids)
 
 
 def test_shm_cleanup(tmp_path):

@@ -198,6 +198,34 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_ranks(cmd, n, base, bind, out: _Output, procs: list) -> int:
+    signals_seen: list[int] = []
+
+    def forward(signum, _frame):
+        signals_seen.append(signum)
+        sig = signum if len(signals_seen) == 1 else signal.SIGKILL
+        for p in procs:
+            _signal_group(p, sig)
+
+    # Installed before the ranks start, for two reasons: a signal that comes while they start
+    # is not lost, and a rank must not inherit an *ignored* SIGINT (a launcher started as a
+    # background job of a non-interactive shell has one): exec resets handled signals to the
+    # default, so the ranks' Python turns a forwarded SIGINT into KeyboardInterrupt.
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = _spawn(cmd, n, base, bind, out, procs)
+        if code:
+            return code
+        if signals_seen:  # came while spawning: the ranks started after it have not had it
+            for p in procs:
+                _signal_group(p, signals_seen[0])
+        return _supervise(procs, out, signals_seen)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _spawn(cmd, n, base, bind, out: _Output, procs: list) -> int:
+    """Start the n ranks into procs; 0, or 2 after a message if one cannot start."""
     bindings = _bindings(bind, n, out.say)
     # Affinity is inherited across fork: set it on this (the spawning) thread, spawn, restore.
     # The output threads are started afterwards so that they keep the full affinity.
@@ -215,7 +243,11 @@ def _run_ranks(cmd, n, base, bind, out: _Output, procs: list) -> int:
         return 2
     finally:
         os.sched_setaffinity(0, own)
+    return 0
 
+
+def _supervise(procs: list, out: _Output, signals_seen: list) -> int:
+    """Forward output, wait for every rank, stop the others after a failure; the exit code."""
     pumps = []
     for k, p in enumerate(procs):
         prefix = f"[rank {k}] ".encode()
@@ -227,39 +259,26 @@ def _run_ranks(cmd, n, base, bind, out: _Output, procs: list) -> int:
     for k, p in enumerate(procs):
         threading.Thread(target=lambda k=k, p=p: exits.put((k, p.wait())), daemon=True).start()
 
-    signals_seen = []
-
-    def forward(signum, _frame):
-        signals_seen.append(signum)
-        sig = signum if len(signals_seen) == 1 else signal.SIGKILL
-        for p in procs:
-            _signal_group(p, sig)
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    code, left, deadline = 0, n, None
-    try:
-        while left:
-            try:
-                k, status = exits.get(timeout=0.2)
-            except queue.Empty:
-                if deadline is not None and time.monotonic() > deadline:
-                    for p in procs:
-                        _signal_group(p, signal.SIGKILL)
-                    deadline = None
-                continue
-            left -= 1
-            if status != 0 and code == 0:
-                # The first failure decides the exit code; the ranks we stop are not news.
-                out.say(_describe(k, status))
-                code = status if status > 0 else 128 - status
-                if left:
-                    out.say(f"linkwise launch: stopping the other {left} rank(s)")
-                    for p in procs:
-                        _signal_group(p, signal.SIGTERM)
-                    deadline = time.monotonic() + TERM_GRACE
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+    code, left, deadline = 0, len(procs), None
+    while left:
+        try:
+            k, status = exits.get(timeout=0.2)
+        except queue.Empty:
+            if deadline is not None and time.monotonic() > deadline:
+                for p in procs:
+                    _signal_group(p, signal.SIGKILL)
+                deadline = None
+            continue
+        left -= 1
+        if status != 0 and code == 0:
+            # The first failure decides the exit code; the ranks we stop are not news.
+            out.say(_describe(k, status))
+            code = status if status > 0 else 128 - status
+            if left:
+                out.say(f"linkwise launch: stopping the other {left} rank(s)")
+                for p in procs:
+                    _signal_group(p, signal.SIGTERM)
+                deadline = time.monotonic() + TERM_GRACE
     for t in pumps:  # a grandchild may hold a pipe open: do not wait for it forever
         t.join(timeout=1.0)
     if code == 0 and signals_seen:
