@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -15,6 +14,7 @@ import pytest
 
 from linkwise.bootstrap import SPARE_PORTS, Store, detect
 from linkwise.errors import BootstrapError
+from test_launchers import SCRIPT as RING_SCRIPT  # a 3-rank ring over shared memory
 
 
 def free_run(n: int) -> int:
@@ -191,23 +191,12 @@ def test_detect_marks_derived_ports(monkeypatch):
         detect()
 
 
-RING = textwrap.dedent("""
-    import numpy as np, linkwise
-    comm = linkwise.init()
-    x = np.full(3, comm.rank, np.int64); y = np.empty_like(x)
-    r = comm.irecv(y, (comm.rank - 1) % comm.size)
-    comm.send(x, (comm.rank + 1) % comm.size)
-    r.wait()
-    print("RESULT", comm.rank, int(y[0]), flush=True)
-""")
-
-
 def test_init_under_torchrun_variables_with_master_port_plus_one_taken(tmp_path):
     """What CI hit: torchrun's variables, MASTER_PORT + 1 held by someone else."""
     base = free_run(SPARE_PORTS + 2)
     blocker = silent_listener(base + 1)
     script = tmp_path / "ring.py"
-    script.write_text(RING)
+    script.write_text(RING_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LINKWISE_", "OMPI_"))}
     if env.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p)
@@ -223,6 +212,6 @@ def test_init_under_torchrun_variables_with_master_port_plus_one_taken(tmp_path)
     finally:
         blocker.close()
     assert [p.returncode for p in procs] == [0, 0, 0], outs
-    got = sorted(line.split()[1:3] for o in outs for line in o.splitlines()
+    got = sorted(line.split()[1:] for o in outs for line in o.splitlines()
                  if line.startswith("RESULT"))
-    assert got == [[str(r), str((r - 1) % 3)] for r in range(3)], outs
+    assert got == [[str(r), "3", "torchrun", str((r - 1) % 3)] for r in range(3)], outs
