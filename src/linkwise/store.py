@@ -13,8 +13,9 @@ answers a HELLO with the job's ``token``, so a foreign listener on one of them i
 
 Wire format (both ways): ``u32 length`` + payload, big-endian. A request payload is
 ``op:u8  key_len:u32  key  body`` where body is the value (SET), an f64 timeout in seconds,
-negative for none (GET), an i64 amount (ADD), or an i64 size and an f64 timeout (BARRIER: count
-one arrival and wait for ``size``), or nothing (HELLO: the reply body is the token). A reply payload is ``status:u8  body``.
+negative for none (GET), an i64 amount (ADD), an i64 size and an f64 timeout (BARRIER: count
+one arrival and wait for ``size``), or nothing (HELLO: the reply body is the server's token).
+A reply payload is ``status:u8  body``.
 
 Threading: the server runs one daemon thread per client connection; all of them share one
 dict guarded by one Condition, so any number of blocking GETs wait concurrently and a SET wakes
@@ -230,6 +231,8 @@ class Store:
 
     def __init__(self, host: str, port: int, *, is_server: bool, timeout: float,
                  token: str = "", spare_ports: int = 0):
+        # token: the same on every rank of one job and different between jobs (comm.init uses
+        # the job id, size and base port); it only matters with spare_ports.
         self.host, self.timeout, self.is_server = host, float(timeout), is_server
         self._server: Optional[_Server] = None
         self._lock = threading.Lock()
@@ -256,6 +259,8 @@ class Store:
         while True:
             for port in candidates:
                 left = deadline - time.monotonic()
+                if left <= 0 and port != candidates[0]:
+                    break  # a round over filtered ports may be slow: keep to the deadline
                 try:
                     sock = socket.create_connection((host, port), timeout=max(0.1, min(left, 5.0)))
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
