@@ -17,6 +17,8 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
+from linkwise.bootstrap import SPARE_PORTS
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -79,7 +81,8 @@ def run_ranks(n: int, fn: Callable, *args: Any, env: Optional[dict] = None, time
     _jobs[0] += 1
     env = dict(env or {})
     env.setdefault("LINKWISE_JOB_ID", f"{JOB_PREFIX}{_jobs[0]}")
-    env.setdefault("LINKWISE_MASTER_PORT_SPARE", "8")  # free_port() is free now, not reserved
+    # free_port() was free a moment ago, not reserved: the store may move up if it is taken
+    env.setdefault("LINKWISE_MASTER_PORT_SPARE", str(SPARE_PORTS))
     children = []
     for rank in range(n):
         rfd, wfd = os.pipe()

@@ -34,6 +34,8 @@ import threading
 import time
 from typing import IO, Optional
 
+from .bootstrap import SPARE_PORTS
+
 __all__ = ["add_arguments", "run", "main", "cpu_slices", "SHM_DIR"]
 
 TERM_GRACE = 3.0
@@ -187,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.master_port:
         # The port was free a moment ago, not reserved: let the store move up if it is taken
         # by then (the ranks find it by the job id).
-        base.setdefault("LINKWISE_MASTER_PORT_SPARE", "8")
+        base.setdefault("LINKWISE_MASTER_PORT_SPARE", str(SPARE_PORTS))
     procs: list[subprocess.Popen] = []
     try:
         return _run_ranks(cmd, n, base, args.bind, out, procs)
