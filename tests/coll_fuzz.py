@@ -14,6 +14,7 @@ a wrong element raises AssertionError naming the case.
 """
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 from coll_ref import DTYPES, INT, check_equal, data, np_dtype, ops_for, reduce_ref
@@ -26,6 +27,23 @@ BLOCKED = ("reduce_scatter", "all_gather", "all_to_all", "gather", "scatter")  #
 SIZES = [0, 1, 3, 63, 64, 65, 1023, 4096, 8191, 8197, 32 << 10, (32 << 10) + 8, 65537,
          (256 << 10) - 8, 256 << 10, (256 << 10) + 24, 1 << 20, (1 << 20) + 3, 3 << 20,
          (8 << 20) + 16]
+
+
+@dataclass
+class Case:
+    """One drawn step; every rank of the communicator draws the same (r is this rank)."""
+    n: int
+    r: int
+    dt: str
+    op: str
+    count: int
+    root: int
+    inplace: bool
+    off: int      # buffer offset in elements (1: misaligned)
+    defer: bool   # leave the call pending (async) where the collective allows it
+    salt: int
+    fl: bool      # float avg: compared with a tolerance
+    tag: str
 
 
 class Fuzz:
@@ -50,11 +68,11 @@ class Fuzz:
         if coll in BLOCKED:
             count //= n
         root, inplace, off = int(rng.integers(0, n)), bool(rng.integers(0, 2)), int(rng.integers(0, 2))
-        defer = self.use_async and bool(rng.integers(0, 2))
-        salt, fl = self.cases, op == "avg" and dt not in INT
         tag = (f"{coll} {dt} {op} count={count} root={root} inplace={inplace} offset={off} "
                f"n={n} case={self.cases}")
-        getattr(self, coll)(n, r, dt, op, count, root, inplace, off, defer, salt, fl, tag)
+        getattr(self, coll)(Case(n, r, dt, op, count, root, inplace, off,
+                                 self.use_async and bool(rng.integers(0, 2)), self.cases,
+                                 op == "avg" and dt not in INT, tag))
         self.cases += 1
         if len(self.pending) > int(rng.integers(0, 6)):
             self.drain()
@@ -65,77 +83,82 @@ class Fuzz:
             check()
         self.pending.clear()
 
-    def all_reduce(self, n, r, dt, op, count, root, inplace, off, defer, salt, fl, tag):
-        ins = [data(q, count, dt, op, salt) for q in range(n)]
-        want = reduce_ref(ins, op, dt)
-        x = self.buf(ins[r], off)
-        if inplace and defer:
-            req = self.comm.all_reduce(x, op=op, async_op=True)
-            self.pending.append((req, lambda: check_equal(x, want, tag + " async", fl)))
-        elif inplace:
-            self.comm.all_reduce(x, op=op)
-            check_equal(x, want, tag, fl)
+    def all_reduce(self, c: Case):
+        ins = [data(q, c.count, c.dt, c.op, c.salt) for q in range(c.n)]
+        want = reduce_ref(ins, c.op, c.dt)
+        x = self.buf(ins[c.r], c.off)
+        if c.inplace and c.defer:
+            req = self.comm.all_reduce(x, op=c.op, async_op=True)
+            self.pending.append((req, lambda: check_equal(x, want, c.tag + " async", c.fl)))
+        elif c.inplace:
+            self.comm.all_reduce(x, op=c.op)
+            check_equal(x, want, c.tag, c.fl)
         else:
-            out = self.buf(np.zeros_like(ins[r]), off)
-            self.comm.all_reduce(x, op=op, out=out)
-            check_equal(out, want, tag, fl)
-            check_equal(x, ins[r], tag + " input untouched")
+            out = self.buf(np.zeros_like(ins[c.r]), c.off)
+            self.comm.all_reduce(x, op=c.op, out=out)
+            check_equal(out, want, c.tag, c.fl)
+            check_equal(x, ins[c.r], c.tag + " input untouched")
 
-    def broadcast(self, n, r, dt, op, count, root, inplace, off, defer, salt, fl, tag):
-        src = data(root, count, dt, "sum", salt)
-        x = self.buf(src if r == root else np.zeros_like(src), off)
-        if defer:
-            req = self.comm.broadcast(x, root=root, async_op=True)
-            self.pending.append((req, lambda: check_equal(x, src, tag + " async")))
-        elif inplace or r != root:
-            self.comm.broadcast(x, root=root)
-            check_equal(x, src, tag)
+    def broadcast(self, c: Case):
+        src = data(c.root, c.count, c.dt, "sum", c.salt)
+        x = self.buf(src if c.r == c.root else np.zeros_like(src), c.off)
+        if c.defer:
+            req = self.comm.broadcast(x, root=c.root, async_op=True)
+            self.pending.append((req, lambda: check_equal(x, src, c.tag + " async")))
+        elif c.inplace or c.r != c.root:
+            self.comm.broadcast(x, root=c.root)
+            check_equal(x, src, c.tag)
         else:
-            out = self.buf(np.zeros_like(src), off)
-            self.comm.broadcast(x, root=root, out=out)
-            check_equal(out, src, tag)
-            check_equal(x, src, tag + " input untouched")
+            out = self.buf(np.zeros_like(src), c.off)
+            self.comm.broadcast(x, root=c.root, out=out)
+            check_equal(out, src, c.tag)
+            check_equal(x, src, c.tag + " input untouched")
 
-    def reduce(self, n, r, dt, op, count, root, inplace, off, defer, salt, fl, tag):
-        ins = [data(q, count, dt, op, salt) for q in range(n)]
-        x = self.buf(ins[r], off)
-        self.comm.reduce(x, root=root, op=op)
-        check_equal(x, reduce_ref(ins, op, dt) if r == root else ins[r], tag, fl)
+    def reduce(self, c: Case):
+        ins = [data(q, c.count, c.dt, c.op, c.salt) for q in range(c.n)]
+        x = self.buf(ins[c.r], c.off)
+        self.comm.reduce(x, root=c.root, op=c.op)
+        check_equal(x, reduce_ref(ins, c.op, c.dt) if c.r == c.root else ins[c.r], c.tag, c.fl)
 
-    def all_gather(self, n, r, dt, op, count, root, inplace, off, defer, salt, fl, tag):
-        ins = [data(q, count, dt, "sum", salt) for q in range(n)]
-        check_equal(self.comm.all_gather(self.buf(ins[r], off)), np.concatenate(ins), tag)
+    def all_gather(self, c: Case):
+        ins = [data(q, c.count, c.dt, "sum", c.salt) for q in range(c.n)]
+        check_equal(self.comm.all_gather(self.buf(ins[c.r], c.off)), np.concatenate(ins), c.tag)
 
-    def _blocks(self, n, count, dt, op, salt):
+    @staticmethod
+    def _blocks(c: Case, op: str):
         """Per rank: n blocks of count elements."""
-        return [np.concatenate([data(q, count, dt, op, salt * 31 + b) for b in range(n)])
-                for q in range(n)]
+        return [np.concatenate([data(q, c.count, c.dt, op, c.salt * 31 + b) for b in range(c.n)])
+                for q in range(c.n)]
 
-    def reduce_scatter(self, n, r, dt, op, count, root, inplace, off, defer, salt, fl, tag):
-        xs = self._blocks(n, count, dt, op, salt)
-        full = reduce_ref(xs, op, dt)
-        got = self.comm.reduce_scatter(self.buf(xs[r], off), op=op)
-        check_equal(got, full[r * count:(r + 1) * count], tag, fl)
+    @staticmethod
+    def _mine(a: np.ndarray, c: Case) -> np.ndarray:
+        """Block r of an array of n blocks."""
+        return a[c.r * c.count:(c.r + 1) * c.count]
 
-    def all_to_all(self, n, r, dt, op, count, root, inplace, off, defer, salt, fl, tag):
-        xs = self._blocks(n, count, dt, "sum", salt)
-        out = self.buf(np.zeros_like(xs[r]), off)
-        self.comm.all_to_all(self.buf(xs[r], off), out=out)
-        check_equal(out, np.concatenate([xs[q][r * count:(r + 1) * count] for q in range(n)]), tag)
+    def reduce_scatter(self, c: Case):
+        xs = self._blocks(c, c.op)
+        got = self.comm.reduce_scatter(self.buf(xs[c.r], c.off), op=c.op)
+        check_equal(got, self._mine(reduce_ref(xs, c.op, c.dt), c), c.tag, c.fl)
 
-    def gather(self, n, r, dt, op, count, root, inplace, off, defer, salt, fl, tag):
-        ins = [data(q, count, dt, "sum", salt) for q in range(n)]
-        got = self.comm.gather(self.buf(ins[r], off), root=root)
-        if r == root:
-            check_equal(got, np.concatenate(ins), tag)
+    def all_to_all(self, c: Case):
+        xs = self._blocks(c, "sum")
+        out = self.buf(np.zeros_like(xs[c.r]), c.off)
+        self.comm.all_to_all(self.buf(xs[c.r], c.off), out=out)
+        check_equal(out, np.concatenate([self._mine(x, c) for x in xs]), c.tag)
+
+    def gather(self, c: Case):
+        ins = [data(q, c.count, c.dt, "sum", c.salt) for q in range(c.n)]
+        got = self.comm.gather(self.buf(ins[c.r], c.off), root=c.root)
+        if c.r == c.root:
+            check_equal(got, np.concatenate(ins), c.tag)
         else:
-            assert got is None, tag
+            assert got is None, c.tag
 
-    def scatter(self, n, r, dt, op, count, root, inplace, off, defer, salt, fl, tag):
-        full = np.concatenate([data(q, count, dt, "sum", salt) for q in range(n)])
-        out = self.buf(np.zeros(count, full.dtype), off)
-        got = self.comm.scatter(self.buf(full, off) if r == root else None, root=root, out=out)
-        check_equal(got, full[r * count:(r + 1) * count], tag)
+    def scatter(self, c: Case):
+        full = np.concatenate([data(q, c.count, c.dt, "sum", c.salt) for q in range(c.n)])
+        out = self.buf(np.zeros(c.count, full.dtype), c.off)
+        send = self.buf(full, c.off) if c.r == c.root else None
+        check_equal(self.comm.scatter(send, root=c.root, out=out), self._mine(full, c), c.tag)
 
 
 def main() -> None:
