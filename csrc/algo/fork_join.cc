@@ -2,15 +2,30 @@
 
 #include <algorithm>
 
+#include "core/wait.h"
+
 namespace linkwise {
 
 ForkJoin::~ForkJoin() {
   {
     std::lock_guard<std::mutex> g(mu_);
-    stop_ = true;
+    stop_.store(true, std::memory_order_release);
   }
   start_cv_.notify_all();
   for (auto& t : helpers_) t.join();
+}
+
+bool ForkJoin::spin_until(const std::function<bool()>& ready) const {
+  if (ready()) return true;
+  if (spin_us_ <= 0) return false;
+  const auto t0 = Clock::now();
+  do {
+    for (int i = 0; i < 32; ++i) {
+      if (ready()) return true;
+      cpu_relax();
+    }
+  } while (seconds_since(t0) * 1e6 < spin_us_);
+  return ready();
 }
 
 void ForkJoin::take(int thread) {
@@ -29,15 +44,19 @@ void ForkJoin::take(int thread) {
 
 void ForkJoin::helper(int index) {
   uint64_t seen = 0;
-  std::unique_lock<std::mutex> l(mu_);
+  auto news = [&] { return stop_.load(std::memory_order_acquire) || gen_.load(std::memory_order_acquire) != seen; };
   for (;;) {
-    start_cv_.wait(l, [&] { return stop_ || gen_ != seen; });
-    if (stop_) return;
-    seen = gen_;
-    l.unlock();
+    if (!spin_until(news)) {
+      std::unique_lock<std::mutex> l(mu_);
+      start_cv_.wait(l, news);
+    }
+    if (stop_.load(std::memory_order_acquire)) return;
+    seen = gen_.load(std::memory_order_acquire);
     take(index);
-    l.lock();
-    if (--busy_ == 0) done_cv_.notify_all();
+    if (busy_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard<std::mutex> g(mu_);  // the owner checks busy_ under mu_ before it sleeps
+      done_cv_.notify_all();
+    }
   }
 }
 
@@ -57,14 +76,18 @@ void ForkJoin::run(int parts, const std::function<void(int, int)>& f) {
     parts_ = parts;
     next_.store(0, std::memory_order_relaxed);
     err_ = nullptr;
-    busy_ = static_cast<int>(helpers_.size());
-    ++gen_;
+    busy_.store(static_cast<int>(helpers_.size()), std::memory_order_relaxed);
+    gen_.fetch_add(1, std::memory_order_release);  // under mu_: a helper about to sleep sees it
   }
   start_cv_.notify_all();
   take(0);
-  std::unique_lock<std::mutex> l(mu_);
-  done_cv_.wait(l, [&] { return busy_ == 0; });
+  auto done = [&] { return busy_.load(std::memory_order_acquire) == 0; };
+  if (!spin_until(done)) {
+    std::unique_lock<std::mutex> l(mu_);
+    done_cv_.wait(l, done);
+  }
   job_ = nullptr;
+  std::lock_guard<std::mutex> g(mu_);
   if (err_) std::rethrow_exception(err_);
 }
 

@@ -115,7 +115,9 @@ void ShmColl::connect(const ShmCollOptions& opt, double timeout) {
   opt_.threads = std::max(1, opt.threads);
   lanes_ = static_cast<int>(std::clamp<uint64_t>(zero.lanes, 1, kMaxLanes));
   cma_ = all;
-  pool_ = std::make_unique<ForkJoin>(opt_.threads);  // helpers start on the first run that needs them
+  // Helpers start on the first run that needs them, and spin between runs as long as a waiting
+  // rank spins (short when cores are scarce).
+  pool_ = std::make_unique<ForkJoin>(opt_.threads, spin_us_);
 }
 
 ShmColl::Slot* ShmColl::slot(int r) const {
