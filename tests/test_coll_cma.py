@@ -151,15 +151,14 @@ def test_default_thresholds(monkeypatch):
     for name in ("LINKWISE_COLL_CMA_MIN", "LINKWISE_COLL_CMA_BCAST_MIN", "LINKWISE_LOCAL_SIZE", "LINKWISE_SHM_CMA"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LINKWISE_COLL_THREADS", "1")
-    enable, ar_min, bc_min, _, _, _, threads = _cma_settings(2, 2)
+    enable, ar_min, bc_min, _, _, _, threads = _cma_settings(1.0, 2)
     assert (enable, ar_min, bc_min, threads) == (True, _NEVER, 8 << 20, 1)
     monkeypatch.setenv("LINKWISE_COLL_THREADS", "4")
-    assert _cma_settings(16, 16)[1:3] == (4 << 20, _NEVER)
+    assert _cma_settings(4.0, 16)[1:3] == (4 << 20, _NEVER)
     monkeypatch.setenv("LINKWISE_COLL_CMA_MIN", "64K")
     monkeypatch.setenv("LINKWISE_COLL_CMA_BCAST_MIN", "1M")
     monkeypatch.setenv("LINKWISE_SHM_CMA", "0")
-    assert _cma_settings(16, 16)[:3] == (False, 64 << 10, 1 << 20)
+    assert _cma_settings(4.0, 16)[:3] == (False, 64 << 10, 1 << 20)
     monkeypatch.delenv("LINKWISE_COLL_THREADS")
-    cores = len(os.sched_getaffinity(0))
-    assert _cma_settings(1, 1)[-1] == max(1, min(8, cores))
-    assert _cma_settings(cores + 1, cores + 1)[-1] == 1
+    # Threads: the rank's CPUs (linkwise._setup.cpus_per_rank), at least 1, at most 8.
+    assert [_cma_settings(c, 2)[-1] for c in (0.5, 1.0, 2.9, 3.0, 64.0)] == [1, 1, 2, 3, 8]

@@ -50,6 +50,38 @@ class PeerCard:
     host: str
     pid: int
     tcp: Optional[str] = None  # "ip:port" this rank listens on for TCP links
+    cpus: str = ""  # hex bitmask of the CPUs this rank may run on ("" = unknown)
+
+
+def cpu_mask() -> int:
+    """Bitmask of the CPUs this process may run on (its affinity; every CPU where that is unknown)."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        cpus = range(os.cpu_count() or 1)
+    return sum(1 << c for c in cpus)
+
+
+def cpus_per_rank(cards: list[PeerCard], rank: int, ranks_here: int) -> float:
+    """The CPUs this rank may count as its own: the distinct CPUs that the ranks on its host
+    may use together, divided by ``ranks_here`` (at least the ranks on the host among
+    ``cards``), and no more than the CPUs it may run on itself. Unbound ranks of one host
+    share one mask (64 CPUs, 16 ranks: 4 each); ranks bound to disjoint slices (``linkwise
+    launch --bind cpu``, ``mpirun --bind-to core``) keep their slice (4 each, not 4 / 16);
+    ranks bound to overlapping CPUs share them. Below 1: more ranks than CPUs."""
+    everything = (1 << (os.cpu_count() or 1)) - 1  # a card without a mask: any CPU of the host
+    masks = [int(c.cpus, 16) if c.cpus else everything for c in cards if c.host == cards[rank].host]
+    union = 0
+    for m in masks:
+        union |= m
+    own = bin(int(cards[rank].cpus, 16) if cards[rank].cpus else everything).count("1")
+    return min(float(own), bin(union).count("1") / max(1, ranks_here, len(masks)))
+
+
+def exchange_host_cards(store, tag: str, rank: int, size: int) -> list[PeerCard]:
+    """Every rank's card (host, pid, CPU mask); the TCP address is filled in later."""
+    me = PeerCard(rank=rank, host=host_identity(), pid=os.getpid(), cpus=format(cpu_mask(), "x"))
+    return exchange_cards(store, f"{tag}/cards", rank, size, me)
 
 
 def exchange_cards(store, tag: str, rank: int, size: int, card: PeerCard) -> list[PeerCard]:
@@ -141,11 +173,10 @@ def connect_tcp(native, store, tag: str, rank: int, size: int, job_id: str,
 
 
 def setup_links(native, store, tag: str, rank: int, size: int, job_id: str, timeout: float,
-                comm_id: str = "") -> dict[int, str]:
-    """Connects every peer; returns {peer: 'shm' | 'tcp'}."""
+                cards: list[PeerCard], comm_id: str = "") -> dict[int, str]:
+    """Connects every peer (``cards`` from :func:`exchange_host_cards` with the same tag);
+    returns {peer: 'shm' | 'tcp'}."""
     forced = config.get("LINKWISE_TRANSPORT")
-    me = PeerCard(rank=rank, host=host_identity(), pid=os.getpid())
-    cards = exchange_cards(store, f"{tag}/cards", rank, size, me)
     kinds = choose_transports(cards, rank, forced)
     shm_peers = [p for p, k in kinds.items() if k == "shm"]
     tcp_peers = [p for p, k in kinds.items() if k == "tcp"]

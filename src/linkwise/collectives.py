@@ -41,10 +41,10 @@ _ndarray = np.ndarray  # one global lookup instead of two in the latency paths
 _NEVER = (1 << 63) - 1
 
 
-def _cma_settings(local_size: int, size: int) -> tuple:
+def _cma_settings(cpus_per_rank: float, size: int) -> tuple:
     """The executor's single-copy (CMA) and helper-thread settings: (enable, all_reduce min,
-    broadcast min, chunk, piece, lane min, threads). Threads default to the cores this process
-    may use divided by the ranks sharing the host (at most 8), so a many-core host moves a big
+    broadcast min, chunk, piece, lane min, threads). Threads default to the CPUs this rank may
+    count as its own (``_setup.cpus_per_rank``: its share of the host's, at most 8), so a many-core host moves a big
     message with several cores per rank; 1 when cores are scarce. With several threads, the
     copy-through-shared-memory two-shot all_reduce and ring broadcast run a message of at
     least 2 × lane min bytes as up to `threads` independent lanes (rank 0's threads decide the
@@ -59,8 +59,7 @@ def _cma_settings(local_size: int, size: int) -> tuple:
     The executor takes rank 0's sizes, so every rank picks the same protocol."""
     threads = config.get("LINKWISE_COLL_THREADS")
     if threads <= 0:
-        ranks = max(local_size, config.get("LINKWISE_LOCAL_SIZE") or 1, 1)
-        threads = max(1, min(8, len(os.sched_getaffinity(0)) // ranks))
+        threads = max(1, min(8, int(cpus_per_rank)))
     ar_min = config.get("LINKWISE_COLL_CMA_MIN") or (4 << 20 if threads > 1 else _NEVER)
     bc_min = config.get("LINKWISE_COLL_CMA_BCAST_MIN") or (8 << 20 if size <= 4 else _NEVER)
     return (config.get("LINKWISE_SHM_CMA"), ar_min, bc_min, config.get("LINKWISE_COLL_CMA_CHUNK"),
@@ -174,7 +173,7 @@ class CollectivesMixin:
         from .comm import _default_spin_us
         name = f"/{SHM_PREFIX}{self.job_id}-coll-{self.comm_id}"
         tag = f"{self.comm_id}/shmcoll"
-        spin = _default_spin_us(self.local_size)
+        spin = _default_spin_us(self._cpus_per_rank)
         shm = None
         try:
             # Rank 0 makes a private segment (memfd, never in /dev/shm) and says where it is.
@@ -189,7 +188,7 @@ class CollectivesMixin:
         finally:
             if self.rank == 0 and shm is not None:
                 shm.unlink()  # every rank has mapped it (or setup failed): no one else may open it
-        shm.connect(self.timeout, *_cma_settings(self.local_size, self.size))
+        shm.connect(self.timeout, *_cma_settings(self._cpus_per_rank, self.size))
         self._pair_bcast_p2p = shm.cma_bcast_min > LARGE_PAIR_BCAST  # agreed: same on every rank
         if self.__dict__.get("_coll_worker") is None and _ENV is not None:
             self._fast_shm = shm

@@ -17,7 +17,8 @@ import weakref
 from typing import Any, Optional
 
 from . import bootstrap, config
-from ._setup import new_job_id, setup_links
+from . import _setup
+from ._setup import new_job_id
 from ._request import Request
 from .collectives import CollectivesMixin
 from .errors import CommAbortedError
@@ -55,14 +56,13 @@ def _as_buffer(x: Any, op: str) -> Any:
     raise TypeError(f"{op}: expected an array with the buffer protocol or __dlpack__, got {type(x).__name__}")
 
 
-def _default_spin_us(local_size: int) -> float:
+def _default_spin_us(cpus_per_rank: float) -> float:
     spin = config.get("LINKWISE_SPIN_US")
     if spin >= 0:
         return float(spin)
-    cores = len(os.sched_getaffinity(0))
     # A core per local rank: spinning a while saves a futex wake-up. More ranks than cores:
     # a spinning rank steals the core its peer needs, so go to sleep almost at once.
-    return 50.0 if local_size <= cores else 1.0
+    return 50.0 if cpus_per_rank >= 1 else 1.0
 
 
 class Communicator(CollectivesMixin):
@@ -81,12 +81,20 @@ class Communicator(CollectivesMixin):
         self.timeout = float(config.get("LINKWISE_TIMEOUT") if timeout is None else timeout)
         self._store = store
         self._closed = False
-        self._native = _native().NativeComm(rank, size, _default_spin_us(local_size),
+        tag = f"{comm_id}/setup"
+        if size > 1:
+            cards = _setup.exchange_host_cards(store, tag, rank, size)
+        else:
+            cards = [_setup.PeerCard(rank=0, host="", pid=os.getpid(), cpus=format(_setup.cpu_mask(), "x"))]
+        # CPUs this rank may count as its own (spinning, helper threads; see cpus_per_rank).
+        self._cpus_per_rank = _setup.cpus_per_rank(
+            cards, rank, max(local_size, config.get("LINKWISE_LOCAL_SIZE") or 1))
+        self._native = _native().NativeComm(rank, size, _default_spin_us(self._cpus_per_rank),
                                             config.get("LINKWISE_SHM_RNDV_THRESHOLD"))
         self.transports: dict[int, str] = {}
         if size > 1:
-            self.transports = setup_links(self._native, store, f"{comm_id}/setup", rank, size, job_id,
-                                          self.timeout, comm_id="" if comm_id == "world" else comm_id)
+            self.transports = _setup.setup_links(self._native, store, tag, rank, size, job_id, self.timeout,
+                                                 cards, comm_id="" if comm_id == "world" else comm_id)
         _live.add(self)
 
     # -- argument checks ------------------------------------------------------------------
