@@ -32,10 +32,10 @@ import numpy as np
 from multirank import run_ranks
 from linkwise.collectives import _cma_settings
 def body(comm):
-    x = np.ones(1 << 20, np.float32); comm.all_reduce(x)
+    x = np.ones(1 << 21, np.float32); comm.all_reduce(x)
     x = np.ones(1 << 19, np.float32); comm.all_reduce(x); comm.broadcast(x)
-    return bool(comm._shm.cma), comm._shm.cma_calls, comm._shm.lane_calls, _cma_settings(comm.local_size, comm.size)[-1], float(x[0])
-print(f"{sys.argv[1]} ranks: (cma, cma_calls after 4 MiB + 2 MiB all_reduce, lane_calls after 2 MiB all_reduce + bcast, threads, x[0]) =", run_ranks(int(sys.argv[1]), body)[0])
+    return bool(comm._shm.cma), comm._shm.cma_calls, comm._shm.lane_calls, _cma_settings(comm._cpus_per_rank, comm.size)[-1], float(x[0])
+print(f"{sys.argv[1]} ranks: (cma, cma_calls after 8 MiB + 2 MiB all_reduce, lane_calls after 2 MiB all_reduce + bcast, threads, x[0]) =", run_ranks(int(sys.argv[1]), body)[0])
 PY
 done
 stamp "copy floor"

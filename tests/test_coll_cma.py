@@ -154,7 +154,7 @@ def test_default_thresholds(monkeypatch):
     enable, ar_min, bc_min, _, _, _, threads = _cma_settings(1.0, 2)
     assert (enable, ar_min, bc_min, threads) == (True, _NEVER, 8 << 20, 1)
     monkeypatch.setenv("LINKWISE_COLL_THREADS", "4")
-    assert _cma_settings(4.0, 16)[1:3] == (4 << 20, _NEVER)
+    assert _cma_settings(4.0, 16)[1:3] == (8 << 20, _NEVER)
     monkeypatch.setenv("LINKWISE_COLL_CMA_MIN", "64K")
     monkeypatch.setenv("LINKWISE_COLL_CMA_BCAST_MIN", "1M")
     monkeypatch.setenv("LINKWISE_SHM_CMA", "0")

@@ -67,6 +67,26 @@ def test_environment_and_prefixed_output(tmp_path):
     assert all(ln.startswith("[rank ") for ln in lines)
 
 
+def test_reader_going_away_does_not_break_the_job(tmp_path):
+    """`linkwise launch ... | head -1`: once the pipe's reader is gone, the ranks' output is
+    dropped, every rank still runs to its end (it would block on a full pipe otherwise), the
+    launcher exits 0 and prints no traceback."""
+    done = tmp_path / "done"
+    script = tmp_path / "prog.py"
+    script.write_text("import os, pathlib\n"
+                      "for i in range(20000):\n    print('line', i, 'x' * 60)\n"
+                      f"pathlib.Path({str(done)!r} + os.environ['LINKWISE_RANK']).touch()\n")
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    launcher = subprocess.Popen([sys.executable, "-m", "linkwise.cli", "launch", "-n", "2", str(script)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert launcher.stdout.readline().startswith(b"[rank ")
+    launcher.stdout.close()  # the reader goes away, as `head -1` does
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, err
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err
+    assert all(Path(f"{done}{r}").exists() for r in (0, 1))
+
+
 def test_free_port_chosen(tmp_path):
     body = ("from linkwise.bootstrap import detect\n"
             "print(os.environ['LINKWISE_MASTER_PORT'], detect().spare_ports)\n")

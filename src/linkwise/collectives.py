@@ -44,15 +44,16 @@ _NEVER = (1 << 63) - 1
 def _cma_settings(cpus_per_rank: float, size: int) -> tuple:
     """The executor's single-copy (CMA) and helper-thread settings: (enable, all_reduce min,
     broadcast min, chunk, piece, lane min, threads). Threads default to the CPUs this rank may
-    count as its own (``_setup.cpus_per_rank``: its share of the host's, at most 8), so a many-core host moves a big
-    message with several cores per rank; 1 when cores are scarce. With several threads, the
+    count as its own (``_setup.cpus_per_rank``: its share of the host's, at most 8), so a
+    many-core host moves a big message with several cores per rank; 1 when cores are scarce. With several threads, the
     copy-through-shared-memory two-shot all_reduce and ring broadcast run a message of at
     least 2 × lane min bytes as up to `threads` independent lanes (rank 0's threads decide the
     count). Default thresholds (docs/benchmarks.md):
-    - 4 MiB: below, NumPy arrays have 4 KiB pages (it asks for huge pages from 4 MiB on), and
-      process_vm_readv/writev pay ~1 us per page (4 GB/s measured, 15 GB/s on huge pages);
-    - all_reduce: only with several threads per rank; with one, the kernel's copies lose to
-      the copy-through-shared-memory path's memcpy (2-core VM, A/B runs);
+    - all_reduce from 8 MiB, and only with several threads per rank: with one, the kernel's
+      copies lose to the copy-through-shared-memory path's memcpy (2-core VM, A/B runs); at
+      4 MiB the lanes through the segment beat it (64-core host, 4 ranks: ~290-360 us against
+      450-940), at 8 MiB and more it wins. Below 4 MiB NumPy arrays have 4 KiB pages (it asks
+      for huge pages from 4 MiB on), and process_vm_readv/writev pay ~1 us per page;
     - broadcast: from 8 MiB (below, the ring through the segment stays in cache and wins, 2
       ranks A/B), up to 4 ranks (with 16, the readers all pinning the root's pages at once ran
       slower than the ring on the 64-core host).
@@ -60,7 +61,7 @@ def _cma_settings(cpus_per_rank: float, size: int) -> tuple:
     threads = config.get("LINKWISE_COLL_THREADS")
     if threads <= 0:
         threads = max(1, min(8, int(cpus_per_rank)))
-    ar_min = config.get("LINKWISE_COLL_CMA_MIN") or (4 << 20 if threads > 1 else _NEVER)
+    ar_min = config.get("LINKWISE_COLL_CMA_MIN") or (8 << 20 if threads > 1 else _NEVER)
     bc_min = config.get("LINKWISE_COLL_CMA_BCAST_MIN") or (8 << 20 if size <= 4 else _NEVER)
     return (config.get("LINKWISE_SHM_CMA"), ar_min, bc_min, config.get("LINKWISE_COLL_CMA_CHUNK"),
             config.get("LINKWISE_COLL_CMA_PIECE"), config.get("LINKWISE_COLL_LANE_MIN"), threads)

@@ -109,7 +109,7 @@ declare("LINKWISE_SHM_CMA", True, _bool,
         "large single-host all_reduce/broadcast copy straight between the ranks' buffers "
         "(process_vm_readv/writev) when permitted; 0 forces the copy-through-shared-memory paths")
 declare("LINKWISE_COLL_CMA_MIN", 0, _size,
-        "all_reduce of at least this many bytes uses that single-copy path; 0 = 4M with several "
+        "all_reduce of at least this many bytes uses that single-copy path; 0 = 8M with several "
         "threads per rank (LINKWISE_COLL_THREADS), never with one (kernel copies lose to memcpy there)")
 declare("LINKWISE_COLL_CMA_BCAST_MIN", 0, _size,
         "broadcast of at least this many bytes uses it; 0 = 8M up to 4 ranks, never with more")

@@ -117,14 +117,27 @@ class _Output:
 
     def __init__(self):
         self.lock = threading.Lock()
+        self.gone: set[int] = set()  # fds whose reader went away (`linkwise launch ... | head`)
 
     def pump(self, pipe: IO[bytes], dest: IO[bytes], prefix: bytes) -> None:
+        """Forwards until the rank closes its end. If our reader goes away, the rank's output
+        is read and dropped from then on (the rank must not block on a full pipe), and the
+        job runs on, as it does with a closed terminal."""
         for line in iter(pipe.readline, b""):
             if not line.endswith(b"\n"):
                 line += b"\n"
             with self.lock:
-                dest.write(prefix + line)
-                dest.flush()
+                if dest.fileno() in self.gone:
+                    continue
+                try:
+                    dest.write(prefix + line)
+                    dest.flush()
+                except BrokenPipeError:
+                    self.gone.add(dest.fileno())
+                    # Later writes (and the flush at exit) go nowhere instead of raising.
+                    devnull = os.open(os.devnull, os.O_WRONLY)
+                    os.dup2(devnull, dest.fileno())
+                    os.close(devnull)
         pipe.close()
 
     def say(self, text: str) -> None:
