@@ -4,7 +4,7 @@
 # Each line of PLAN is "label | VAR=value ... | arguments": it runs
 #   VAR=value ... python3 -m linkwise.cli <arguments> --no-progress
 # with the package built around A.so when the label starts with "a", else around B.so, and
-# keeps the result rows. A line whose arguments start with "cmd:" runs the rest in a shell
+# keeps the result rows (the commands get no stdin: mpirun would read the rest of PLAN). A line whose arguments start with "cmd:" runs the rest in a shell
 # instead (the package of its label on PYTHONPATH). Everything goes to OUTDIR/ab.txt.
 set -uo pipefail
 out=$1; a=$2; b=$3; plan=$4
@@ -23,9 +23,9 @@ while IFS='|' read -r label vars args; do
   case "$label" in a*) pkg=/tmp/pkg_a ;; *) pkg=/tmp/pkg_b ;; esac
   stamp "$label: $vars | $args"
   if [[ "$(echo $args)" == cmd:* ]]; then
-    env PYTHONPATH=$pkg $vars timeout 200 bash -c "${args#*cmd:}" 2>&1 | tail -25 | tee -a "$log"
+    env PYTHONPATH=$pkg $vars timeout 200 bash -c "${args#*cmd:}" < /dev/null 2>&1 | tail -25 | tee -a "$log"
   else
-    env PYTHONPATH=$pkg $vars timeout 200 python3 -m linkwise.cli $args --no-progress 2>&1 \
+    env PYTHONPATH=$pkg $vars timeout 200 python3 -m linkwise.cli $args --no-progress < /dev/null 2>&1 \
       | grep -v '^\(\[rank 0\] \)\?# *\(linkwise\|busbw\|time\|  \|Out\|Avg\)' | tee -a "$log"
   fi
 done < "$plan"

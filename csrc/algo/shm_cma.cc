@@ -59,7 +59,9 @@ void ShmColl::cma_all_reduce(const void* in, void* out, size_t count, DType t, R
   const size_t parts = (len + step - 1) / step;
   // Any thread may take a part (helpers are not told how many parts there are).
   for (int i = 0; i < (parts > 1 ? pool_->threads() : 1); ++i) scratch(i);
-  const bool stream = count * es >= kStreamMin;
+  // Streamed stores only out of place: in place, the next call reads this segment of my own
+  // buffer again, and a streamed store would have pushed it out of the cache.
+  const bool stream = count * es >= kStreamMin && in != out;
   pool_->run(static_cast<int>(parts), [&](int i, int thread) {
     const size_t o = off + static_cast<size_t>(i) * step;
     cma_chunk(o, std::min(step, off + len - o), t, op, stream, thread);
