@@ -4,11 +4,12 @@
 #   bash bench/host64_cpu_collectives.sh OUTDIR
 # (no registry there: builds the CPU part with the image's cmake/ninja/nanobind).
 # Everything goes to OUTDIR/host64.txt (the device tool returns at most 8 files), plus the
-# JSON of each comparison sweep. First the host's memory-copy floor (bench/copy_floor.py: 16
-# and 64 processes copying 16 MiB each at once); after the sweeps (the defaults), variant rows
-# at 2 and 16 MiB: lanes off (LINKWISE_COLL_LANE_MIN=1G: one thread per rank in the
-# copy-through-shared-memory paths, as before lanes) and lanes instead of the single-copy path
-# (LINKWISE_COLL_CMA_MIN / _BCAST_MIN=1G), to see what each brings on this host.
+# JSON of each comparison sweep (8 B to 16 MiB, every power of 2). First the host's
+# memory-copy floor (bench/copy_floor.py: 16 and 64 processes copying 16 MiB each at once);
+# after the sweeps (the defaults), variant rows: lanes off (LINKWISE_COLL_LANE_MIN=1G: one
+# thread per rank in the copy-through-shared-memory paths), the single-copy all_reduce from
+# 4 MiB (the threshold before the eighth session), lanes instead of the single-copy path
+# (LINKWISE_COLL_CMA_MIN / _BCAST_MIN=1G), and half the helper threads at 16 ranks.
 set -uo pipefail
 out=${1:-/tmp/lw-host64}
 mkdir -p "$out"
@@ -23,7 +24,7 @@ cmake -S . -B build/host64 -G Ninja -DLINKWISE_CUDA=OFF -DCMAKE_BUILD_TYPE=Relea
   cmake --build build/host64 >> "$out/build.log" 2>&1 || { tail -30 "$out/build.log" >> "$log"; exit 1; }
 cp build/host64/_native*.so src/linkwise/
 export PYTHONPATH=$PWD/src
-{ nproc; python3 -c "import mpi4py.MPI as M; print(M.Get_library_version().splitlines()[0])"; } 2>&1 | tee -a "$log"
+{ python3 -c "import os; print(len(os.sched_getaffinity(0)), 'CPUs')"; python3 -c "import mpi4py.MPI as M; print(M.Get_library_version().splitlines()[0])"; } 2>&1 | tee -a "$log"
 # Which path the executor takes here (CMA permitted? threads per rank?)
 for n in 4 16; do
   python3 - "$n" <<'PY' 2>&1 | tee -a "$log"
@@ -42,24 +43,24 @@ stamp "copy floor"
 timeout 30 python3 bench/copy_floor.py -p 16 64 -s 16M -k 20 2>&1 | tee -a "$log"
 for n in 4 16; do
   for coll in all_reduce broadcast; do
-    stamp "linkwise bench $coll -N $n -b 8 -e 16M -f 8 -n 20 -w 5 --compare mpi,gloo"
-    timeout 60 python3 -m linkwise.cli bench "$coll" -N "$n" -b 8 -e 16M -f 8 -n 20 -w 5 \
+    stamp "linkwise bench $coll -N $n -b 8 -e 16M -f 2 -n 20 -w 5 --compare mpi,gloo"
+    timeout 150 python3 -m linkwise.cli bench "$coll" -N "$n" -b 8 -e 16M -f 2 -n 20 -w 5 \
         --compare mpi,gloo --no-progress --json "$out/${coll}_n${n}.json" 2>&1 | tee -a "$log"
   done
 done
 while read -r n coll b e variant; do
   stamp "$variant linkwise bench $coll -N $n -b $b -e $e -f 8 -n 20 -w 5"
   env $variant timeout 30 python3 -m linkwise.cli bench "$coll" -N "$n" -b "$b" -e "$e" -f 8 -n 20 -w 5 \
-      --no-progress 2>&1 | grep -v '^#' | tee -a "$log"
+      --no-progress < /dev/null 2>&1 | grep -v "^#" | tee -a "$log"
 done <<'EOF'
 4 all_reduce 2M 2M LINKWISE_COLL_LANE_MIN=1G
-4 broadcast 2M 2M LINKWISE_COLL_LANE_MIN=1G
+4 all_reduce 4M 8M LINKWISE_COLL_CMA_MIN=4M
 4 all_reduce 16M 16M LINKWISE_COLL_CMA_MIN=1G
 4 broadcast 16M 16M LINKWISE_COLL_CMA_BCAST_MIN=1G
 16 all_reduce 2M 2M LINKWISE_COLL_LANE_MIN=1G
-16 broadcast 2M 2M LINKWISE_COLL_LANE_MIN=1G
+16 all_reduce 1M 4M LINKWISE_COLL_THREADS=2
 16 all_reduce 16M 16M LINKWISE_COLL_CMA_MIN=1G
 EOF
-stamp "tests/test_coll_lanes.py"
-timeout 60 python3 -m pytest -q -x tests/test_coll_lanes.py 2>&1 | tail -3 | tee -a "$log"
+stamp "tests/test_coll_lanes.py tests/test_coll_cma.py tests/test_cpu_share.py"
+timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_coll_lanes.py tests/test_coll_cma.py tests/test_cpu_share.py 2>&1 | tail -3 | tee -a "$log"
 stamp done
