@@ -165,3 +165,27 @@ def test_report_ratio_columns():
     assert "# gloo: skipped (torch is not installed)" in text
     data = [ln for ln in text.splitlines() if not ln.startswith("#")][0].split()
     assert float(data[-1]) == pytest.approx(2.0)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
+def test_mpirun_is_not_started_inside_the_ranks_binding():
+    """A bound rank (linkwise launch --bind cpu) starts mpirun with every CPU it may get, so the
+    MPI side of --compare is not squeezed onto that rank's cores; its own mask comes back."""
+    import threading
+    from linkwise.bench import spawn
+    allowed = os.sched_getaffinity(0)
+    seen = {}
+
+    def bound_rank():
+        os.sched_setaffinity(0, {min(allowed)})
+        with spawn._all_cpus():
+            seen["inside"] = os.sched_getaffinity(0)
+            seen["cmd"] = compare.mpirun_command(len(allowed))
+        seen["after"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=bound_rank)
+    t.start()
+    t.join()
+    assert seen["inside"] == allowed
+    assert "--oversubscribe" not in seen["cmd"]
+    assert seen["after"] == {min(allowed)}

@@ -45,10 +45,10 @@ def _cma_settings(cpus_per_rank: float, size: int) -> tuple:
     """The executor's single-copy (CMA) and helper-thread settings: (enable, all_reduce min,
     broadcast min, chunk, piece, lane min, threads). Threads default to the CPUs this rank may
     count as its own (``_setup.cpus_per_rank``: its share of the host's, at most 8), so a
-    many-core host moves a big message with several cores per rank; 1 when cores are scarce. With several threads, the
-    copy-through-shared-memory two-shot all_reduce and ring broadcast run a message of at
-    least 2 × lane min bytes as up to `threads` independent lanes (rank 0's threads decide the
-    count). Default thresholds (docs/benchmarks.md):
+    many-core host moves a big message with several cores per rank; 1 when cores are scarce.
+    With several threads, the copy-through-shared-memory two-shot all_reduce and ring
+    broadcast run a message of at least 2 × lane min bytes as up to `threads` independent
+    lanes (rank 0's threads decide the count). Default thresholds (docs/benchmarks.md):
     - all_reduce from 8 MiB, and only with several threads per rank: with one, the kernel's
       copies lose to the copy-through-shared-memory path's memcpy (2-core VM, A/B runs); at
       4 MiB the lanes through the segment beat it (64-core host, 4 ranks: ~290-360 us against

@@ -12,6 +12,7 @@ job's shared-memory segments are removed.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -104,6 +105,25 @@ def launch_ranks(nranks: int, args_json: str, systems: list[str], timeout: float
                 pass
 
 
+@contextlib.contextmanager
+def _all_cpus():
+    """Within: this thread may run on every CPU (the kernel keeps the mask within the
+    container's). From a rank bound to its cores (linkwise launch --bind cpu), mpirun would
+    otherwise inherit that binding and squeeze its ranks onto those cores, and be told to
+    oversubscribe. Affinity is per thread and inherited across fork; restored on exit."""
+    own = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else None
+    try:
+        if own is not None:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError:
+        own = None
+    try:
+        yield
+    finally:
+        if own is not None:
+            os.sched_setaffinity(0, own)
+
+
 def launch_mpi(nranks: int, args_json: str, timeout: float, extra: str = "") -> dict:
     """Run the worker's MPI sweep under mpirun; returns rank 0's result document."""
     fd, result = tempfile.mkstemp(prefix="linkwise-bench-mpi-", suffix=".json")
@@ -112,9 +132,10 @@ def launch_mpi(nranks: int, args_json: str, timeout: float, extra: str = "") -> 
     for var in [v for v in env if v.startswith(("LINKWISE_RANK", "LINKWISE_SIZE", "LINKWISE_LOCAL_",
                                                  "LINKWISE_MASTER_", "LINKWISE_JOB_ID"))]:
         del env[var]
-    cmd = compare.mpirun_command(nranks, extra) + [sys.executable, "-m", "linkwise.bench.worker"]
     try:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        with _all_cpus():
+            cmd = compare.mpirun_command(nranks, extra) + [sys.executable, "-m", "linkwise.bench.worker"]
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             text, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -130,6 +151,8 @@ def launch_mpi(nranks: int, args_json: str, timeout: float, extra: str = "") -> 
 
 
 def mpi_how(nranks: int, extra: str = "") -> str:
+    with _all_cpus():
+        cmd = compare.mpirun_command(nranks, extra)
     return "second launch right after linkwise's: " + " ".join(
-        os.path.basename(c) if k == 0 else c for k, c in enumerate(compare.mpirun_command(nranks, extra))
+        os.path.basename(c) if k == 0 else c for k, c in enumerate(cmd)
         if not c.startswith("LINKWISE") and c != "-x" and c != "PYTHONPATH")
