@@ -23,7 +23,7 @@ while IFS='|' read -r label vars args; do
   case "$label" in a*) pkg=/tmp/pkg_a ;; *) pkg=/tmp/pkg_b ;; esac
   stamp "$label: $vars | $args"
   if [[ "$(echo $args)" == cmd:* ]]; then
-    env PYTHONPATH=$pkg $vars timeout 200 bash -c "${args#*cmd:}" < /dev/null 2>&1 | tail -25 | tee -a "$log"
+    env PYTHONPATH=$pkg $vars timeout 200 bash -c "${args#*cmd:}" < /dev/null 2>&1 | tail -40 | tee -a "$log"
   else
     env PYTHONPATH=$pkg $vars timeout 200 python3 -m linkwise.cli $args --no-progress < /dev/null 2>&1 \
       | grep -v '^\(\[rank 0\] \)\?# *\(linkwise\|busbw\|time\|  \|Out\|Avg\)' | tee -a "$log"
