@@ -189,3 +189,12 @@ def test_mpirun_is_not_started_inside_the_ranks_binding():
     assert seen["inside"] == allowed
     assert "--oversubscribe" not in seen["cmd"]
     assert seen["after"] == {min(allowed)}
+
+
+def test_machine_line_names_the_machines_cores(monkeypatch):
+    """The header describes the machine, and says so when the rank is bound to fewer cores."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert "(64 cores)" in report.machine()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7}, raising=False)
+    assert "(64 cores, this rank on 4)" in report.machine()

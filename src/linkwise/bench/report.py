@@ -31,8 +31,11 @@ def machine() -> str:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
         pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{cpu or platform.processor()} ({cores} cores), Linux {platform.release()}, " \
+    total = os.cpu_count() or 1
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
+    # A rank bound to its cores (launch --bind cpu) says so instead of describing the machine by them.
+    cores = f"{total} cores" if mine >= total else f"{total} cores, this rank on {mine}"
+    return f"{cpu or platform.processor()} ({cores}), Linux {platform.release()}, " \
            f"Python {platform.python_version()}"
 
 
