@@ -78,10 +78,14 @@ def cpus_per_rank(cards: list[PeerCard], rank: int, ranks_here: int) -> float:
     return min(float(own), bin(union).count("1") / max(1, ranks_here, len(masks)))
 
 
+def own_card(rank: int) -> PeerCard:
+    """This process's card (host, pid, CPU mask); the TCP address is filled in later."""
+    return PeerCard(rank=rank, host=host_identity(), pid=os.getpid(), cpus=format(cpu_mask(), "x"))
+
+
 def exchange_host_cards(store, tag: str, rank: int, size: int) -> list[PeerCard]:
-    """Every rank's card (host, pid, CPU mask); the TCP address is filled in later."""
-    me = PeerCard(rank=rank, host=host_identity(), pid=os.getpid(), cpus=format(cpu_mask(), "x"))
-    return exchange_cards(store, f"{tag}/cards", rank, size, me)
+    """Every rank's card, in rank order."""
+    return exchange_cards(store, f"{tag}/cards", rank, size, own_card(rank))
 
 
 def exchange_cards(store, tag: str, rank: int, size: int, card: PeerCard) -> list[PeerCard]:

@@ -82,10 +82,7 @@ class Communicator(CollectivesMixin):
         self._store = store
         self._closed = False
         tag = f"{comm_id}/setup"
-        if size > 1:
-            cards = _setup.exchange_host_cards(store, tag, rank, size)
-        else:
-            cards = [_setup.PeerCard(rank=0, host="", pid=os.getpid(), cpus=format(_setup.cpu_mask(), "x"))]
+        cards = _setup.exchange_host_cards(store, tag, rank, size) if size > 1 else [_setup.own_card(0)]
         # CPUs this rank may count as its own (spinning, helper threads; see cpus_per_rank).
         self._cpus_per_rank = _setup.cpus_per_rank(
             cards, rank, max(local_size, config.get("LINKWISE_LOCAL_SIZE") or 1))

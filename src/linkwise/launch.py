@@ -22,6 +22,7 @@ output (writes are serialised by a lock); one daemon thread per child waits for 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import queue
@@ -239,25 +240,39 @@ def _run_ranks(cmd, n, base, bind, out: _Output, procs: list) -> int:
             signal.signal(s, h)
 
 
+@contextlib.contextmanager
+def thread_affinity(cpus):
+    """Within: this thread may run on ``cpus`` (empty: unchanged), so that processes it starts
+    inherit them (affinity is per thread and inherited across fork); restored on exit. CPUs
+    outside the container's set are dropped by the kernel, so ``range(os.cpu_count())`` means
+    every CPU this process may get. Raises OSError if none of ``cpus`` may be used."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
+
+
 def _spawn(cmd, n, base, bind, out: _Output, procs: list) -> int:
     """Start the n ranks into procs; 0, or 2 after a message if one cannot start."""
     bindings = _bindings(bind, n, out.say)
-    # Affinity is inherited across fork: set it on this (the spawning) thread, spawn, restore.
-    # The output threads are started afterwards so that they keep the full affinity.
-    own = os.sched_getaffinity(0)
+    # Each rank inherits its binding from this (the spawning) thread. The output threads are
+    # started afterwards, so that they keep the full affinity.
     try:
         for k in range(n):
             cpus, extra = bindings[k]
             env = dict(base, LINKWISE_RANK=str(k), LINKWISE_LOCAL_RANK=str(k), **extra)
-            os.sched_setaffinity(0, cpus or own)
-            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          process_group=0))
+            with thread_affinity(cpus):
+                procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                              process_group=0))
     except OSError as exc:
         out.say(f"linkwise launch: cannot start {cmd[1:]}: {exc}")
         return 2
-    finally:
-        os.sched_setaffinity(0, own)
     return 0
 
 

@@ -12,7 +12,6 @@ job's shared-memory segments are removed.
 """
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
@@ -24,6 +23,7 @@ import tempfile
 import time
 
 from . import compare
+from ..launch import thread_affinity
 
 
 class LaunchError(RuntimeError):
@@ -105,23 +105,11 @@ def launch_ranks(nranks: int, args_json: str, systems: list[str], timeout: float
                 pass
 
 
-@contextlib.contextmanager
 def _all_cpus():
-    """Within: this thread may run on every CPU (the kernel keeps the mask within the
-    container's). From a rank bound to its cores (linkwise launch --bind cpu), mpirun would
-    otherwise inherit that binding and squeeze its ranks onto those cores, and be told to
-    oversubscribe. Affinity is per thread and inherited across fork; restored on exit."""
-    own = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else None
-    try:
-        if own is not None:
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    except OSError:
-        own = None
-    try:
-        yield
-    finally:
-        if own is not None:
-            os.sched_setaffinity(0, own)
+    """Every CPU this process may get, for mpirun: started from a rank bound to its cores
+    (linkwise launch --bind cpu), it would otherwise inherit that binding, squeeze its ranks
+    onto those cores and be told to oversubscribe."""
+    return thread_affinity(range(os.cpu_count() or 1))
 
 
 def launch_mpi(nranks: int, args_json: str, timeout: float, extra: str = "") -> dict:
