@@ -70,6 +70,19 @@ def test_fewer_threads_than_lanes(n):
         assert ar > 0 and bc > 0
 
 
+def _most_lanes_body(comm):
+    # 20 threads asked for: the executor caps lanes at 16 (its per-lane counters in the slot
+    # header). A 2.9 MB message with 4 KiB lane min runs on all 16, two rounds each.
+    checked = _all_reduce_matrix(comm, ["float32", "int64"], True)
+    return checked, _broadcast_matrix(comm, ["uint8"], True), comm._shm.max_lanes, _lane_calls(comm)
+
+
+def test_sixteen_lanes():
+    got = run_ranks(3, _most_lanes_body, env=dict(LANE_ENV, LINKWISE_COLL_THREADS="20"), timeout=240)
+    for _, _, lanes, (ar, bc) in got:
+        assert lanes == 16 and ar > 0 and bc > 0
+
+
 def _bitwise_body(comm):
     bits = check_bitwise_sum(comm, 300_007)  # 1.2 MB: 3 lanes
     assert comm._shm.lane_calls[0] == 1

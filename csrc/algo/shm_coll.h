@@ -107,7 +107,7 @@ class ShmColl {
   static constexpr size_t kOneMax = 32 << 10;     // one-shot up to this many bytes
   static constexpr size_t kBcPiece = 256 << 10;  // 256 KiB: ~15% faster than 128 KiB at 1-4 MiB
   static constexpr int kBcSlots = 8;
-  static constexpr int kMaxLanes = 8;  // counters per lane live in the slot header
+  static constexpr int kMaxLanes = 16;  // counters per lane live in the slot header (collectives.MAX_THREADS)
 
   static size_t segment_bytes(int n);
   // create: rank 0 makes the segment (ftruncate to segment_bytes(n)); others open it.
@@ -128,6 +128,7 @@ class ShmColl {
   // How many two-shot all-reduces / ring broadcasts ran on more than one lane.
   uint64_t lane_all_reduces() const { return lane_ar_calls_; }
   uint64_t lane_broadcasts() const { return lane_bc_calls_; }
+  int max_lanes() const { return lanes_; }  // agreed by every rank at connect()
   void unlink() { seg_.unlink(); }
   const std::string& segment_name() const { return seg_.name(); }  // what the others open
 

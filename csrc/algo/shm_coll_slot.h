@@ -18,7 +18,7 @@ struct alignas(64) Line64 {
   std::atomic<uint64_t> v;
 };
 
-constexpr size_t kSlotHeader = 4096;
+constexpr size_t kSlotHeader = 8192;  // two pages: the per-lane counters of 16 lanes fill one
 
 inline bool reached(uint32_t have, uint32_t want) { return static_cast<int32_t>(have - want) >= 0; }
 
@@ -69,7 +69,7 @@ struct ShmColl::Slot {
     Line64 y_work, y_done;
     uint64_t y_addr;
   };
-  static_assert(sizeof(Header) <= kSlotHeader, "slot header fits its page");
+  static_assert(sizeof(Header) <= kSlotHeader, "slot header fits its pages");
   Header& h() { return *reinterpret_cast<Header*>(this); }
   char* base() { return reinterpret_cast<char*>(this); }
   char* two_in() { return base() + kSlotHeader; }

@@ -268,6 +268,8 @@ void bind_coll(nb::module_& m) {
       .def_prop_ro("lane_calls",
                    [](PyShmColl& s) { return std::make_pair(s.shm_.lane_all_reduces(), s.shm_.lane_broadcasts()); },
                    "(all_reduces, broadcasts) that ran on several lanes (helper threads) so far.")
+      .def_prop_ro("max_lanes", [](PyShmColl& s) { return s.shm_.max_lanes(); },
+                   "Most lanes a message is cut into (rank 0's threads, at most 16; agreed by all ranks).")
       .def("unlink", [](PyShmColl& s) { s.shm_.unlink(); })
       .def_prop_ro("segment_name", [](PyShmColl& s) { return s.shm_.segment_name(); })
       .def("all_reduce",
