@@ -160,5 +160,5 @@ def test_default_thresholds(monkeypatch):
     monkeypatch.setenv("LINKWISE_SHM_CMA", "0")
     assert _cma_settings(4.0, 16)[:3] == (False, 64 << 10, 1 << 20)
     monkeypatch.delenv("LINKWISE_COLL_THREADS")
-    # Threads: the rank's CPUs (linkwise._setup.cpus_per_rank), at least 1, at most 16.
-    assert [_cma_settings(c, 2)[-1] for c in (0.5, 1.0, 2.9, 3.0, 8.0, 15.5, 16.0, 64.0)] == [1, 1, 2, 3, 8, 15, 16, 16]
+    # Threads: the rank's CPUs (linkwise._setup.cpus_per_rank), at least 1, at most 8 by default.
+    assert [_cma_settings(c, 2)[-1] for c in (0.5, 1.0, 2.9, 3.0, 8.0, 15.5, 64.0)] == [1, 1, 2, 3, 8, 8, 8]

@@ -107,7 +107,7 @@ class ShmColl {
   static constexpr size_t kOneMax = 32 << 10;     // one-shot up to this many bytes
   static constexpr size_t kBcPiece = 256 << 10;  // 256 KiB: ~15% faster than 128 KiB at 1-4 MiB
   static constexpr int kBcSlots = 8;
-  static constexpr int kMaxLanes = 16;  // counters per lane live in the slot header (collectives.MAX_THREADS)
+  static constexpr int kMaxLanes = 16;  // counters per lane live in the slot header; threads beyond it share lanes
 
   static size_t segment_bytes(int n);
   // create: rank 0 makes the segment (ftruncate to segment_bytes(n)); others open it.

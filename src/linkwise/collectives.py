@@ -39,15 +39,18 @@ _ndarray = np.ndarray  # one global lookup instead of two in the latency paths
 
 
 _NEVER = (1 << 63) - 1
-# Default helper threads per rank at most (the executor's lanes, ShmColl::kMaxLanes): 16 took the
-# 4-rank 4 MiB all_reduce on the 64-core host from ~310-400 us (8) to ~210-260 (docs/benchmarks.md).
-MAX_THREADS = 16
+# Helper threads per rank by default at most. LINKWISE_COLL_THREADS may ask for up to 16 (the
+# executor's lane counters, ShmColl::kMaxLanes). 16 threads for 4 ranks on the 64-core host (all
+# 64 cores busy) ran the 4 MiB all_reduce in ~210-260 us instead of ~310-400 on one VM, and 2-3x
+# slower than 8 on two others, where any other runnable task preempts a lane that every peer
+# waits for (docs/benchmarks.md, ninth session). So the default leaves cores free.
+DEFAULT_MAX_THREADS = 8
 
 
 def _cma_settings(cpus_per_rank: float, size: int) -> tuple:
     """The executor's single-copy (CMA) and helper-thread settings: (enable, all_reduce min,
     broadcast min, chunk, piece, lane min, threads). Threads default to the CPUs this rank may
-    count as its own (``_setup.cpus_per_rank``: its share of the host's, at most MAX_THREADS), so a
+    count as its own (``_setup.cpus_per_rank``: its share of the host's, at most DEFAULT_MAX_THREADS), so a
     many-core host moves a big message with several cores per rank; 1 when cores are scarce.
     With several threads, the copy-through-shared-memory two-shot all_reduce and ring
     broadcast run a message of at least 2 × lane min bytes as up to `threads` independent
@@ -63,7 +66,7 @@ def _cma_settings(cpus_per_rank: float, size: int) -> tuple:
     The executor takes rank 0's sizes, so every rank picks the same protocol."""
     threads = config.get("LINKWISE_COLL_THREADS")
     if threads <= 0:
-        threads = max(1, min(MAX_THREADS, int(cpus_per_rank)))
+        threads = max(1, min(DEFAULT_MAX_THREADS, int(cpus_per_rank)))
     ar_min = config.get("LINKWISE_COLL_CMA_MIN") or (8 << 20 if threads > 1 else _NEVER)
     bc_min = config.get("LINKWISE_COLL_CMA_BCAST_MIN") or (8 << 20 if size <= 4 else _NEVER)
     return (config.get("LINKWISE_SHM_CMA"), ar_min, bc_min, config.get("LINKWISE_COLL_CMA_CHUNK"),

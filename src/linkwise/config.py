@@ -121,7 +121,7 @@ declare("LINKWISE_COLL_LANE_MIN", 256 << 10, _size,
 declare("LINKWISE_COLL_THREADS", 0, int,
         "threads per rank for single-copy collectives and lanes; 0 = the CPUs this rank counts "
         "as its own (the CPUs its host's ranks may use together / ranks, at most its own affinity), "
-        "at most 16")
+        "at most 8 (set it to up to 16 for more lanes)")
 # GPU data plane (linkwise.cuda), read when a communicator's GpuComm is built.
 declare("LINKWISE_P2P_DISABLE", False, _bool,
         "never map peers' GPU memory: stage every GPU transfer through pinned host memory")
