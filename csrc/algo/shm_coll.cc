@@ -28,6 +28,7 @@ namespace linkwise {
 namespace {
 constexpr size_t kSub = 32 << 10;       // reduce, then copy out, this many bytes at a time (in L1/L2)
 constexpr size_t kStreamMin = 8 << 20;  // messages at least this big are copied out with streaming stores
+constexpr int kMaxRanksMany = kManyMax;  // up to this many ranks reduce all inputs in one pass
 }  // namespace
 
 // Copies into a large destination that will not be read again soon (a big message's user
@@ -222,6 +223,11 @@ void ShmColl::one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedO
 }
 
 void ShmColl::one_shot_combine(uint32_t r, void* out, size_t count, DType t, RedOp op) {
+  if (n_ >= 3 && n_ <= kMaxRanksMany) {  // 2 ranks: one reduce3 below
+    const char* ins[kMaxRanksMany];
+    for (int q = 0; q < n_; ++q) ins[q] = slot(q)->one(r);
+    if (reduce_many_store(out, out, ins, n_, count, t, op, false)) return;
+  }
   reduce3(out, slot(0)->one(r), slot(1)->one(r), count, t, op);
   for (int q = 2; q < n_; ++q) reduce_into(out, slot(q)->one(r), count, t, op);
   if (op == RedOp::Avg) avg_finish(out, count, t, n_);
@@ -320,8 +326,16 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
     auto val = [&](int q, size_t o) -> const char* {
       return q == rank_ ? src + (base + o) * es : slot(q)->two_in() + lane * area + o * es;
     };
+    // One pass over every input at once where a kernel exists (the loads of all peers' lines
+    // in flight together), else reduce a sub-block at a time so the copy-out hits cache.
+    const char* ins[kMaxRanksMany];
+    const bool many = n_ >= 3 && n_ <= kMaxRanksMany;  // 2 ranks: the pair kernel below
     for (size_t s = 0; s < len; s += sub) {
       const size_t o = off + s, m = std::min(sub, len - s);
+      if (many) {
+        for (int q = 0; q < n_; ++q) ins[q] = val(q, o);
+        if (reduce_many_store(my_res + o * es, dst + (base + o) * es, ins, n_, m, t, op, stream)) continue;
+      }
       combine_store(n_, my_res + o * es, dst + (base + o) * es, [&](int q) { return val(q, o); }, m, t, op, stream);
     }
     if (stream) stream_fence();
