@@ -148,10 +148,11 @@ def test_rank_killed_mid_collective(kind, threads):
 def test_default_thresholds(monkeypatch):
     """Which sizes take the single-copy paths by default (docs/benchmarks.md says why)."""
     from linkwise.collectives import _NEVER, _cma_settings
-    for name in ("LINKWISE_COLL_CMA_MIN", "LINKWISE_COLL_CMA_BCAST_MIN", "LINKWISE_LOCAL_SIZE", "LINKWISE_SHM_CMA"):
+    for name in ("LINKWISE_COLL_CMA_MIN", "LINKWISE_COLL_CMA_BCAST_MIN", "LINKWISE_LOCAL_SIZE", "LINKWISE_SHM_CMA",
+                 "LINKWISE_COLL_ONE_SHOT_MAX"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LINKWISE_COLL_THREADS", "1")
-    enable, ar_min, bc_min, _, _, _, threads = _cma_settings(1.0, 2)
+    enable, ar_min, bc_min, _, _, _, threads, _ = _cma_settings(1.0, 2)
     assert (enable, ar_min, bc_min, threads) == (True, _NEVER, 8 << 20, 1)
     monkeypatch.setenv("LINKWISE_COLL_THREADS", "4")
     assert _cma_settings(4.0, 16)[1:3] == (8 << 20, _NEVER)
@@ -161,4 +162,10 @@ def test_default_thresholds(monkeypatch):
     assert _cma_settings(4.0, 16)[:3] == (False, 64 << 10, 1 << 20)
     monkeypatch.delenv("LINKWISE_COLL_THREADS")
     # Threads: the rank's CPUs (linkwise._setup.cpus_per_rank), at least 1, at most 8 by default.
-    assert [_cma_settings(c, 2)[-1] for c in (0.5, 1.0, 2.9, 3.0, 8.0, 15.5, 64.0)] == [1, 1, 2, 3, 8, 8, 8]
+    assert [_cma_settings(c, 2)[6] for c in (0.5, 1.0, 2.9, 3.0, 8.0, 15.5, 64.0)] == [1, 1, 2, 3, 8, 8, 8]
+    # One-shot all_reduce up to 16 KiB / ranks with a core per rank; 32 KiB (the executor's
+    # area) with 2 ranks or ranks sharing cores; the variable wins over both.
+    assert [_cma_settings(1.0, n)[-1] for n in (2, 3, 4, 8, 16, 512)] == [32768, 5461, 4096, 2048, 1024, 64]
+    assert [_cma_settings(0.5, n)[-1] for n in (2, 8)] == [32768, 32768]
+    monkeypatch.setenv("LINKWISE_COLL_ONE_SHOT_MAX", "100")
+    assert _cma_settings(1.0, 8)[-1] == 100

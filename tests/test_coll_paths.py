@@ -1,8 +1,12 @@
 """Paths chosen by size: a large two-rank broadcast goes point-to-point as one message; the
-out-of-place all_reduce latency path; both against NumPy references."""
+out-of-place all_reduce latency path; the one-shot limit of the shared-memory all_reduce; all
+against NumPy references."""
+import os
+
 import numpy as np
 import pytest
 
+from coll_ref import DTYPES, check_all_reduce_matrix, check_equal, data, np_dtype, reduce_ref
 from multirank import run_ranks
 
 
@@ -116,3 +120,24 @@ def test_latency_path_honours_a_timeout_set_after_init():
     out = run_ranks(2, _timeout_set_after_init, expect_fail=True, timeout=60)
     kind, waited = out[0]
     assert kind == "ok" and isinstance(waited, float) and waited < 3.0, out
+
+
+def _one_shot_boundary(comm):
+    # Set before the executor attaches (the first collective): rank 0's limit wins everywhere.
+    os.environ["LINKWISE_COLL_ONE_SHOT_MAX"] = "256" if comm.rank == 0 else "32K"
+    sizes = lambda dt, op: [0, 1, 7, 255 // np.dtype(np_dtype(dt)).itemsize + 1, 2049, 9001]
+    checked = check_all_reduce_matrix(comm, DTYPES, sizes)
+    # Async calls above the limit run two-shot on the worker thread.
+    x = data(comm.rank, 3001, "float32", "sum")
+    want = reduce_ref([data(r, 3001, "float32", "sum") for r in range(comm.size)], "sum", "float32")
+    comm.all_reduce(x, async_op=True).wait()
+    check_equal(x, want, "async float32 sum 3001")
+    return checked, comm._shm.one_shot_max
+
+
+@pytest.mark.parametrize("nranks", [3, 5])
+def test_one_shot_limit_agreed_and_two_shot_below_32k(nranks):
+    """Small all_reduces above the agreed one-shot limit take the two-shot, for every dtype and
+    op, in place and out=, and asynchronously."""
+    got = run_ranks(nranks, _one_shot_boundary, timeout=240)
+    assert all(limit == 256 and checked > 0 for checked, limit in got), got

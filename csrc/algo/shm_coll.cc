@@ -99,6 +99,7 @@ void ShmColl::connect(const ShmCollOptions& opt, double timeout) {
   me.chunk = opt.chunk;
   me.piece = opt.piece;
   me.lane_min = opt.lane_min;
+  me.one_max = opt.one_max;
   me.lanes = static_cast<uint64_t>(std::clamp(opt.threads, 1, kMaxLanes));
   publish(me.hello.v, 1);
   bool all = true;
@@ -113,6 +114,7 @@ void ShmColl::connect(const ShmCollOptions& opt, double timeout) {
   opt_.chunk = std::max<size_t>(4096, zero.chunk & ~size_t(63));
   opt_.piece = std::max<size_t>(4096, zero.piece);
   opt_.lane_min = std::max<size_t>(4096, zero.lane_min);
+  opt_.one_max = std::min<size_t>(kOneMax, zero.one_max);
   opt_.threads = std::max(1, opt.threads);
   lanes_ = static_cast<int>(std::clamp<uint64_t>(zero.lanes, 1, kMaxLanes));
   cma_ = all;
@@ -193,7 +195,7 @@ void ShmColl::all_reduce(const void* in, void* out, size_t count, DType t, RedOp
   const size_t bytes = count * dtype_size(t);
   try {
     if (cma_ && bytes >= opt_.ar_min) cma_all_reduce(in, out, count, t, op);
-    else if (bytes <= kOneMax) one_shot(in, out, count, t, op);
+    else if (one_shot_fits(bytes)) one_shot(in, out, count, t, op);
     else two_shot(in, out, count, t, op);
   } catch (const Error& e) {
     mark_failed(e.peer());
@@ -235,7 +237,7 @@ void ShmColl::one_shot_combine(uint32_t r, void* out, size_t count, DType t, Red
 
 int ShmColl::all_reduce_start(const void* in, void* out, size_t count, DType t, RedOp op, double timeout) {
   const size_t bytes = count * dtype_size(t);
-  if ((cma_ && bytes >= opt_.ar_min) || bytes > kOneMax) return -1;
+  if ((cma_ && bytes >= opt_.ar_min) || !one_shot_fits(bytes)) return -1;
   timeout_ = timeout;
   const uint32_t r = one_shot_post(in, bytes);
   // Spin a little for the peers (no sleeping, no errors: the caller may hold a lock).

@@ -98,6 +98,9 @@ struct ShmCollOptions {
   size_t piece = 256 << 10;   // broadcast: bytes per claimed piece
   size_t lane_min = 256 << 10;  // two-shot / ring broadcast: bytes per lane at least
   int threads = 1;            // helper threads per rank (this rank's own; rank 0's sets the lanes)
+  // All-reduces of at most this many bytes run one-shot (every rank reads every input: n x
+  // bytes each), larger ones two-shot (~2 x bytes each, one more wait); capped at kOneMax.
+  size_t one_max = 32 << 10;
 };
 
 class ShmColl {
@@ -105,6 +108,8 @@ class ShmColl {
   // Bytes per two-shot round; 2 MiB (fewer rounds) ran ~10% faster than 1 MiB at 8-16 MiB.
   static constexpr size_t kTwoPiece = 2048 << 10;
   static constexpr size_t kOneMax = 32 << 10;     // one-shot up to this many bytes
+  // The largest one-shot all-reduce is rank 0's ShmCollOptions::one_max, at most kOneMax.
+  bool one_shot_fits(size_t bytes) const { return bytes <= opt_.one_max; }
   static constexpr size_t kBcPiece = 256 << 10;  // 256 KiB: ~15% faster than 128 KiB at 1-4 MiB
   static constexpr int kBcSlots = 8;
   static constexpr int kMaxLanes = 16;  // counters per lane live in the slot header; threads beyond it share lanes
@@ -129,6 +134,7 @@ class ShmColl {
   uint64_t lane_all_reduces() const { return lane_ar_calls_; }
   uint64_t lane_broadcasts() const { return lane_bc_calls_; }
   int max_lanes() const { return lanes_; }  // agreed by every rank at connect()
+  size_t one_shot_max() const { return opt_.one_max; }  // likewise
   void unlink() { seg_.unlink(); }
   const std::string& segment_name() const { return seg_.name(); }  // what the others open
 

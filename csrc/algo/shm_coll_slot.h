@@ -59,7 +59,7 @@ struct ShmColl::Slot {
     // connect(): the owner's probe result and settings, valid once hello == 1.
     Line hello;
     uint32_t cma_ok;  // the owner may read and write every peer's memory (and wants to)
-    uint64_t ar_min, bc_min, chunk, piece, lane_min, lanes;
+    uint64_t ar_min, bc_min, chunk, piece, lane_min, lanes, one_max;
     // CMA all-reduce: this round's buffers (owner's addresses), then x_in = round.
     Line x_in, x_done;
     uint64_t x_src, x_dst;

@@ -243,7 +243,7 @@ void bind_coll(nb::module_& m) {
            nb::arg("native"), nb::arg("name"), nb::arg("create"), nb::arg("spin_us"))
       .def("connect",
            [](PyShmColl& s, double timeout, bool cma, size_t ar_min, size_t bc_min, size_t chunk, size_t piece,
-              size_t lane_min, int threads) {
+              size_t lane_min, int threads, size_t one_max) {
              ShmCollOptions o;
              o.enable = cma;
              o.ar_min = ar_min;
@@ -252,11 +252,12 @@ void bind_coll(nb::module_& m) {
              o.piece = piece;
              o.lane_min = lane_min;
              o.threads = threads;
+             o.one_max = one_max;
              nb::gil_scoped_release nogil;  // waits for every rank (a barrier through the segment)
              s.guarded([&] { s.shm_.connect(o, timeout); });
            },
            nb::arg("timeout"), nb::arg("cma"), nb::arg("ar_min"), nb::arg("bc_min"), nb::arg("chunk"),
-           nb::arg("piece"), nb::arg("lane_min"), nb::arg("threads"),
+           nb::arg("piece"), nb::arg("lane_min"), nb::arg("threads"), nb::arg("one_max"),
            "Learn the peers, probe single-copy (CMA) access, agree on its use with every rank.")
       .def_prop_ro("cma", [](PyShmColl& s) { return s.shm_.cma(); },
                    "True when large all_reduce/broadcast copy directly between ranks' buffers (CMA).")
@@ -268,6 +269,8 @@ void bind_coll(nb::module_& m) {
       .def_prop_ro("lane_calls",
                    [](PyShmColl& s) { return std::make_pair(s.shm_.lane_all_reduces(), s.shm_.lane_broadcasts()); },
                    "(all_reduces, broadcasts) that ran on several lanes (helper threads) so far.")
+      .def_prop_ro("one_shot_max", [](PyShmColl& s) { return s.shm_.one_shot_max(); },
+                   "Largest all_reduce (bytes) that runs one-shot (rank 0's setting, agreed by all ranks).")
       .def_prop_ro("max_lanes", [](PyShmColl& s) { return s.shm_.max_lanes(); },
                    "Most lanes a message is cut into (rank 0's threads, at most 16; agreed by all ranks).")
       .def("unlink", [](PyShmColl& s) { s.shm_.unlink(); })

@@ -45,11 +45,13 @@ _NEVER = (1 << 63) - 1
 # slower than 8 on two others, where any other runnable task preempts a lane that every peer
 # waits for (docs/benchmarks.md, ninth session). So the default leaves cores free.
 DEFAULT_MAX_THREADS = 8
+_ONE_SHOT_CAP = 32 << 10    # the executor's one-shot area (ShmColl::kOneMax)
+_ONE_SHOT_READS = 16 << 10  # one-shot while ranks x bytes stay within this (see _cma_settings)
 
 
 def _cma_settings(cpus_per_rank: float, size: int) -> tuple:
     """The executor's single-copy (CMA) and helper-thread settings: (enable, all_reduce min,
-    broadcast min, chunk, piece, lane min, threads). Threads default to the CPUs this rank may
+    broadcast min, chunk, piece, lane min, threads, one-shot max). Threads default to the CPUs this rank may
     count as its own (``_setup.cpus_per_rank``: its share of the host's, at most DEFAULT_MAX_THREADS), so a
     many-core host moves a big message with several cores per rank; 1 when cores are scarce.
     With several threads, the copy-through-shared-memory two-shot all_reduce and ring
@@ -62,15 +64,22 @@ def _cma_settings(cpus_per_rank: float, size: int) -> tuple:
       for huge pages from 4 MiB on), and process_vm_readv/writev pay ~1 us per page;
     - broadcast: from 8 MiB (below, the ring through the segment stays in cache and wins, 2
       ranks A/B), up to 4 ranks (with 16, the readers all pinning the root's pages at once ran
-      slower than the ring on the 64-core host).
+      slower than the ring on the 64-core host);
+    - one-shot all_reduce (every rank reads every input) up to 16 KiB / ranks bytes when each
+      rank has a core, two-shot above: on the 64-core host the two-shot was faster from 2 KiB
+      at 16 ranks (4.5-5.2 us against 7.8-8.4), 4 KiB at 8, 8 KiB at 5 and 16 KiB at 4 ranks
+      (ninth session). With 2 ranks, or ranks sharing cores (where each extra wait can cost a
+      context switch), one-shot up to the executor's 32 KiB.
     The executor takes rank 0's sizes, so every rank picks the same protocol."""
     threads = config.get("LINKWISE_COLL_THREADS")
     if threads <= 0:
         threads = max(1, min(DEFAULT_MAX_THREADS, int(cpus_per_rank)))
     ar_min = config.get("LINKWISE_COLL_CMA_MIN") or (8 << 20 if threads > 1 else _NEVER)
     bc_min = config.get("LINKWISE_COLL_CMA_BCAST_MIN") or (8 << 20 if size <= 4 else _NEVER)
+    one_max = config.get("LINKWISE_COLL_ONE_SHOT_MAX") or (
+        _ONE_SHOT_CAP if size <= 2 or cpus_per_rank < 1 else max(64, _ONE_SHOT_READS // size))
     return (config.get("LINKWISE_SHM_CMA"), ar_min, bc_min, config.get("LINKWISE_COLL_CMA_CHUNK"),
-            config.get("LINKWISE_COLL_CMA_PIECE"), config.get("LINKWISE_COLL_LANE_MIN"), threads)
+            config.get("LINKWISE_COLL_CMA_PIECE"), config.get("LINKWISE_COLL_LANE_MIN"), threads, one_max)
 
 
 class CollectivesMixin:

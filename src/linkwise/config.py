@@ -118,6 +118,10 @@ declare("LINKWISE_COLL_CMA_PIECE", 256 << 10, _size, "bytes per piece of a singl
 declare("LINKWISE_COLL_LANE_MIN", 256 << 10, _size,
         "with several threads per rank, a two-shot all_reduce or ring broadcast of at least 2x this "
         "many bytes runs as min(threads, bytes / this) lanes, one thread each")
+declare("LINKWISE_COLL_ONE_SHOT_MAX", 0, _size,
+        "all_reduce of at most this many bytes within a host runs one-shot (every rank reads every "
+        "input), larger two-shot; 0 = 16K / ranks with a core per rank, 32K with 2 ranks or shared "
+        "cores; at most 32K")
 declare("LINKWISE_COLL_THREADS", 0, int,
         "threads per rank for single-copy collectives and lanes; 0 = the CPUs this rank counts "
         "as its own (the CPUs its host's ranks may use together / ranks, at most its own affinity), "
