@@ -7,9 +7,9 @@
 # JSON of each comparison sweep (8 B to 16 MiB, every power of 2). First the host's
 # memory-copy floor (bench/copy_floor.py: 16 and 64 processes copying 16 MiB each at once);
 # after the sweeps (the defaults), variant rows: lanes off (LINKWISE_COLL_LANE_MIN=1G: one
-# thread per rank in the copy-through-shared-memory paths), the single-copy all_reduce from
-# 4 MiB (the threshold before the eighth session), lanes instead of the single-copy path
-# (LINKWISE_COLL_CMA_MIN / _BCAST_MIN=1G), and half the helper threads at 16 ranks.
+# thread per rank in the copy-through-shared-memory paths), 16 helper threads at 4 ranks,
+# lanes instead of the single-copy path (LINKWISE_COLL_CMA_MIN / _BCAST_MIN=1G), half the
+# helper threads at 16 ranks, and one-shot up to 32 KiB at 16 ranks (before the ninth session).
 set -uo pipefail
 out=${1:-/tmp/lw-host64}
 mkdir -p "$out"
@@ -35,8 +35,8 @@ from linkwise.collectives import _cma_settings
 def body(comm):
     x = np.ones(1 << 21, np.float32); comm.all_reduce(x)
     x = np.ones(1 << 19, np.float32); comm.all_reduce(x); comm.broadcast(x)
-    return bool(comm._shm.cma), comm._shm.cma_calls, comm._shm.lane_calls, _cma_settings(comm._cpus_per_rank, comm.size)[-1], float(x[0])
-print(f"{sys.argv[1]} ranks: (cma, cma_calls after 8 MiB + 2 MiB all_reduce, lane_calls after 2 MiB all_reduce + bcast, threads, x[0]) =", run_ranks(int(sys.argv[1]), body)[0])
+    return bool(comm._shm.cma), comm._shm.cma_calls, comm._shm.lane_calls, _cma_settings(comm._cpus_per_rank, comm.size)[6], comm._shm.one_shot_max, float(x[0])
+print(f"{sys.argv[1]} ranks: (cma, cma_calls after 8 MiB + 2 MiB all_reduce, lane_calls after 2 MiB all_reduce + bcast, threads, one-shot max, x[0]) =", run_ranks(int(sys.argv[1]), body)[0])
 PY
 done
 stamp "copy floor"
@@ -54,13 +54,14 @@ while read -r n coll b e variant; do
       --no-progress < /dev/null 2>&1 | grep -v "^#" | tee -a "$log"
 done <<'EOF'
 4 all_reduce 2M 2M LINKWISE_COLL_LANE_MIN=1G
-4 all_reduce 4M 8M LINKWISE_COLL_CMA_MIN=4M
+4 all_reduce 4M 8M LINKWISE_COLL_THREADS=16
 4 all_reduce 16M 16M LINKWISE_COLL_CMA_MIN=1G
 4 broadcast 16M 16M LINKWISE_COLL_CMA_BCAST_MIN=1G
 16 all_reduce 2M 2M LINKWISE_COLL_LANE_MIN=1G
 16 all_reduce 1M 4M LINKWISE_COLL_THREADS=2
 16 all_reduce 16M 16M LINKWISE_COLL_CMA_MIN=1G
+16 all_reduce 1K 32K LINKWISE_COLL_ONE_SHOT_MAX=32K
 EOF
-stamp "tests/test_coll_lanes.py tests/test_coll_cma.py tests/test_cpu_share.py"
-timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_coll_lanes.py tests/test_coll_cma.py tests/test_cpu_share.py 2>&1 | tail -3 | tee -a "$log"
+stamp "tests/test_coll_lanes.py tests/test_coll_cma.py tests/test_cpu_share.py tests/test_coll_paths.py"
+timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_coll_lanes.py tests/test_coll_cma.py tests/test_cpu_share.py tests/test_coll_paths.py 2>&1 | tail -3 | tee -a "$log"
 stamp done
