@@ -28,8 +28,8 @@ bool reduce_store2(void* res, void* out, const void* a, const void* b, size_t n,
 // reduce_many_store(res, out, v, k, n, t, op, stream) writes res[i] = out[i] = v[0][i] OP ...
 // OP v[k-1][i] (folded left in input order, bitwise as reduce3 then reduce_into per input),
 // reading a line of every input per step. 2 <= k <= kManyMax; `out` may be one of the v[q]
-// exactly (each line is read before it is written), `res` none of them; res == out writes once. The same kernels and
-// the same false return as reduce_store2.
+// exactly (each line is read before it is written), `res` none of them; res == out writes
+// once. The same element operations and the same false return as reduce_store2.
 constexpr int kManyMax = 64;
 bool reduce_many_store(void* res, void* out, const char* const* v, int k, size_t n, DType t, RedOp op, bool stream);
 void stream_fence();

@@ -50,10 +50,11 @@ _ONE_SHOT_READS = 16 << 10  # one-shot while ranks x bytes stay within this (see
 
 
 def _cma_settings(cpus_per_rank: float, size: int) -> tuple:
-    """The executor's single-copy (CMA) and helper-thread settings: (enable, all_reduce min,
-    broadcast min, chunk, piece, lane min, threads, one-shot max). Threads default to the CPUs this rank may
-    count as its own (``_setup.cpus_per_rank``: its share of the host's, at most DEFAULT_MAX_THREADS), so a
-    many-core host moves a big message with several cores per rank; 1 when cores are scarce.
+    """The executor's single-copy (CMA), helper-thread and one-shot settings: (enable,
+    all_reduce min, broadcast min, chunk, piece, lane min, threads, one-shot max). Threads
+    default to the CPUs this rank may count as its own (``_setup.cpus_per_rank``: its share of
+    the host's, at most DEFAULT_MAX_THREADS), so a many-core host moves a big message with
+    several cores per rank; 1 when cores are scarce.
     With several threads, the copy-through-shared-memory two-shot all_reduce and ring
     broadcast run a message of at least 2 × lane min bytes as up to `threads` independent
     lanes (rank 0's threads decide the count). Default thresholds (docs/benchmarks.md):
