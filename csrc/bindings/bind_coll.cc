@@ -38,10 +38,11 @@ namespace linkwise {
 namespace {
 
 // The shared-memory fast path of one communicator (see algo/shm_coll.h). A failure aborts
-// the communicator's engine too, as a failed p2p collective does.
-class PyShmColl {
- public:
-  PyShmColl(std::shared_ptr<NativeComm> comm, const std::string& name, bool create, double spin_us)
+// the communicator's engine too, as a failed p2p collective does. Owned from C++ only (no
+// Python reference inside), so the async worker may drop the last reference without the GIL,
+// also while the interpreter shuts down.
+struct ShmExec {
+  ShmExec(std::shared_ptr<NativeComm> comm, const std::string& name, bool create, double spin_us)
       : comm_(std::move(comm)),
         shm_(name, create, comm_->engine().rank(), comm_->engine().size(), spin_us) {}
   template <class F>
@@ -57,9 +58,25 @@ class PyShmColl {
   ShmColl shm_;
 };
 
+// linkwise._native.ShmColl: the Python handle of a ShmExec.
+class PyShmColl {
+ public:
+  PyShmColl(std::shared_ptr<NativeComm> comm, const std::string& name, bool create, double spin_us)
+      : exec(std::make_shared<ShmExec>(std::move(comm), name, create, spin_us)), shm_(exec->shm_) {}
+  template <class F>
+  void guarded(F&& f) {
+    exec->guarded(std::forward<F>(f));
+  }
+  std::shared_ptr<ShmExec> exec;
+  ShmColl& shm_;
+};
+
+// Threading: built and submitted under the GIL; then the worker runs it and may hold the last
+// reference. So nothing here may need the GIL to be destroyed: the buffers are released by
+// the CollRequest (under the GIL) before the job can be dropped elsewhere, or leaked.
 struct CollJob {
   CollParams p;
-  std::shared_ptr<PyShmColl> shm;  // set: run p.kind (AllReduce/Broadcast) through shared memory
+  std::shared_ptr<ShmExec> shm;  // set: run p.kind (AllReduce/Broadcast) through shared memory
   HeldBuffer x, out;
   const void* send = nullptr;
   size_t send_bytes = 0;
@@ -124,8 +141,13 @@ class CollRequest {
  public:
   CollRequest(std::shared_ptr<NativeComm> comm, std::shared_ptr<CollJob> job, nb::object x, nb::object out)
       : comm_(std::move(comm)), job_(std::move(job)), x_(std::move(x)), out_(std::move(out)) {}
-  ~CollRequest() {
-    if (!job_->done.load()) {
+  ~CollRequest() {  // runs under the GIL (a Python object's destructor)
+    if (job_->done.load(std::memory_order_acquire)) {
+      // Never waited for: release the buffers here, not in ~CollJob, which may run on the
+      // worker thread without the GIL.
+      job_->x.release();
+      job_->out.release();
+    } else {
       // The worker may still read or write these arrays: keep them for good.
       job_->x.held = false;
       job_->out.held = false;
@@ -357,9 +379,9 @@ void bind_coll(nb::module_& m) {
       .def("submit",
            [](CollWorker& w, int kind, nb::object x, nb::object out, int dtype, int op, int root, uint64_t seq,
               int algo, size_t chunk, std::vector<int> order, int parent, std::vector<int> children, double timeout,
-              std::shared_ptr<PyShmColl> shm) {
+              PyShmColl* shm) {
              auto job = std::make_shared<CollJob>();
-             job->shm = std::move(shm);
+             if (shm) job->shm = shm->exec;
              job->p = make_params(kind, dtype, op, root, seq, algo, chunk, std::move(order), parent,
                                   std::move(children), timeout);
              hold(x, out, job->x, job->out, job->send, job->send_bytes, job->recv, job->recv_bytes);
