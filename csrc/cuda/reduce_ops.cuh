@@ -26,8 +26,9 @@ template <> __device__ __forceinline__ __nv_bfloat16 down<__nv_bfloat16>(float v
 
 struct OpSum { template <typename A> __device__ A operator()(A a, A b) const { return a + b; } };
 struct OpProd { template <typename A> __device__ A operator()(A a, A b) const { return a * b; } };
-struct OpMin { template <typename A> __device__ A operator()(A a, A b) const { return b < a ? b : a; } };
-struct OpMax { template <typename A> __device__ A operator()(A a, A b) const { return a < b ? b : a; } };
+// NaN propagates as in np.minimum / np.maximum (and the CPU's core/reduce_ops.h), whatever the order.
+struct OpMin { template <typename A> __device__ A operator()(A a, A b) const { return (b < a || b != b) ? b : a; } };
+struct OpMax { template <typename A> __device__ A operator()(A a, A b) const { return (a < b || b != b) ? b : a; } };
 
 template <typename T> union Pack {
   static constexpr int kN = 16 / sizeof(T);
