@@ -198,3 +198,44 @@ def test_machine_line_names_the_machines_cores(monkeypatch):
     assert "(64 cores)" in report.machine()
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7}, raising=False)
     assert "(64 cores, this rank on 4)" in report.machine()
+
+
+def _data_rows(stdout: str) -> list[list[str]]:
+    return [ln.split() for ln in stdout.splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+@pytest.mark.skipif(compare.missing("gloo") is not None, reason="needs torch (gloo)")
+def test_gloo_types_it_lacks_are_na(tmp_path):
+    """Gloo has no uint32 / uint64 ("Invalid scalar type" from every rank): n/a cells, like an
+    op it lacks, and the rest of the table still prints."""
+    out = tmp_path / "gloo.json"
+    r = bench("all_reduce", "-b", "8", "-e", "8", "-n", "2", "-w", "1", "--no-progress",
+              "-d", "int32,uint32,uint64", "--compare", "gloo", "--json", str(out), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert [row[2] for row in _data_rows(r.stdout)] == ["int32", "uint32", "uint64"]
+    rows = {row["type"]: row for row in json.loads(out.read_text())["systems"]["gloo"]["rows"]}
+    assert "time_us" in rows["int32"]["ip"]
+    for t in ("uint32", "uint64"):
+        assert "gloo has no" in rows[t]["oop"]["na"] and "gloo has no" in rows[t]["ip"]["na"]
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["-b", "1K", "-e", "8"], "-e 8"), (["-N", "0"], "-N 0"), (["-N", "-1"], "-N -1"),
+    (["-n", "0"], "-n 0"), (["-n", "-1"], "-n -1"), (["-w", "-1"], "-w -1"),
+    (["--json", "{missing}/x.json"], "--json"), (["--plot", "{missing}/x.png"], "--plot")])
+def test_bad_arguments_are_one_clear_error(argv, flag, tmp_path):
+    """Like -r out of range: one line and status 2 before any rank starts, no sweep."""
+    argv = [a.format(missing=tmp_path / "no" / "dir") for a in argv]
+    r = bench("all_reduce", "-b", "8", "-e", "8", "-n", "2", "-w", "1", "--no-progress",
+              "--timeout", "30", *argv)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"linkwise bench: {flag}"), r.stderr
+
+
+def test_sizes_that_round_to_the_same_count_give_one_row():
+    """-b 0: sizes 0, 1 and 2 are all 0 floats; one row for them."""
+    r = bench("all_reduce", "-b", "0", "-e", "8", "-n", "2", "-w", "1", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert [int(row[0]) for row in _data_rows(r.stdout)] == [0, 4, 8]

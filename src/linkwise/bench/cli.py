@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 
@@ -66,6 +67,17 @@ def _normalise(args) -> list[str]:
     """Fill test-dependent defaults; returns the compared systems (validated)."""
     if args.minbytes is None:
         args.minbytes = "1" if args.test == "p2p" else "8"
+    common.sweep(common.parse_size(args.minbytes), common.parse_size(args.maxbytes))  # -e < -b
+    if args.nranks < 1:
+        raise ValueError(f"-N {args.nranks}: need at least 1 rank")
+    if args.iters is not None and args.iters < 1:
+        raise ValueError(f"-n {args.iters}: need at least 1 timed iteration")
+    if args.warmup_iters is not None and args.warmup_iters < 0:
+        raise ValueError(f"-w {args.warmup_iters}: must be >= 0")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        where = os.path.dirname(os.path.abspath(path)) if path else None
+        if where and not (os.path.isdir(where) and os.access(where, os.W_OK | os.X_OK)):
+            raise ValueError(f"{flag} {path}: {where} is not a writable directory")
     common.resolve_dtypes(args.datatype)
     common.resolve_ops(args.op)
     others = [s.strip() for s in args.compare.split(",") if s.strip()]

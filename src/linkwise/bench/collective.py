@@ -102,19 +102,23 @@ def _one_variant(backend: Backend, coll: str, dtype, op: str, root: int, total: 
 def run_sweep(backend: Backend, coll: str, sizes: list[int], dtypes: list[str], ops: list[str],
               root: int, iters: int, warmup: int, check: bool,
               progress: Optional[Callable[[], None]] = None) -> list[dict]:
-    """Every (size, type, op) point of the sweep on this backend; rows are valid on rank 0."""
+    """Every (size, type, op) point of the sweep on this backend; rows are valid on rank 0.
+    Sizes that round to the same element count as an earlier one give no second row."""
     if coll not in common.COLLECTIVES:
         raise ValueError(f"unknown collective {coll!r}")
-    rows = []
+    rows, seen = [], set()  # seen: (count, type) already measured (-b 0: sizes 0, 1, 2 -> 0)
     op_list = ops if coll in common.HAS_REDOP else ["none"]
     for nbytes in sizes:
         for tname in dtypes:
             dtype = common.DTYPES[tname]
             split = common.counts(coll, nbytes, dtype.itemsize, backend.size)
+            repeat = split is not None and (split[0], tname) in seen
+            if split is not None:
+                seen.add((split[0], tname))
             for op in op_list:
                 if progress:
                     progress()
-                if split is None:
+                if split is None or repeat:
                     continue
                 total, block = split
                 row = {"size": total * dtype.itemsize, "count": total, "type": tname, "redop": op,

@@ -131,6 +131,9 @@ class GlooBackend(Backend):
                                 world_size=size)
         self.rank, self.size = rank, size
         self._ops = torch_reduce_ops(dist)
+        # Element types Gloo's typed algorithms know (no uint16/32/64: "Invalid scalar type").
+        self._dtypes = {np.dtype(t) for t in (np.int8, np.uint8, np.int32, np.int64,
+                                              np.float16, np.float32, np.float64)}
 
     def _t(self, x: np.ndarray):
         return self.torch.from_numpy(x)
@@ -162,6 +165,8 @@ class GlooBackend(Backend):
 
     def bind(self, coll, send, recv, inplace, op, root):
         d = self.dist
+        if coll != "sendrecv" and send.dtype not in self._dtypes:  # sendrecv moves raw bytes
+            raise Unsupported(f"gloo has no {send.dtype}")
         fn = bind_torch_dist(d, "gloo", self._ops, coll, inplace, op, root, self.rank, self.size,
                              self._t(send), self._t(recv))
         if fn is not None:
