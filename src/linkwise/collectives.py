@@ -16,8 +16,9 @@ sequence, which names its messages (tag bit 63 set, so never a user tag). Ranks 
 collectives in the same order; async ones run in issue order on one worker thread.
 
 Tunables (read per call): LINKWISE_ALGO forces an algorithm, LINKWISE_CHUNK_SIZE the
-pipelining chunk, LINKWISE_CHECK=1 verifies that all ranks agree on kind/size/dtype/op/root
-first and raises ValueError on every rank when they do not.
+pipelining chunk (a value of either that does not parse makes every collective raise
+ValueError, even those it would not change), LINKWISE_CHECK=1 verifies that all ranks agree on
+kind/size/dtype/op/root first and raises ValueError on every rank when they do not.
 """
 from __future__ import annotations
 
@@ -83,6 +84,22 @@ def _cma_settings(cpus_per_rank: float, size: int) -> tuple:
             config.get("LINKWISE_COLL_CMA_PIECE"), config.get("LINKWISE_COLL_LANE_MIN"), threads, one_max)
 
 
+def _check_tunables() -> None:
+    """Raise ValueError (naming the variable and its value) when LINKWISE_CHUNK_SIZE or
+    LINKWISE_ALGO is set to something that does not parse. Every collective that leaves the
+    latency paths calls it, and so does the setup of those paths (the first collective), so a
+    bad value fails every kind of collective alike, even those it would not change."""
+    if _env_set(b"LINKWISE_CHUNK_SIZE"):
+        config.get("LINKWISE_CHUNK_SIZE")
+    if _env_set(b"LINKWISE_ALGO"):
+        config.get("LINKWISE_ALGO")
+
+
+def _gpu_dispatch(comm, kind: str, x: Any, **kw):
+    _check_tunables()
+    return _gpu_coll.dispatch(comm, kind, x, **kw)
+
+
 class CollectivesMixin:
     """Mixed into Communicator; uses self._native, self.rank, self.size, self.timeout."""
 
@@ -131,6 +148,7 @@ class CollectivesMixin:
     def _run(self, kind: str, x: Optional[np.ndarray], out: Optional[np.ndarray], dtype: str, op: str,
              root: int, count: int, nbytes: int, async_op: bool, result: Any):
         self._check_open(kind)
+        _check_tunables()
         if _env_set(b"LINKWISE_CHECK") and config.get("LINKWISE_CHECK"):
             self._check_agree(kind, count, dtype, op, root)
         worker = self.__dict__.get("_coll_worker")
@@ -175,7 +193,7 @@ class CollectivesMixin:
             return None
         if kind == "broadcast" and self.size == 2 and nbytes >= LARGE_PAIR_BCAST and self._pair_bcast_p2p:
             return None  # without CMA in the executor: one single-copy message beats two copies
-        algo = os.environ.get("LINKWISE_ALGO", "") if _env_set(b"LINKWISE_ALGO") else ""
+        algo = config.get("LINKWISE_ALGO") if _env_set(b"LINKWISE_ALGO") else ""
         if algo and not (algo == "direct" and kind == "all_reduce"):
             return None
         shm = self.__dict__.get("_shm")
@@ -184,6 +202,7 @@ class CollectivesMixin:
         return shm or None
 
     def _attach_shm(self):
+        _check_tunables()  # before the latency paths, which never read them, are set up
         if self._store is None or not self.transports or any(v != "shm" for v in self.transports.values()):
             return None
         from ._setup import SHM_PREFIX
@@ -212,7 +231,10 @@ class CollectivesMixin:
         return shm
 
     def _root(self, root: Any, op: str) -> int:
-        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)):  # True is an int
+            raise ValueError(f"{op}: root must be an integer rank 0..{self.size - 1}, got {root!r} "
+                             f"({type(root).__name__})")
+        if not 0 <= root < self.size:
             raise ValueError(f"{op}: root {root!r} is out of range; this communicator has ranks 0..{self.size - 1}")
         return int(root)
 
@@ -269,8 +291,8 @@ class CollectivesMixin:
                 if r is not None:
                     return r
             if _gpu_coll.is_cuda(x):
-                return _gpu_coll.dispatch(self, "all_reduce", x, out=out, red=op, async_op=async_op,
-                                          dtype=dtype, stream=stream)
+                return _gpu_dispatch(self, "all_reduce", x, out=out, red=op, async_op=async_op,
+                                     dtype=dtype, stream=stream)
         x = _as_array(x, "all_reduce")
         dt = _dtype_name(x, dtype)
         self._redop(op, dt, "all_reduce")
@@ -299,8 +321,8 @@ class CollectivesMixin:
                 return r
         root = self._root(root, "broadcast")
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
-            return _gpu_coll.dispatch(self, "broadcast", x, out=out, root=root, async_op=async_op,
-                                      stream=stream)
+            return _gpu_dispatch(self, "broadcast", x, out=out, root=root, async_op=async_op,
+                                 stream=stream)
         x = _as_array(x, "broadcast")
         if out is None:
             out = x
@@ -333,7 +355,7 @@ class CollectivesMixin:
         """Concatenate every rank's x (rank order) into out (size * len(x) elements).
         CUDA arrays: on the GPU, on `stream`."""
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
-            return _gpu_coll.dispatch(self, "all_gather", x, out=out, async_op=async_op, stream=stream)
+            return _gpu_dispatch(self, "all_gather", x, out=out, async_op=async_op, stream=stream)
         x = _as_array(x, "all_gather")
         if out is None:
             out = np.empty((self.size * (x.shape[0] if x.ndim else 1),) + x.shape[1:], dtype=x.dtype)
@@ -348,8 +370,8 @@ class CollectivesMixin:
         """Combine x across ranks; rank r gets block r (x has size * len(out) elements).
         CUDA arrays: on the GPU, on `stream`."""
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
-            return _gpu_coll.dispatch(self, "reduce_scatter", x, out=out, red=op, async_op=async_op,
-                                      dtype=dtype, stream=stream)
+            return _gpu_dispatch(self, "reduce_scatter", x, out=out, red=op, async_op=async_op,
+                                 dtype=dtype, stream=stream)
         x = _as_array(x, "reduce_scatter")
         dt = _dtype_name(x, dtype)
         self._redop(op, dt, "reduce_scatter")
@@ -370,7 +392,7 @@ class CollectivesMixin:
         """Rank r's block j (x split into size equal blocks) goes to rank j's block r.
         CUDA arrays: on the GPU, on `stream`."""
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
-            return _gpu_coll.dispatch(self, "all_to_all", x, out=out, async_op=async_op, stream=stream)
+            return _gpu_dispatch(self, "all_to_all", x, out=out, async_op=async_op, stream=stream)
         x = _as_array(x, "all_to_all")
         if x.size % self.size:
             raise ValueError(f"all_to_all: x has {x.size} elements, not a multiple of the "

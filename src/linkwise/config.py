@@ -29,12 +29,18 @@ class Tunable:
 
 
 def _size(text: str) -> int:
-    """Parse a byte size such as ``4096``, ``64K``, ``1M``, ``2GiB``."""
+    """Parse a byte size such as ``4096``, ``64K``, ``1M``, ``2GiB`` (not negative)."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
     if t[-1:] in "KMG":
         t = t[:-1]
-    return int(float(t) * mult)
+    try:
+        value = float(t) * mult
+    except ValueError:
+        raise ValueError("expected a byte size such as 4096, 64K, 1M or 2GiB") from None
+    if not 0 <= value < float(1 << 63):  # also NaN and infinity
+        raise ValueError("expected a byte size of 0 or more, such as 4096, 64K, 1M or 2GiB")
+    return int(value)
 
 
 def _bool(text: str) -> bool:
@@ -46,12 +52,18 @@ def _bool(text: str) -> bool:
     raise ValueError("expected 0/1, true/false, yes/no or on/off")
 
 
-def _choice(*choices: str) -> Callable[[str], str]:
+def _choice(*choices: str, empty: str = "") -> Callable[[str], str]:
+    """Parse one of `choices` (case-insensitive). With `empty` (what an empty or unset variable
+    means), a blank value is accepted too and parses as ""."""
+    expected = f"expected one of {', '.join(choices)}"
+    if empty:
+        expected += f" (empty or unset: {empty})"
+
     def parse(text: str) -> str:
         t = text.strip().lower()
-        if t not in choices:
-            raise ValueError(f"expected one of {', '.join(choices)}")
-        return t
+        if t in choices or (empty and not t):
+            return t
+        raise ValueError(expected)
     return parse
 
 
@@ -99,9 +111,11 @@ declare("LINKWISE_DEVICE", None, int, "GPU index this rank uses (set by `linkwis
 declare("LINKWISE_TOPO_FILE", "", str,
         "a topology JSON (linkwise topo --save) used instead of discovering this machine")
 # Collectives (issue 3), read per call by linkwise.collectives.
-declare("LINKWISE_ALGO", "", _choice("", "ring", "tree", "chain", "direct"),
+declare("LINKWISE_ALGO", "", _choice("ring", "tree", "chain", "direct", empty="pick by size"),
         "force a collective algorithm (ring, tree, chain, direct); empty picks by size")
-declare("LINKWISE_CHUNK_SIZE", 0, _size, "pipelining chunk of ring/chain collectives in bytes; 0 = default (512K)")
+declare("LINKWISE_CHUNK_SIZE", 0, _size,
+        "pipelining chunk of ring/chain collectives in bytes; 0 = default (512K); every collective "
+        "raises ValueError while it is not a byte size of 0 or more")
 declare("LINKWISE_CHECK", False, _bool,
         "verify before each collective that all ranks agree on size/dtype/op/root and host vs CUDA arrays (raise ValueError on every rank if not)")
 # Shared-memory collectives on one host (read when a communicator attaches its executor).

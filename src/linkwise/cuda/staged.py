@@ -34,7 +34,6 @@ of them can be captured in a CUDA graph (GpuComm raises under capture).
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 
@@ -52,7 +51,7 @@ _seq = [0]  # StageChannel segments made by this process (names must be unique)
 class Staged:
     def __init__(self, g):
         self.g, self.e, self.comm = g, g._engine, g.comm
-        self.chunk = int(os.environ.get("LINKWISE_CHUNK_SIZE") or (4 << 20))
+        self.chunk = config.get("LINKWISE_CHUNK_SIZE") or (4 << 20)  # "64K" too, as everywhere
         self.chunk = max(4096, self.chunk // 256 * 256)
         self.nbuf = min(16, max(2, config.get("LINKWISE_STAGED_BUFFERS")))
         self._bufs: list = []  # [ptr, nbytes]
