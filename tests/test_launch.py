@@ -144,7 +144,8 @@ def test_rank_ignoring_sigterm_gets_killed(tmp_path):
             + "if RANK == 0:\n    sys.exit(1)\ntime.sleep(60)\n")
     p, elapsed = run_launch(tmp_path, body, "-n", "2")
     assert p.returncode == 1 and "rank 0 exited with status 1" in p.stderr
-    assert launch.TERM_GRACE - 0.5 < elapsed < launch.TERM_GRACE + 5
+    grace = launch.PEER_GRACE + launch.TERM_GRACE
+    assert grace - 0.5 < elapsed < grace + 5
     assert not alive(int((tmp_path / "pids" / "1").read_text()))
 
 
@@ -283,3 +284,28 @@ def test_exit_after_async_collectives(tmp_path):
     for attempt in range(6):
         p, _ = run_launch(tmp_path, ASYNC_THEN_EXIT, "-n", "3", timeout=60)
         assert p.returncode == 0 and p.stdout.count("done") == 3, (attempt, p.stdout[-1500:], p.stderr[-1500:])
+
+
+PEER_DIES = """
+import numpy as np, linkwise
+comm = linkwise.init()
+x = np.ones(1000, np.float32)
+comm.all_reduce(x)
+if comm.rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    for _ in range(100000):
+        comm.all_reduce(x)
+except linkwise.PeerError as e:
+    print("handled PeerError from rank", e.peer, flush=True)
+    sys.exit(5)
+"""
+
+
+def test_survivors_handle_peer_error_before_being_stopped(tmp_path):
+    # The launcher waits PEER_GRACE before SIGTERM, so a rank blocked on the dead one raises
+    # PeerError and runs its handler (it stopped them at once before).
+    p, elapsed = run_launch(tmp_path, PEER_DIES, "-n", "3", timeout=60)
+    assert p.returncode == 128 + 9 and "rank 1 was killed by signal SIGKILL" in p.stderr, p.stderr[-2000:]
+    assert p.stdout.count("handled PeerError from rank 1") == 2, p.stdout[-2000:]
+    assert elapsed < 15

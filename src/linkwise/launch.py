@@ -8,8 +8,10 @@ own process group, and has its stdout/stderr forwarded line by line with a ``[ra
 Contract:
   * When a rank exits non-zero or is killed by a signal, the launcher prints
     ``linkwise launch: rank K exited with status S`` (or ``was killed by signal SIG...``),
-    sends SIGTERM to every other rank's process group, SIGKILL after ``TERM_GRACE`` seconds,
-    and returns non-zero (S, or 128 + the signal number).
+    gives the others ``PEER_GRACE`` seconds to end by themselves (a rank blocked on the dead
+    one raises PeerError, and its handlers run), then sends SIGTERM to every remaining rank's
+    process group, SIGKILL after ``TERM_GRACE`` more seconds, and returns non-zero (S, or 128 +
+    the signal number).
   * SIGINT/SIGTERM received by the launcher are forwarded to every rank; a second one escalates
     to SIGKILL.
   * Whatever happens, /dev/shm/linkwise-<job_id>-* (named segments: the GPU host-staging
@@ -39,6 +41,7 @@ from .bootstrap import SPARE_PORTS
 
 __all__ = ["add_arguments", "run", "main", "cpu_slices", "SHM_DIR"]
 
+PEER_GRACE = 1.0  # a shared-memory wait notices a dead peer within ~0.1 s, a socket at once
 TERM_GRACE = 3.0
 SHM_DIR = "/dev/shm"
 
@@ -289,12 +292,18 @@ def _supervise(procs: list, out: _Output, signals_seen: list) -> int:
     for k, p in enumerate(procs):
         threading.Thread(target=lambda k=k, p=p: exits.put((k, p.wait())), daemon=True).start()
 
-    code, left, deadline = 0, len(procs), None
+    code, left, term_at, deadline = 0, len(procs), None, None
     while left:
         try:
-            k, status = exits.get(timeout=0.2)
+            k, status = exits.get(timeout=0.1)
         except queue.Empty:
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if term_at is not None and now > term_at:
+                out.say(f"linkwise launch: stopping the other {left} rank(s)")
+                for p in procs:
+                    _signal_group(p, signal.SIGTERM)
+                term_at, deadline = None, now + TERM_GRACE
+            elif deadline is not None and now > deadline:
                 for p in procs:
                     _signal_group(p, signal.SIGKILL)
                 deadline = None
@@ -305,10 +314,7 @@ def _supervise(procs: list, out: _Output, signals_seen: list) -> int:
             out.say(_describe(k, status))
             code = status if status > 0 else 128 - status
             if left:
-                out.say(f"linkwise launch: stopping the other {left} rank(s)")
-                for p in procs:
-                    _signal_group(p, signal.SIGTERM)
-                deadline = time.monotonic() + TERM_GRACE
+                term_at = time.monotonic() + PEER_GRACE
     for t in pumps:  # a grandchild may hold a pipe open: do not wait for it forever
         t.join(timeout=1.0)
     if code == 0 and signals_seen:
