@@ -177,3 +177,16 @@ def _roots(comm):
 
 def test_roots_must_be_integer_ranks():
     assert run_ranks(3, _roots, timeout=60) == ["ok"] * 3
+
+
+def _gather_small_out(comm):
+    x = np.ones(4, np.float32)
+    try:
+        comm.gather(x, root=0, out=np.empty(3, np.float32))  # the same wrong out on every rank
+    except ValueError as e:
+        return "ValueError" if "gather" in str(e) else str(e)
+    return "no error"
+
+
+def test_gather_wrong_out_raises_on_every_rank():
+    assert run_ranks(3, _gather_small_out, timeout=60) == ["ValueError"] * 3

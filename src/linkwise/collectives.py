@@ -419,6 +419,8 @@ class CollectivesMixin:
                 self._same(x, out, "gather", self.size)
             self._writable(out, "gather")
         else:
+            if out is not None:  # unused here, but checked as on root: a wrong one raises everywhere
+                self._same(x, _as_array(out, "gather"), "gather", self.size)
             out = None
         return self._run("gather", x, out, _dtype_label(x.dtype), "", root, x.size, x.nbytes, async_op, out)
 
