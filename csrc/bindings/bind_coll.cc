@@ -38,11 +38,12 @@ namespace linkwise {
 namespace {
 
 // The shared-memory fast path of one communicator (see algo/shm_coll.h). A failure aborts
-// the communicator's engine too, as a failed p2p collective does. Owned from C++ only (no
-// Python reference inside), so the async worker may drop the last reference without the GIL,
-// also while the interpreter shuts down.
-struct ShmExec {
-  ShmExec(std::shared_ptr<NativeComm> comm, const std::string& name, bool create, double spin_us)
+// the communicator's engine too, as a failed p2p collective does. Made by make_shared (as
+// NativeComm), so shared_from_this() is owned from C++ alone (no Python reference inside): the
+// async worker may drop the last reference without the GIL, also at interpreter shutdown.
+class PyShmColl : public std::enable_shared_from_this<PyShmColl> {
+ public:
+  PyShmColl(std::shared_ptr<NativeComm> comm, const std::string& name, bool create, double spin_us)
       : comm_(std::move(comm)),
         shm_(name, create, comm_->engine().rank(), comm_->engine().size(), spin_us) {}
   template <class F>
@@ -58,25 +59,12 @@ struct ShmExec {
   ShmColl shm_;
 };
 
-// linkwise._native.ShmColl: the Python handle of a ShmExec.
-class PyShmColl {
- public:
-  PyShmColl(std::shared_ptr<NativeComm> comm, const std::string& name, bool create, double spin_us)
-      : exec(std::make_shared<ShmExec>(std::move(comm), name, create, spin_us)), shm_(exec->shm_) {}
-  template <class F>
-  void guarded(F&& f) {
-    exec->guarded(std::forward<F>(f));
-  }
-  std::shared_ptr<ShmExec> exec;
-  ShmColl& shm_;
-};
-
 // Threading: built and submitted under the GIL; then the worker runs it and may hold the last
 // reference. So nothing here may need the GIL to be destroyed: the buffers are released by
 // the CollRequest (under the GIL) before the job can be dropped elsewhere, or leaked.
 struct CollJob {
   CollParams p;
-  std::shared_ptr<ShmExec> shm;  // set: run p.kind (AllReduce/Broadcast) through shared memory
+  std::shared_ptr<PyShmColl> shm;  // from shared_from_this(); set: run p.kind (AllReduce/Broadcast) through shared memory
   HeldBuffer x, out;
   const void* send = nullptr;
   size_t send_bytes = 0;
@@ -381,7 +369,7 @@ void bind_coll(nb::module_& m) {
               int algo, size_t chunk, std::vector<int> order, int parent, std::vector<int> children, double timeout,
               PyShmColl* shm) {
              auto job = std::make_shared<CollJob>();
-             if (shm) job->shm = shm->exec;
+             if (shm) job->shm = shm->shared_from_this();  // C++-owned, not nanobind's py_deleter
              job->p = make_params(kind, dtype, op, root, seq, algo, chunk, std::move(order), parent,
                                   std::move(children), timeout);
              hold(x, out, job->x, job->out, job->send, job->send_bytes, job->recv, job->recv_bytes);
