@@ -28,7 +28,8 @@ namespace linkwise {
 namespace {
 constexpr size_t kSub = 32 << 10;       // reduce, then copy out, this many bytes at a time (in L1/L2)
 constexpr size_t kStreamMin = 8 << 20;  // messages at least this big are copied out with streaming stores
-constexpr int kMaxRanksMany = kManyMax;  // up to this many ranks reduce all inputs in one pass
+// Ranks whose inputs are reduced in one pass (reduce_many_store); 2 ranks keep the pair kernel.
+inline bool one_pass(int n) { return n >= 3 && n <= kManyMax; }
 }  // namespace
 
 // Copies into a large destination that will not be read again soon (a big message's user
@@ -225,8 +226,8 @@ void ShmColl::one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedO
 }
 
 void ShmColl::one_shot_combine(uint32_t r, void* out, size_t count, DType t, RedOp op) {
-  if (n_ >= 3 && n_ <= kMaxRanksMany) {  // 2 ranks: one reduce3 below
-    const char* ins[kMaxRanksMany];
+  if (one_pass(n_)) {
+    const char* ins[kManyMax];
     for (int q = 0; q < n_; ++q) ins[q] = slot(q)->one(r);
     if (reduce_many_store(out, out, ins, n_, count, t, op, false)) return;
   }
@@ -330,8 +331,8 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
     };
     // One pass over every input at once where a kernel exists (the loads of all peers' lines
     // in flight together), else reduce a sub-block at a time so the copy-out hits cache.
-    const char* ins[kMaxRanksMany];
-    const bool many = n_ >= 3 && n_ <= kMaxRanksMany;  // 2 ranks: the pair kernel below
+    const char* ins[kManyMax];
+    const bool many = one_pass(n_);
     for (size_t s = 0; s < len; s += sub) {
       const size_t o = off + s, m = std::min(sub, len - s);
       if (many) {
