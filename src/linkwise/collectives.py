@@ -86,9 +86,10 @@ def _cma_settings(cpus_per_rank: float, size: int) -> tuple:
 
 def _check_tunables() -> None:
     """Raise ValueError (naming the variable and its value) when LINKWISE_CHUNK_SIZE or
-    LINKWISE_ALGO is set to something that does not parse. Every collective that leaves the
-    latency paths calls it, and so does the setup of those paths (the first collective), so a
-    bad value fails every kind of collective alike, even those it would not change."""
+    LINKWISE_ALGO is set to something that does not parse. The shared-memory branch of _run,
+    the GPU dispatch and the setup of the latency paths (the first collective) call it; the
+    point-to-point branch parses both in _schedule. So a bad value fails every kind of
+    collective alike, even those it would not change."""
     if _env_set(b"LINKWISE_CHUNK_SIZE"):
         config.get("LINKWISE_CHUNK_SIZE")
     if _env_set(b"LINKWISE_ALGO"):
@@ -148,7 +149,6 @@ class CollectivesMixin:
     def _run(self, kind: str, x: Optional[np.ndarray], out: Optional[np.ndarray], dtype: str, op: str,
              root: int, count: int, nbytes: int, async_op: bool, result: Any):
         self._check_open(kind)
-        _check_tunables()
         if _env_set(b"LINKWISE_CHECK") and config.get("LINKWISE_CHECK"):
             self._check_agree(kind, count, dtype, op, root)
         worker = self.__dict__.get("_coll_worker")
@@ -157,6 +157,7 @@ class CollectivesMixin:
         inline = not async_op and (worker is None or worker.pending == 0)
         shm = self._shm_for(kind, nbytes)
         if shm is not None:
+            _check_tunables()  # the other branch parses them in _schedule
             xr, outr = _raw(x), _raw(out)
             if inline:
                 if kind == "all_reduce":
