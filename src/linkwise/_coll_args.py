@@ -31,6 +31,9 @@ _FAST_CODES_BY_OP: dict = {}
 for (_dt, _op), _code in _FAST_CODES.items():
     _FAST_CODES_BY_OP.setdefault(_op, {})[_dt] = _code
 _NAMES = {np.dtype(d): d for d in DTYPES if d != "bfloat16"}
+# An unstructured 2-byte void array is bfloat16 (the issue's "NumPy void" form; ml_dtypes'
+# bfloat16 is named so by NumPy). Structured dtypes never compare equal to it: not reducible.
+_NAMES[np.dtype("V2")] = "bfloat16"
 try:
     _ENV = os.environ._data  # bytes -> bytes on POSIX; a dict lookup instead of ~0.5 us per get
     _ENC = os.fsencode
@@ -78,6 +81,7 @@ def _native_module():
 
 
 def _as_array(x: Any, what: str) -> np.ndarray:
+    """x as a C-contiguous NumPy array sharing its memory (no copy), else ValueError/TypeError."""
     if isinstance(x, np.ndarray):
         a = x
     else:
@@ -85,7 +89,7 @@ def _as_array(x: Any, what: str) -> np.ndarray:
             a = np.asarray(memoryview(x))
         except TypeError:
             from .comm import _as_buffer
-            a = np.asarray(_as_buffer(x, what))
+            a = _as_buffer(x, what)  # a NumPy view; a CPU torch.bfloat16 tensor comes typed bfloat16
     if not a.flags.c_contiguous:
         raise ValueError(f"{what}: the array is not C-contiguous; pass np.ascontiguousarray(x)")
     return a

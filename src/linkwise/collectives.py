@@ -1,13 +1,15 @@
 """Collective operations of a Communicator (issue 3).
 
 Every collective is called by every rank of the communicator, in the same order. Arrays are
-NumPy arrays or anything with the buffer protocol / ``__dlpack__`` (viewed through NumPy);
-they must be C-contiguous. Results land in place (``out=None``) or in ``out``; collectives
-whose result has another size (all_gather, reduce_scatter, gather, scatter) allocate a NumPy
-array when ``out`` is not given and return it.
+NumPy arrays or anything with the buffer protocol / ``__dlpack__`` (viewed through NumPy; a CPU
+torch.bfloat16 tensor through its bits, see _bf16); they must be C-contiguous. Results land in
+place (``out=None``) or in ``out``, and the collective returns the caller's own object there:
+the x it was given, or the out it was given (a torch tensor stays a tensor, not a NumPy view).
+Collectives whose result has another size (all_gather, reduce_scatter, gather, scatter)
+allocate a NumPy array when ``out`` is not given and return it; gather returns None off root.
 
 Forms: blocking (the default; the GIL is released while the native executor runs),
-``async_op=True`` (returns a :class:`CollectiveRequest`; ``wait()`` returns the result), and
+``async_op=True`` (returns a :class:`CollectiveRequest`; ``wait()`` returns the same result), and
 coroutines ``await comm.aall_reduce(x)`` (the communicator's native worker thread runs the
 collective and signals an eventfd that the asyncio loop watches: no busy loop).
 
@@ -294,6 +296,7 @@ class CollectivesMixin:
             if _gpu_coll.is_cuda(x):
                 return _gpu_dispatch(self, "all_reduce", x, out=out, red=op, async_op=async_op,
                                      dtype=dtype, stream=stream)
+        result = x if out is None else out  # the caller's own object (a tensor stays a tensor)
         x = _as_array(x, "all_reduce")
         dt = _dtype_name(x, dtype)
         self._redop(op, dt, "all_reduce")
@@ -303,7 +306,7 @@ class CollectivesMixin:
         else:
             out = _host_out(out, "all_reduce")
             self._same(x, out, "all_reduce")
-        return self._run("all_reduce", x, out, dt, op, 0, x.size, x.nbytes, async_op, out)
+        return self._run("all_reduce", x, out, dt, op, 0, x.size, x.nbytes, async_op, result)
 
     def broadcast(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False,
                   stream: Any = None):
@@ -324,6 +327,7 @@ class CollectivesMixin:
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
             return _gpu_dispatch(self, "broadcast", x, out=out, root=root, async_op=async_op,
                                  stream=stream)
+        result = x if out is None else out
         x = _as_array(x, "broadcast")
         if out is None:
             out = x
@@ -331,7 +335,7 @@ class CollectivesMixin:
             out = _host_out(out, "broadcast")
             self._same(x, out, "broadcast")
         self._writable(out, "broadcast")
-        return self._run("broadcast", x, out, _dtype_label(x.dtype), "", root, x.size, x.nbytes, async_op, out)
+        return self._run("broadcast", x, out, _dtype_label(x.dtype), "", root, x.size, x.nbytes, async_op, result)
 
     def reduce(self, x: Any, root: int = 0, op: str = "sum", out: Any = None, async_op: bool = False,
                dtype: Optional[str] = None):
@@ -339,6 +343,7 @@ class CollectivesMixin:
         root = self._root(root, "reduce")
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
             raise _gpu_coll.unsupported("reduce", "use all_reduce (every rank gets the result) or copy x to the host")
+        result = x if out is None else out
         x = _as_array(x, "reduce")
         dt = _dtype_name(x, dtype)
         self._redop(op, dt, "reduce")
@@ -350,7 +355,7 @@ class CollectivesMixin:
             out = _as_array(out, "reduce")
             self._same(x, out, "reduce")
         return self._run("reduce", x, out if self.rank == root else None, dt, op, root, x.size, x.nbytes,
-                         async_op, out)
+                         async_op, result)
 
     def all_gather(self, x: Any, out: Any = None, async_op: bool = False, stream: Any = None):
         """Concatenate every rank's x (rank order) into out (size * len(x) elements).
@@ -359,12 +364,12 @@ class CollectivesMixin:
             return _gpu_dispatch(self, "all_gather", x, out=out, async_op=async_op, stream=stream)
         x = _as_array(x, "all_gather")
         if out is None:
-            out = np.empty((self.size * (x.shape[0] if x.ndim else 1),) + x.shape[1:], dtype=x.dtype)
+            out = result = np.empty((self.size * (x.shape[0] if x.ndim else 1),) + x.shape[1:], dtype=x.dtype)
         else:
-            out = _host_out(out, "all_gather")
+            result, out = out, _host_out(out, "all_gather")
             self._same(x, out, "all_gather", self.size)
         self._writable(out, "all_gather")
-        return self._run("all_gather", x, out, _dtype_label(x.dtype), "", 0, x.size, x.nbytes, async_op, out)
+        return self._run("all_gather", x, out, _dtype_label(x.dtype), "", 0, x.size, x.nbytes, async_op, result)
 
     def reduce_scatter(self, x: Any, op: str = "sum", out: Any = None, async_op: bool = False,
                        dtype: Optional[str] = None, stream: Any = None):
@@ -380,20 +385,21 @@ class CollectivesMixin:
             raise ValueError(f"reduce_scatter: x has {x.size} elements, not a multiple of the "
                              f"communicator size {self.size}")
         if out is None:
-            out = np.empty(x.size // self.size, dtype=x.dtype)
+            out = result = np.empty(x.size // self.size, dtype=x.dtype)
         else:
-            out = _host_out(out, "reduce_scatter")
+            result, out = out, _host_out(out, "reduce_scatter")
             if out.dtype != x.dtype or out.size * self.size != x.size:
                 raise ValueError(f"reduce_scatter: out must be a {x.dtype} array of {x.size // self.size} "
                                  f"elements, got {out.dtype} with {out.size}")
         self._writable(out, "reduce_scatter")
-        return self._run("reduce_scatter", x, out, dt, op, 0, out.size, x.nbytes, async_op, out)
+        return self._run("reduce_scatter", x, out, dt, op, 0, out.size, x.nbytes, async_op, result)
 
     def all_to_all(self, x: Any, out: Any = None, async_op: bool = False, stream: Any = None):
         """Rank r's block j (x split into size equal blocks) goes to rank j's block r.
         CUDA arrays: on the GPU, on `stream`."""
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
             return _gpu_dispatch(self, "all_to_all", x, out=out, async_op=async_op, stream=stream)
+        result = x if out is None else out
         x = _as_array(x, "all_to_all")
         if x.size % self.size:
             raise ValueError(f"all_to_all: x has {x.size} elements, not a multiple of the "
@@ -404,7 +410,7 @@ class CollectivesMixin:
             out = _host_out(out, "all_to_all")
             self._same(x, out, "all_to_all")
         self._writable(out, "all_to_all")
-        return self._run("all_to_all", x, out, _dtype_label(x.dtype), "", 0, x.size, x.nbytes, async_op, out)
+        return self._run("all_to_all", x, out, _dtype_label(x.dtype), "", 0, x.size, x.nbytes, async_op, result)
 
     def gather(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
         """Concatenate every rank's x onto root; returns out on root and None elsewhere."""
@@ -414,16 +420,16 @@ class CollectivesMixin:
         x = _as_array(x, "gather")
         if self.rank == root:
             if out is None:
-                out = np.empty((self.size * (x.shape[0] if x.ndim else 1),) + x.shape[1:], dtype=x.dtype)
+                out = result = np.empty((self.size * (x.shape[0] if x.ndim else 1),) + x.shape[1:], dtype=x.dtype)
             else:
-                out = _as_array(out, "gather")
+                result, out = out, _as_array(out, "gather")
                 self._same(x, out, "gather", self.size)
             self._writable(out, "gather")
         else:
             if out is not None:  # unused here, but checked as on root: a wrong one raises everywhere
                 self._same(x, _as_array(out, "gather"), "gather", self.size)
-            out = None
-        return self._run("gather", x, out, _dtype_label(x.dtype), "", root, x.size, x.nbytes, async_op, out)
+            out = result = None
+        return self._run("gather", x, out, _dtype_label(x.dtype), "", root, x.size, x.nbytes, async_op, result)
 
     def scatter(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
         """Root's x, split into size blocks, goes block r to rank r (into out, returned).
@@ -440,14 +446,15 @@ class CollectivesMixin:
         if out is None:
             if xa is None:
                 raise ValueError("scatter: pass out= (an array of len(x) // size elements) on ranks without x")
-            out = np.empty(xa.size // self.size, dtype=xa.dtype)
+            out = result = np.empty(xa.size // self.size, dtype=xa.dtype)
         else:
-            out = _as_array(out, "scatter")
+            result, out = out, _as_array(out, "scatter")
             if xa is not None and (out.dtype != xa.dtype or out.size * self.size != xa.size):
                 raise ValueError(f"scatter: out must be a {xa.dtype} array of {xa.size // self.size} elements")
         self._writable(out, "scatter")
         send = xa if self.rank == root else None
-        return self._run("scatter", send, out, _dtype_label(out.dtype), "", root, out.size, out.nbytes, async_op, out)
+        return self._run("scatter", send, out, _dtype_label(out.dtype), "", root, out.size, out.nbytes, async_op,
+                         result)
 
     def barrier(self, async_op: bool = False, stream: Any = None):
         """Return once every rank has entered the barrier.

@@ -7,7 +7,8 @@ poll a CUDA event recorded after the operation (GpuRequest), napping between pol
 
 Buffers: anything with the buffer protocol (NumPy, bytearray, memoryview, array.array) is used
 in place; objects with ``__dlpack__`` only (PyTorch CPU tensors, JAX arrays) are viewed through
-NumPy without a copy. A receive writes into the array it is given.
+NumPy without a copy, CPU torch.bfloat16 tensors too (through their bits: ``_bf16``). A
+receive writes into the array it is given.
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import weakref
 from typing import Any, Optional
 
 from . import bootstrap, config
-from . import _setup
+from . import _bf16, _setup
 from ._setup import new_job_id
 from ._request import Request
+from ._coll_args import _raw
 from .collectives import CollectivesMixin
 from .errors import CommAbortedError
 
@@ -42,16 +44,24 @@ def _is_cuda(x: Any) -> bool:
 
 
 def _as_buffer(x: Any, op: str) -> Any:
-    """What the native layer accepts for x: x itself, or a NumPy view of a DLPack array."""
+    """A NumPy view (no copy) of x, an object whose buffer the native layer could not take: a
+    DLPack array, a CPU torch.bfloat16 tensor (typed as _bf16.dtype()), or x itself when it is
+    a NumPy array of a dtype the buffer protocol cannot export (ml_dtypes' bfloat16). Pass it
+    to the native layer through _raw (those dtypes as raw bytes)."""
     if _is_cuda(x):
         raise TypeError(f"{op}: got a CUDA array ({type(x).__name__}); {op} moves host memory. "
                         "Use send/recv or the collectives, which take CUDA arrays and are already "
                         "asynchronous (enqueued on the array's stream), or copy it to the host.")
+    import numpy as np
+    if isinstance(x, np.ndarray) and x.dtype.kind == "V":
+        return x
     if hasattr(x, "__dlpack__"):
-        import numpy as np
         try:
             return np.from_dlpack(x)
         except (TypeError, BufferError, RuntimeError) as exc:
+            a = _bf16.torch_view(x)  # np.from_dlpack has no bfloat16
+            if a is not None:
+                return a
             raise TypeError(f"{op}: cannot view {type(x).__name__} through DLPack on the host: {exc}") from None
     raise TypeError(f"{op}: expected an array with the buffer protocol or __dlpack__, got {type(x).__name__}")
 
@@ -122,7 +132,7 @@ class Communicator(CollectivesMixin):
             if _is_cuda(x):
                 self.cuda().send(x, dst, tag, stream=stream)
                 return
-            self._native.send(_as_buffer(x, "send"), dst, tag, self._timeout(timeout))
+            self._native.send(_raw(_as_buffer(x, "send")), dst, tag, self._timeout(timeout))
 
     def recv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None,
              stream: Any = None) -> int:
@@ -138,7 +148,7 @@ class Communicator(CollectivesMixin):
                 raise
             if _is_cuda(x):
                 return self.cuda().recv(x, src, tag, stream=stream)
-            return self._native.recv(_as_buffer(x, "recv"), src, tag, self._timeout(timeout))
+            return self._native.recv(_raw(_as_buffer(x, "recv")), src, tag, self._timeout(timeout))
 
     def cuda(self):
         """This communicator's GPU data plane (linkwise.cuda.GpuComm), built on first use.
@@ -166,7 +176,7 @@ class Communicator(CollectivesMixin):
                 req = (g.isend if is_send else g.irecv)(x, peer, tag, stream=stream)
                 req._timeout = self._timeout(timeout)
                 return req
-            x = _as_buffer(x, op)
+            x = _raw(_as_buffer(x, op))
             native_req = post(x, peer, tag, is_async)
         return Request(native_req, self._timeout(timeout), x)
 

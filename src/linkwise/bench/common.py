@@ -9,15 +9,22 @@ from typing import Optional
 
 import numpy as np
 
-# nccl-tests' type names (and a few aliases) -> NumPy dtype.
+try:  # NumPy has no bfloat16: ml_dtypes' (its kind is "V", so test floats with is_float)
+    import ml_dtypes
+    BF16: Optional[np.dtype] = np.dtype(ml_dtypes.bfloat16)
+except ImportError:
+    BF16 = None
+
+# nccl-tests' type names (and a few aliases) -> NumPy dtype. bfloat16 only with ml_dtypes.
 DTYPES: dict[str, np.dtype] = {
     "int8": np.dtype(np.int8), "uint8": np.dtype(np.uint8),
     "int32": np.dtype(np.int32), "uint32": np.dtype(np.uint32),
     "int64": np.dtype(np.int64), "uint64": np.dtype(np.uint64),
     "half": np.dtype(np.float16), "float": np.dtype(np.float32), "double": np.dtype(np.float64),
+    **({"bfloat16": BF16} if BF16 is not None else {}),
 }
 DTYPE_ALIASES = {"float16": "half", "float32": "float", "float64": "double", "char": "int8",
-                 "int": "int32"}
+                 "int": "int32", "bf16": "bfloat16"}
 OPS = ("sum", "prod", "max", "min", "avg")
 
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter",
@@ -78,9 +85,17 @@ def sweep(minbytes: int, maxbytes: int, factor: float = 2.0, step: int = 1 << 20
     return out
 
 
+def is_float(dtype: np.dtype) -> bool:
+    """A floating-point type, bfloat16 included (ml_dtypes' has kind "V")."""
+    return dtype.kind == "f" or (BF16 is not None and dtype == BF16)
+
+
 def resolve_dtypes(text: str) -> list[str]:
+    """-d: comma-separated names or aliases, or all (bfloat16 only where ml_dtypes imports)."""
     names = list(DTYPES) if text == "all" else [DTYPE_ALIASES.get(t, t) for t in text.split(",")]
     for name in names:
+        if name == "bfloat16" and BF16 is None:
+            raise ValueError("-d bfloat16 needs ml_dtypes (NumPy has no bfloat16): pip install ml_dtypes")
         if name not in DTYPES:
             raise ValueError(f"unknown type {name!r}; expected one of {', '.join(DTYPES)} or all")
     return names
@@ -129,16 +144,18 @@ def reduce_reference(stack: np.ndarray, op: str, dtype: np.dtype) -> np.ndarray:
         return stack.min(axis=0)
     if op == "avg":
         s = stack.astype(np.float64).sum(axis=0) / stack.shape[0]
-        return s.astype(dtype) if dtype.kind == "f" else np.floor(s).astype(dtype)
+        return s.astype(dtype) if is_float(dtype) else np.floor(s).astype(dtype)
     raise ValueError(op)
 
 
 def count_wrong(got: np.ndarray, want: np.ndarray, op: str = "sum") -> int:
-    """Elements of got that differ from want (avg on integers may round either way by 1)."""
+    """Elements of got that differ from want (avg on integers may round either way by 1;
+    floats within 1e-3, bfloat16, with its 8-bit significand, within 2**-7)."""
     if got.shape != want.shape:
         return int(max(got.size, want.size))
-    if got.dtype.kind == "f":
-        bad = ~np.isclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-3, atol=1e-3)
+    if is_float(got.dtype):
+        tol = 2.0 ** -7 if got.dtype.kind == "V" else 1e-3  # "V": bfloat16
+        bad = ~np.isclose(got.astype(np.float64), want.astype(np.float64), rtol=tol, atol=tol)
     elif op == "avg":
         bad = np.abs(got.astype(np.int64) - want.astype(np.int64)) > 1
     else:

@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 
 from .backends import Backend, Unsupported, inplace_views
+from .common import BF16
 
 SYSTEMS = ("gloo", "mpi", "nccl", "nccl-cupy")
 
@@ -71,6 +72,21 @@ def under_mpirun() -> bool:
 
 
 # -- torch.distributed, shared by Gloo (here) and NCCL (gpu.py) -----------------------------
+def torch_tensor(torch, a: np.ndarray):
+    """A CPU tensor sharing a's memory. bfloat16 (ml_dtypes', which torch.from_numpy refuses)
+    goes through its bits as int16 (same bits as uint16, in every torch) to torch.bfloat16."""
+    if BF16 is not None and a.dtype == BF16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def torch_numpy(torch, t) -> np.ndarray:
+    """A CPU tensor as NumPy, sharing its memory; torch.bfloat16 as ml_dtypes' bfloat16."""
+    if t.dtype == torch.bfloat16 and BF16 is not None:
+        return t.view(torch.int16).numpy().view(BF16)
+    return t.numpy()
+
+
 def torch_reduce_ops(dist, avg: bool = False) -> dict:
     ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
            "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -134,9 +150,11 @@ class GlooBackend(Backend):
         # Element types Gloo's typed algorithms know (no uint16/32/64: "Invalid scalar type").
         self._dtypes = {np.dtype(t) for t in (np.int8, np.uint8, np.int32, np.int64,
                                               np.float16, np.float32, np.float64)}
+        if BF16 is not None:
+            self._dtypes.add(BF16)  # as torch.bfloat16 (torch_tensor)
 
     def _t(self, x: np.ndarray):
-        return self.torch.from_numpy(x)
+        return torch_tensor(self.torch, x)
 
     def barrier(self):
         self.dist.barrier()
@@ -222,6 +240,8 @@ class MpiBackend(Backend):
         self.MPI.Request.Waitall(reqs)
 
     def _buf(self, x: np.ndarray):
+        if BF16 is not None and x.dtype == BF16:  # MPI has no standard bfloat16 datatype
+            raise Unsupported("MPI has no bfloat16")
         try:
             mtype = self.MPI._typedict[x.dtype.char]
         except (KeyError, AttributeError):

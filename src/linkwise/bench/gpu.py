@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from .backends import Backend, LinkwiseBackend, Unsupported
-from .compare import bind_torch_dist, destroy_process_group, torch_reduce_ops
+from .compare import bind_torch_dist, destroy_process_group, torch_numpy, torch_reduce_ops, torch_tensor
 
 GRAPH_REPLAYS = 10
 
@@ -93,7 +93,7 @@ class GpuBackend(Backend):
         return self._helper.sum_over_ranks(value)
 
     def _dev(self, a: np.ndarray):
-        return self.torch.from_numpy(a).cuda()
+        return torch_tensor(self.torch, a).cuda()
 
     def _pair(self, coll, send, recv, inplace):
         s, r = self._dev(send), self._dev(recv)
@@ -116,8 +116,8 @@ class GpuBackend(Backend):
 
     def result_view(self, coll, send, recv, inplace):
         self.torch.cuda.synchronize()
-        host_send = self._tensors["send"].cpu().numpy()
-        host_recv = self._tensors["recv"].cpu().numpy()
+        host_send = torch_numpy(self.torch, self._tensors["send"].cpu())
+        host_recv = torch_numpy(self.torch, self._tensors["recv"].cpu())
         return super().result_view(coll, host_send, host_recv, inplace)
 
 

@@ -22,7 +22,7 @@ from .gpu import GpuBackend
 _TAG_ID = (1 << 61) + 22
 # ncclDataType_t / ncclRedOp_t codes (nccl.h; the same in cupy.cuda.nccl).
 _NCCL_TYPES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
-               "float16": 6, "float32": 7, "float64": 8}
+               "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9}  # ncclBfloat16: NCCL >= 2.10
 _NCCL_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 
 
