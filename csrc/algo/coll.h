@@ -66,8 +66,12 @@ class CollCtx {
   std::shared_ptr<Request> irecv(int peer, void* buf, size_t bytes, int step) {
     return e_.irecv(peer, buf, bytes, tag(step), 0, false);
   }
+  // Every receive of a collective expects an exact size; a shorter message means the ranks
+  // called it with different sizes or dtypes (a longer one fails in the engine already).
   void wait(const std::shared_ptr<Request>& r) {
-    if (r) e_.wait(*r, p_.timeout, "collective");
+    if (!r) return;
+    e_.wait(*r, p_.timeout, "collective");
+    if (r->kind == Request::Kind::Recv && r->transferred() != r->bytes) size_mismatch(*r);
   }
   // Waits for every request (all of them, even after a failure, so no buffer is in use when
   // this returns normally); rethrows the first error.
@@ -93,6 +97,7 @@ class CollCtx {
   void recv(int peer, void* buf, size_t bytes, int step) { wait(irecv(peer, buf, bytes, step)); }
 
  private:
+  [[noreturn]] void size_mismatch(const Request& r) const;
   Engine& e_;
   const CollParams& p_;
 };

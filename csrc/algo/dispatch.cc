@@ -18,6 +18,19 @@ void need(bool ok, const std::string& what) {
 
 }  // namespace
 
+void CollCtx::size_mismatch(const Request& r) const {
+  static const char* const kNames[] = {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter",
+                                       "all_to_all", "gather", "scatter", "barrier"};
+  const int k = static_cast<int>(p_.kind);
+  throw Error(ErrorKind::Invalid,
+              "rank " + std::to_string(rank()) + ": " + (k >= 0 && k < 9 ? kNames[k] : "collective") +
+                  " received " + std::to_string(r.transferred()) + " bytes from rank " + std::to_string(r.peer) +
+                  " where " + std::to_string(r.bytes) +
+                  " were expected: the ranks called it with different sizes, dtypes or roots; call each "
+                  "collective with the same arguments on every rank (LINKWISE_CHECK=1 compares them first)",
+              -1);
+}
+
 char* coll_scratch(ScratchSlot slot, size_t bytes) {
   thread_local std::vector<char> pools[kNumSlots];
   std::vector<char>& v = pools[slot];

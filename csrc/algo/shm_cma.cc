@@ -42,12 +42,16 @@ void ShmColl::cma_all_reduce(const void* in, void* out, size_t count, DType t, R
   auto& me = slot(rank_)->h();
   me.x_src = reinterpret_cast<uint64_t>(in);
   me.x_dst = reinterpret_cast<uint64_t>(out);
+  stamp(me.x_in.stamp);
   publish(me.x_in.v, r);  // release: the addresses are visible with the counter
   cma_busy_ = 1;          // from here on peers may copy from / into my buffers
   x_src_.resize(n_);
   x_dst_.resize(n_);
   for (int q = 0; q < n_; ++q) {
-    if (q != rank_) wait_ge(q, slot(q)->h().x_in.v, r, "all_reduce");
+    if (q != rank_) {
+      wait_ge(q, slot(q)->h().x_in.v, r, "all_reduce");
+      check_line(q, slot(q)->h().x_in.stamp, true);
+    }
     x_src_[q] = slot(q)->h().x_src;
     x_dst_[q] = slot(q)->h().x_dst;
   }
@@ -103,12 +107,14 @@ void ShmColl::cma_broadcast(const void* src, void* buf, size_t bytes, int root) 
   me.y_addr = reinterpret_cast<uint64_t>(rank_ == root ? src : buf);
   me.y_work.v.store(static_cast<uint64_t>(r) << 32, std::memory_order_relaxed);
   me.y_done.v.store(static_cast<uint64_t>(r) << 32, std::memory_order_relaxed);
+  stamp(me.y_in.stamp);
   publish(me.y_in.v, r);  // seq_cst store: y_addr / y_work / y_done are visible with it
   cma_busy_ = 2;
   y_root_ = root;
   const uint64_t mine = me.y_addr;
   if (rank_ != root) {
     wait_ge(root, slot(root)->h().y_in.v, r, "broadcast");
+    check_line(root, slot(root)->h().y_in.stamp, false);
     const uint64_t from = slot(root)->h().y_addr;
     pool_->run(pool_->threads(), [&](int, int) { cma_take_pieces(rank_, root, r, from, mine, bytes); });
     wait_ge(root, me.y_fin.v, r, "broadcast");  // pieces the root claimed have landed
@@ -122,6 +128,7 @@ void ShmColl::cma_broadcast(const void* src, void* buf, size_t bytes, int root) 
   pool_->run(n_ - 1, [&](int k, int) {
     const int q = (root + 1 + k) % n_;
     wait_ge(q, slot(q)->h().y_in.v, r, "broadcast");
+    check_line(q, slot(q)->h().y_in.stamp, false);
     cma_take_pieces(q, root, r, mine, slot(q)->h().y_addr, bytes);
   });
   for (int q = 0; q < n_; ++q)

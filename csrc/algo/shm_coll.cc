@@ -161,6 +161,7 @@ void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, co
     if (reached(word.load(std::memory_order_acquire), target)) return;
     if (seconds_since(last_check) >= 0.1) {
       last_check = Clock::now();
+      check_calls();  // a peer in this call with other arguments: it may never publish `word`
       const uint32_t blame = slot(peer)->h().failed.v.load(std::memory_order_acquire);
       if (blame && !reached(word.load(std::memory_order_acquire), target)) {
         const int culprit = static_cast<int>(blame) - 1;
@@ -194,6 +195,7 @@ void ShmColl::mark_failed(int culprit) {
 void ShmColl::all_reduce(const void* in, void* out, size_t count, DType t, RedOp op, double timeout) {
   timeout_ = timeout;
   const size_t bytes = count * dtype_size(t);
+  begin_call(kAllReduce, bytes, t, op, 0);
   try {
     if (cma_ && bytes >= opt_.ar_min) cma_all_reduce(in, out, count, t, op);
     else if (one_shot_fits(bytes)) one_shot(in, out, count, t, op);
@@ -214,14 +216,18 @@ uint32_t ShmColl::one_shot_post(const void* in, size_t bytes) {
   const uint32_t r = ++one_round_;
   Slot* me = slot(rank_);
   std::memcpy(me->one(r), in, bytes);
+  stamp(me->h().b_in.stamp[r & 1]);
   publish(me->h().b_in.v, r);
   return r;
 }
 
 // Waits for every peer's round r, then combines all inputs in rank order into out.
 void ShmColl::one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedOp op) {
-  for (int q = 0; q < n_; ++q)
-    if (q != rank_) wait_ge(q, slot(q)->h().b_in.v, r, "all_reduce");
+  for (int q = 0; q < n_; ++q) {
+    if (q == rank_) continue;
+    wait_ge(q, slot(q)->h().b_in.v, r, "all_reduce");
+    check_line(q, slot(q)->h().b_in.stamp[r & 1], true);
+  }
   one_shot_combine(r, out, count, t, op);
 }
 
@@ -240,6 +246,7 @@ int ShmColl::all_reduce_start(const void* in, void* out, size_t count, DType t, 
   const size_t bytes = count * dtype_size(t);
   if ((cma_ && bytes >= opt_.ar_min) || !one_shot_fits(bytes)) return -1;
   timeout_ = timeout;
+  begin_call(kAllReduce, bytes, t, op, 0);
   const uint32_t r = one_shot_post(in, bytes);
   // Spin a little for the peers (no sleeping, no errors: the caller may hold a lock).
   const double bound = std::min(spin_us_, kStartSpinUs);
@@ -251,6 +258,9 @@ int ShmColl::all_reduce_start(const void* in, void* out, size_t count, DType t, 
       for (int i = 0; i < 16; ++i) cpu_relax();
       if (seconds_since(t0) * 1e6 >= bound) return 0;
     }
+    const Stamp& st = slot(q)->h().b_in.stamp[r & 1];
+    if (st.seq.load(std::memory_order_relaxed) != call_ || st.desc.load(std::memory_order_relaxed) != desc_)
+      return 0;  // a mismatch: all_reduce_finish raises it
   }
   one_shot_combine(r, out, count, t, op);
   return 1;
@@ -320,9 +330,13 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
       const size_t off = part_off(cnt, n_, j), len = part_off(cnt, n_, j + 1) - off;
       std::memcpy(my_in + off * es, src + (base + off) * es, len * es);
     }
+    stamp(me->h().a_in[lane].stamp);
     publish(a_in, r);
-    for (int q = 0; q < n_; ++q)
-      if (q != rank_) wait_ge(q, slot(q)->h().a_in[lane].v, r, "all_reduce");
+    for (int q = 0; q < n_; ++q) {
+      if (q == rank_) continue;
+      wait_ge(q, slot(q)->h().a_in[lane].v, r, "all_reduce");
+      check_line(q, slot(q)->h().a_in[lane].stamp, true);
+    }
     // My segment, combined in rank order, a sub-block at a time so the copy-out hits cache.
     const size_t off = part_off(cnt, n_, rank_), len = part_off(cnt, n_, rank_ + 1) - off;
     const size_t sub = std::max<size_t>(1, kSub / es);
@@ -354,6 +368,7 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
 
 void ShmColl::broadcast(const void* src, void* buf, size_t bytes, int root, double timeout) {
   timeout_ = timeout;
+  begin_call(kBroadcast, bytes, DType::U8, RedOp::Sum, root);
   if (rank_ != root) src = buf;
   const char* s = static_cast<const char*>(src);
   char* b = static_cast<char*>(buf);
@@ -406,10 +421,13 @@ void ShmColl::ring_lane(int lane, int lanes, char* b, size_t bytes, int root, bo
           if (q != root) wait_ge(q, slot(q)->h().c_done[lane].v, need, "broadcast");
       }
       std::memcpy(area, b + off, len);
+      stamp(rs->h().c_in[lane].stamp);
       publish(rs->h().c_done[lane].v, static_cast<uint32_t>(i + 1));
       publish(rs->h().c_in[lane].v, static_cast<uint32_t>(i + 1));
     } else {
       wait_ge(root, rs->h().c_in[lane].v, static_cast<uint32_t>(i + 1), "broadcast");
+      // Not strict: the root may already be a call ahead (it runs up to kBcSlots pieces ahead).
+      if (off == 0) check_line(root, rs->h().c_in[lane].stamp, false);
       copy_out(b + off, area, len, stream);
       publish(slot(rank_)->h().c_done[lane].v, static_cast<uint32_t>(i + 1));
     }

@@ -53,7 +53,12 @@
 //     its y_fin>=r, the root once every reader's y_fin>=r (its buffer is no longer read).
 //     One copy per byte received, done by two processes at once.
 // Every rank runs the same sequence of calls (the collective order), so the round and piece
-// numbers agree everywhere. Counters are 32-bit and compared modulo 2^32. Whether CMA is used
+// numbers agree everywhere. Mismatched calls (another kind, size, dtype, op or root on some
+// rank) are caught without a debug mode (shm_coll_check.cc): each call packs its arguments
+// into a descriptor; all-reduce rounds carry it next to their counters, so a rank compares
+// every peer's as it reads the counter; and a wait that goes slow compares every peer's
+// current call (sequence number and descriptor), which catches calls whose protocols differ
+// and so would wait for each other forever. Either way every rank raises ValueError. Counters are 32-bit and compared modulo 2^32. Whether CMA is used
 // and its size thresholds are agreed in connect() (every rank's probe must succeed; rank 0's
 // thresholds are taken), so all ranks always pick the same protocol.
 //
@@ -88,6 +93,7 @@
 namespace linkwise {
 
 class ForkJoin;
+struct Stamp;
 
 // Settings of the single-copy (CMA) paths and of the helper threads; see connect().
 struct ShmCollOptions {
@@ -154,6 +160,7 @@ class ShmColl {
   static constexpr double kStartSpinUs = 10.0;
 
   struct Slot;
+  enum CallKind { kAllReduce = 0, kBroadcast = 1 };  // in call descriptors (shm_coll_check.cc)
 
  private:
   Slot* slot(int r) const;
@@ -176,6 +183,18 @@ class ShmColl {
   void cma_broadcast(const void* src, void* buf, size_t bytes, int root);
   void cma_take_pieces(int q, int root, uint32_t r, uint64_t src, uint64_t dst, size_t bytes);
   void mark_failed(int culprit);
+  // Mismatch checks (shm_coll_check.cc): begin_call numbers this call and publishes its
+  // descriptor; check_peer throws when a peer's descriptor of the same round differs;
+  // check_calls (slow waits only) when a peer in the same call has another descriptor.
+  void begin_call(CallKind kind, size_t bytes, DType t, RedOp op, int root);
+  // stamp: this call's number and descriptor into a line I am about to publish. check_line,
+  // after acquiring peer q's line: throws when it announces this call with another
+  // descriptor, or (strict: all-reduce rounds, where no peer can be a call ahead or behind)
+  // another call.
+  void stamp(Stamp& s) const;
+  void check_line(int q, const Stamp& s, bool strict) const;
+  void check_calls() const;
+  [[noreturn]] void mismatch(int q, uint32_t their_call, uint64_t theirs) const;
   void cma_drain();
   char* scratch(int thread);
 
@@ -184,6 +203,8 @@ class ShmColl {
   double spin_us_;
   double timeout_ = 300.0;
   uint32_t one_round_ = 0, x_round_ = 0, y_round_ = 0;
+  uint32_t call_ = 0;  // calls so far (the same on every rank); see begin_call
+  uint64_t desc_ = 0;  // this call's descriptor
   uint32_t two_round_[kMaxLanes] = {};  // per lane
   uint64_t piece_[kMaxLanes] = {};      // broadcast pieces so far per lane (counters carry it modulo 2^32)
   int lanes_ = 1;                       // agreed lane count (rank 0's threads, at most kMaxLanes)

@@ -11,8 +11,28 @@
 
 namespace linkwise {
 
+// The number and descriptor of the call (ShmColl::call_, desc_) that published a counter,
+// stored (relaxed) in the counter's line before the counter, so a peer that acquired the
+// counter reads them from the line it already holds (ShmColl::stamp, check_line).
+struct Stamp {
+  std::atomic<uint32_t> seq;
+  std::atomic<uint64_t> desc;
+};
 struct alignas(64) Line {
   std::atomic<uint32_t> v;
+  Stamp stamp;  // used by the lines that announce data: a_in, x_in, c_in, y_in
+};
+// b_in: a stamp per one-shot half (round parity), since a peer may already be in the next
+// round (it needs no second wait) while this rank still reads the last one.
+struct alignas(64) OneShotLine {
+  std::atomic<uint32_t> v;
+  Stamp stamp[2];
+};
+// The owner's current call: `desc`, then `seq` (release). Peers read it only when a wait is
+// slow (ShmColl::check_calls), to tell a mismatched call from a slow peer.
+struct alignas(64) CallLine {
+  std::atomic<uint64_t> desc;
+  std::atomic<uint32_t> seq;
 };
 struct alignas(64) Line64 {
   std::atomic<uint64_t> v;
@@ -54,8 +74,10 @@ struct ShmColl::Slot {
     int64_t pid;
     uint64_t self_addr;  // where the owner mapped this slot: peers probe CMA by reading `pid` there
     Line a_in[kMaxLanes], a_res[kMaxLanes], c_in[kMaxLanes], c_done[kMaxLanes];  // per lane
-    Line b_in, sleepers;
+    OneShotLine b_in;
+    Line sleepers;
     Line failed;  // 1 + the rank blamed, once a collective failed on the owner (then never cleared)
+    CallLine call;
     // connect(): the owner's probe result and settings, valid once hello == 1.
     Line hello;
     uint32_t cma_ok;  // the owner may read and write every peer's memory (and wants to)

@@ -1,0 +1,80 @@
+// Mismatched calls in the shared-memory collectives: descriptors of each call and the checks
+// that compare them across ranks (see "Mismatched calls" in algo/shm_coll.h).
+#include <string>
+
+#include "algo/shm_coll.h"
+#include "algo/shm_coll_slot.h"
+#include "core/status.h"
+
+namespace linkwise {
+
+namespace {
+
+// A call's arguments in 64 bits: kind (4), dtype (4), op (4), root (12, modulo 4096), bytes
+// (40: up to 1 TiB, modulo beyond). Broadcasts carry no dtype or op (15 each).
+uint64_t pack(int kind, size_t bytes, int dtype, int op, int root) {
+  return static_cast<uint64_t>(kind & 15) | static_cast<uint64_t>(dtype & 15) << 4 |
+         static_cast<uint64_t>(op & 15) << 8 | static_cast<uint64_t>(root & 4095) << 12 |
+         (static_cast<uint64_t>(bytes) & ((uint64_t{1} << 40) - 1)) << 24;
+}
+
+std::string describe(uint64_t d) {
+  const int kind = d & 15, dtype = (d >> 4) & 15, op = (d >> 8) & 15, root = (d >> 12) & 4095;
+  const std::string bytes = std::to_string(d >> 24) + " bytes";
+  if (kind == ShmColl::kBroadcast) return "broadcast of " + bytes + " from root " + std::to_string(root);
+  const bool known = dtype < static_cast<int>(DType::kCount) && op < static_cast<int>(RedOp::kCount);
+  return "all_reduce of " + bytes +
+         (known ? std::string(" of ") + dtype_str(static_cast<DType>(dtype)) + " (" +
+                      redop_str(static_cast<RedOp>(op)) + ")"
+                : std::string());
+}
+
+}  // namespace
+
+void ShmColl::begin_call(CallKind kind, size_t bytes, DType t, RedOp op, int root) {
+  desc_ = kind == kBroadcast ? pack(kind, bytes, 15, 15, root)
+                             : pack(kind, bytes, static_cast<int>(t), static_cast<int>(op), 0);
+  auto& call = slot(rank_)->h().call;
+  call.desc.store(desc_, std::memory_order_relaxed);
+  call.seq.store(++call_, std::memory_order_release);
+}
+
+void ShmColl::stamp(Stamp& s) const {
+  s.seq.store(call_, std::memory_order_relaxed);
+  s.desc.store(desc_, std::memory_order_relaxed);
+}
+
+void ShmColl::check_line(int q, const Stamp& s, bool strict) const {
+  const uint32_t seq = s.seq.load(std::memory_order_relaxed);
+  const uint64_t desc = s.desc.load(std::memory_order_relaxed);
+  if (seq == call_ ? desc != desc_ : strict) mismatch(q, seq, desc);
+}
+
+// Called every ~100 ms of a slow wait (possibly from helper threads: reads atomics and the
+// owner's desc_/call_, fixed for the call). A peer in the same call with another descriptor
+// is a mismatch; a peer in another call may just be slow (or done: broadcast roots run ahead).
+void ShmColl::check_calls() const {
+  for (int q = 0; q < n_; ++q) {
+    if (q == rank_) continue;
+    auto& call = slot(q)->h().call;
+    const uint32_t seq = call.seq.load(std::memory_order_acquire);
+    const uint64_t desc = call.desc.load(std::memory_order_relaxed);
+    // Re-read seq: the descriptor belongs to that call only if seq did not move meanwhile.
+    if (seq == call_ && call.seq.load(std::memory_order_acquire) == seq && desc != desc_) mismatch(q, seq, desc);
+  }
+}
+
+void ShmColl::mismatch(int q, uint32_t their_call, uint64_t theirs) const {
+  const std::string theirs_text =
+      their_call == call_ ? describe(theirs)
+                          : describe(theirs) + " as its shared-memory collective number " + std::to_string(their_call);
+  throw Error(ErrorKind::Invalid,
+              "rank " + std::to_string(rank_) + ": shared-memory collective number " + std::to_string(call_) +
+                  " differs between ranks: this rank called " + describe(desc_) + ", rank " + std::to_string(q) +
+                  " " + theirs_text +
+                  " (a barrier is a 1-byte uint8 all_reduce). Call each collective with the same arguments, "
+                  "in the same order, on every rank.",
+              -1);
+}
+
+}  // namespace linkwise

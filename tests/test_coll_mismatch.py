@@ -1,0 +1,134 @@
+"""Collectives called with different arguments on different ranks, without LINKWISE_CHECK.
+
+The issue's contract: a mismatch (size, dtype, op, kind) is detected where cheap and raises
+on every rank instead of corrupting data or hanging. The shared-memory executor compares call
+descriptors (csrc/algo/shm_coll_check.cc); the point-to-point algorithms check that every
+message has the size the receiving rank expects (CollCtx::wait). Each case runs with a 20 s
+timeout, so a hang shows as a TimeoutError (or a killed rank), not as a pass.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from multirank import run_ranks
+
+LANES = {"LINKWISE_COLL_THREADS": "2"}
+CMA = {"LINKWISE_COLL_THREADS": "2", "LINKWISE_COLL_CMA_MIN": "1M", "LINKWISE_COLL_CMA_BCAST_MIN": "1M"}
+
+
+def _mismatched(comm, case):
+    """Runs rank-dependent calls; returns (exception type name, message, seconds)."""
+    import linkwise  # noqa: F401 - the ranks' package
+    odd = comm.rank == comm.size - 1  # the last rank calls differently
+    t0 = time.monotonic()
+    try:
+        if case == "size_one_shot":
+            comm.all_reduce(np.ones(8 if odd else 4, np.float32))
+        elif case == "size_two_shot":
+            comm.all_reduce(np.ones(200_000 if odd else 100_000, np.float32))
+        elif case == "one_shot_vs_two_shot":
+            comm.all_reduce(np.ones(300_000 if odd else 4, np.float32))
+        elif case == "size_large":
+            comm.all_reduce(np.ones(2_000_001 if odd else 2_000_000, np.float32))
+        elif case == "dtype_same_bytes":
+            comm.all_reduce(np.ones(1000, np.int32 if odd else np.float32))
+        elif case == "op":
+            comm.all_reduce(np.ones(1000, np.float32), op="max" if odd else "sum")
+        elif case == "kind":
+            if odd:
+                comm.broadcast(np.ones(1000, np.float32))
+            else:
+                comm.all_reduce(np.ones(1000, np.float32))
+        elif case == "barrier_vs_all_reduce":
+            if odd:
+                comm.barrier()
+            else:
+                comm.all_reduce(np.ones(4, np.float32))
+        elif case == "bcast_reader_size":
+            comm.broadcast(np.ones(3_000_004 if odd else 3_000_000, np.uint8), root=0)
+        elif case == "async_size":
+            comm.all_reduce(np.ones(16 if odd else 8, np.float64), async_op=True).wait()
+        elif case == "all_gather_size":
+            comm.all_gather(np.ones(200 if odd else 100, np.float32))
+        elif case == "reduce_scatter_size":
+            comm.reduce_scatter(np.ones(comm.size * (20 if odd else 10), np.float32))
+        else:
+            raise AssertionError(case)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return "ok", "", time.monotonic() - t0
+
+
+SHM_CASES = ["size_one_shot", "size_two_shot", "one_shot_vs_two_shot", "size_large", "dtype_same_bytes", "op",
+             "kind", "barrier_vs_all_reduce", "async_size"]
+
+
+@pytest.mark.parametrize("env", [{}, LANES, CMA], ids=["default", "lanes", "cma"])
+@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.parametrize("case", SHM_CASES)
+def test_every_rank_raises_value_error(case, nranks, env):
+    out = run_ranks(nranks, _mismatched, case, env={"LINKWISE_TIMEOUT": "20", **env}, timeout=60)
+    for rank, (kind, message, seconds) in enumerate(out):
+        assert kind == "ValueError", (rank, kind, message)
+        assert seconds < 10, (rank, seconds)
+        assert "differs between ranks" in message or "were expected" in message, message
+
+
+@pytest.mark.parametrize("env", [{}, CMA], ids=["ring", "cma"])
+def test_broadcast_readers_of_another_size_raise(env):
+    # The root finishes as soon as its pieces are out (it waits for no reader), so it may end
+    # this call cleanly; every reader whose size differs raises, and no reader hangs.
+    out = run_ranks(3, _mismatched, "bcast_reader_size", env={"LINKWISE_TIMEOUT": "20", **env}, timeout=60)
+    kind, message, seconds = out[2]
+    assert kind == "ValueError" and "broadcast of 3000004 bytes" in message, out
+    assert all(s < 10 for _, _, s in out), out
+    assert out[1][0] in ("ok", "PeerError", "ValueError"), out
+
+
+def test_message_names_both_calls():
+    out = run_ranks(2, _mismatched, "op", env={"LINKWISE_TIMEOUT": "20"}, timeout=60)
+    kind, message, _ = out[0]
+    assert kind == "ValueError"
+    assert "all_reduce of 4000 bytes of float32 (sum)" in message and "(max)" in message, message
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("case", ["all_gather_size", "reduce_scatter_size"])
+def test_point_to_point_collectives_raise_on_every_rank(case, transport):
+    out = run_ranks(3, _mismatched, case, env={"LINKWISE_TIMEOUT": "20", "LINKWISE_TRANSPORT": transport},
+                    timeout=60)
+    kinds = [k for k, _, _ in out]
+    # The ranks whose messages were the wrong size raise ValueError; the others see the
+    # communicator aborted (or their own size error); nobody returns normally.
+    assert "ok" not in kinds, out
+    assert kinds.count("ValueError") >= 1, out
+    assert all(s < 10 for _, _, s in out), out
+
+
+def _matched_after_mismatch_free_run(comm):
+    """Many correct calls mixing forms and paths: the checks must never fire."""
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        n = int(rng.choice([1, 7, 1000, 40_000, 300_000]))
+        x = np.full(n, comm.rank + 1, np.float32)
+        form = int(rng.integers(4))
+        if form == 0:
+            comm.all_reduce(x)
+        elif form == 1:
+            comm.all_reduce(x, async_op=True).wait()
+        elif form == 2:
+            comm.broadcast(x, root=int(rng.integers(comm.size)))
+        else:
+            comm.barrier()
+            continue
+        if form < 2:
+            assert np.all(x == comm.size * (comm.size + 1) / 2)
+    return "ok"
+
+
+@pytest.mark.parametrize("env", [{}, LANES], ids=["default", "lanes"])
+def test_matched_calls_never_trip_the_check(env):
+    assert run_ranks(3, _matched_after_mismatch_free_run, env=env, timeout=120) == ["ok"] * 3
