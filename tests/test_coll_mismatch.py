@@ -71,10 +71,14 @@ SHM_CASES = ["size_one_shot", "size_two_shot", "one_shot_vs_two_shot", "size_lar
 @pytest.mark.parametrize("case", SHM_CASES)
 def test_every_rank_raises_value_error(case, nranks, env):
     out = run_ranks(nranks, _mismatched, case, env={"LINKWISE_TIMEOUT": "20", **env}, timeout=60)
+    # A rank that enters the call after another one found the mismatch raises
+    # CommAbortedError at once (the executor stopped); at least one rank names the mismatch.
+    assert [k for k, _, _ in out].count("ValueError") >= 1, out
     for rank, (kind, message, seconds) in enumerate(out):
-        assert kind == "ValueError", (rank, kind, message)
+        assert kind in ("ValueError", "CommAbortedError"), (rank, kind, message)
         assert seconds < 10, (rank, seconds)
-        assert "differs between ranks" in message or "were expected" in message, message
+        if kind == "ValueError":
+            assert "differs between ranks" in message or "were expected" in message, message
 
 
 @pytest.mark.parametrize("env", [{}, CMA], ids=["ring", "cma"])
@@ -82,10 +86,11 @@ def test_broadcast_readers_of_another_size_raise(env):
     # The root finishes as soon as its pieces are out (it waits for no reader), so it may end
     # this call cleanly; every reader whose size differs raises, and no reader hangs.
     out = run_ranks(3, _mismatched, "bcast_reader_size", env={"LINKWISE_TIMEOUT": "20", **env}, timeout=60)
-    kind, message, seconds = out[2]
-    assert kind == "ValueError" and "broadcast of 3000004 bytes" in message, out
+    kinds = [k for k, _, _ in out]
+    assert out[2][0] in ("ValueError", "CommAbortedError") and "ValueError" in kinds, out
+    assert any("broadcast of 3000004 bytes" in m for _, m, _ in out), out
     assert all(s < 10 for _, _, s in out), out
-    assert out[1][0] in ("ok", "PeerError", "ValueError"), out
+    assert out[1][0] in ("ok", "PeerError", "ValueError", "CommAbortedError"), out
 
 
 def test_message_names_both_calls():
@@ -132,3 +137,32 @@ def _matched_after_mismatch_free_run(comm):
 @pytest.mark.parametrize("env", [{}, LANES], ids=["default", "lanes"])
 def test_matched_calls_never_trip_the_check(env):
     assert run_ranks(3, _matched_after_mismatch_free_run, env=env, timeout=120) == ["ok"] * 3
+
+
+def _go_on_after_mismatch(comm):
+    """A small broadcast whose root returns before the reader notices the other size, then
+    more collectives: every rank's later calls must raise, none may use out-of-step counters."""
+    import linkwise
+    first = "ok"
+    try:
+        comm.broadcast(np.ones(100_000 if comm.rank == 0 else 200_000, np.float32), root=0)
+    except ValueError:
+        first = "ValueError"
+    later = []
+    for call in (lambda: comm.all_reduce(np.ones(8, np.float32)), lambda: comm.broadcast(np.ones(8, np.float32)),
+                 lambda: comm.all_reduce(np.ones(300_000, np.float32))):
+        try:
+            call()
+            later.append("ok")
+        except linkwise.CommAbortedError:
+            later.append("aborted")
+        except linkwise.PeerError:  # the root got there before the reader stopped the executor
+            later.append("peer")
+    return first, later
+
+
+def test_later_collectives_raise_after_a_mismatch():
+    out = run_ranks(2, _go_on_after_mismatch, env={"LINKWISE_TIMEOUT": "20"}, timeout=60)
+    assert out[1][0] == "ValueError", out  # the reader, whose size differs
+    for first, later in out:
+        assert later[0] in ("aborted", "peer") and later[1:] == ["aborted"] * 2, out

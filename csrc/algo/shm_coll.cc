@@ -190,6 +190,8 @@ void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, co
 void ShmColl::mark_failed(int culprit) {
   auto& f = slot(rank_)->h().failed.v;
   if (f.load(std::memory_order_relaxed) == 0) f.store(static_cast<uint32_t>((culprit < 0 ? rank_ : culprit) + 1));
+  uint32_t none = 0;
+  slot(0)->h().stopped.v.compare_exchange_strong(none, static_cast<uint32_t>(rank_ + 1));
 }
 
 void ShmColl::all_reduce(const void* in, void* out, size_t count, DType t, RedOp op, double timeout) {
@@ -244,7 +246,7 @@ void ShmColl::one_shot_combine(uint32_t r, void* out, size_t count, DType t, Red
 
 int ShmColl::all_reduce_start(const void* in, void* out, size_t count, DType t, RedOp op, double timeout) {
   const size_t bytes = count * dtype_size(t);
-  if ((cma_ && bytes >= opt_.ar_min) || !one_shot_fits(bytes)) return -1;
+  if ((cma_ && bytes >= opt_.ar_min) || !one_shot_fits(bytes) || stopped()) return -1;  // all_reduce raises
   timeout_ = timeout;
   begin_call(kAllReduce, bytes, t, op, 0);
   const uint32_t r = one_shot_post(in, bytes);

@@ -58,7 +58,10 @@
 // into a descriptor; all-reduce rounds carry it next to their counters, so a rank compares
 // every peer's as it reads the counter; and a wait that goes slow compares every peer's
 // current call (sequence number and descriptor), which catches calls whose protocols differ
-// and so would wait for each other forever. Either way every rank raises ValueError. Counters are 32-bit and compared modulo 2^32. Whether CMA is used
+// and so would wait for each other forever. Either way every rank raises ValueError.
+// After any failed call (mismatch, dead peer, timeout) the counters are no longer in step:
+// mark_failed also sets slot 0's `stopped`, and every later call on every rank raises
+// CommAbortedError (one relaxed load of a line that stays cached until then). Counters are 32-bit and compared modulo 2^32. Whether CMA is used
 // and its size thresholds are agreed in connect() (every rank's probe must succeed; rank 0's
 // thresholds are taken), so all ranks always pick the same protocol.
 //
@@ -186,7 +189,9 @@ class ShmColl {
   // Mismatch checks (shm_coll_check.cc): begin_call numbers this call and publishes its
   // descriptor; check_peer throws when a peer's descriptor of the same round differs;
   // check_calls (slow waits only) when a peer in the same call has another descriptor.
+  // Throws CommAbortedError when an earlier call failed on any rank (stopped() is true).
   void begin_call(CallKind kind, size_t bytes, DType t, RedOp op, int root);
+  bool stopped() const;
   // stamp: this call's number and descriptor into a line I am about to publish. check_line,
   // after acquiring peer q's line: throws when it announces this call with another
   // descriptor, or (strict: all-reduce rounds, where no peer can be a call ahead or behind)

@@ -31,7 +31,14 @@ std::string describe(uint64_t d) {
 
 }  // namespace
 
+bool ShmColl::stopped() const { return slot(0)->h().stopped.v.load(std::memory_order_relaxed) != 0; }
+
 void ShmColl::begin_call(CallKind kind, size_t bytes, DType t, RedOp op, int root) {
+  if (const uint32_t by = slot(0)->h().stopped.v.load(std::memory_order_acquire))
+    throw Error(ErrorKind::Aborted,
+                "rank " + std::to_string(rank_) + ": the shared-memory collectives of this communicator stopped "
+                    "after a collective failed on rank " + std::to_string(by - 1) +
+                    " (see the first error there and on this rank); make a new communicator to go on");
   desc_ = kind == kBroadcast ? pack(kind, bytes, 15, 15, root)
                              : pack(kind, bytes, static_cast<int>(t), static_cast<int>(op), 0);
   auto& call = slot(rank_)->h().call;

@@ -78,6 +78,9 @@ struct ShmColl::Slot {
     Line sleepers;
     Line failed;  // 1 + the rank blamed, once a collective failed on the owner (then never cleared)
     CallLine call;
+    // Slot 0's only: 1 + the first rank whose executor call failed (any rank sets it, once).
+    // Every later call on every rank raises: the counters are no longer in step.
+    Line stopped;
     // connect(): the owner's probe result and settings, valid once hello == 1.
     Line hello;
     uint32_t cma_ok;  // the owner may read and write every peer's memory (and wants to)
