@@ -1,0 +1,87 @@
+"""The shared-memory collective executor of a communicator (csrc/algo/shm_coll.h): its
+default settings (single-copy thresholds, helper threads, one-shot limit), and attaching it.
+Used by collectives.py; the settings are rank 0's once connected, so every rank takes the
+same protocol.
+"""
+from __future__ import annotations
+
+from . import config
+from ._coll_args import _ENV, _native_module
+from .plan.schedule import LARGE_PAIR_BCAST
+
+NEVER = (1 << 63) - 1
+# Helper threads per rank by default at most. LINKWISE_COLL_THREADS may ask for up to 16 (the
+# executor's lane counters, ShmColl::kMaxLanes). 16 threads for 4 ranks on the 64-core host (all
+# 64 cores busy) ran the 4 MiB all_reduce in ~210-260 us instead of ~310-400 on one VM, and 2-3x
+# slower than 8 on two others, where any other runnable task preempts a lane that every peer
+# waits for (docs/benchmarks.md, ninth session). So the default leaves cores free.
+DEFAULT_MAX_THREADS = 8
+_ONE_SHOT_CAP = 32 << 10    # the executor's one-shot area (ShmColl::kOneMax)
+_ONE_SHOT_READS = 16 << 10  # one-shot while ranks x bytes stay within this (see cma_settings)
+
+
+def cma_settings(cpus_per_rank: float, size: int) -> tuple:
+    """The executor's single-copy (CMA), helper-thread and one-shot settings: (enable,
+    all_reduce min, broadcast min, chunk, piece, lane min, threads, one-shot max). Threads
+    default to the CPUs this rank may count as its own (``_setup.cpus_per_rank``: its share of
+    the host's, at most DEFAULT_MAX_THREADS), so a many-core host moves a big message with
+    several cores per rank; 1 when cores are scarce.
+    With several threads, the copy-through-shared-memory two-shot all_reduce and ring
+    broadcast run a message of at least 2 × lane min bytes as up to `threads` independent
+    lanes (rank 0's threads decide the count). Default thresholds (docs/benchmarks.md):
+    - all_reduce from 8 MiB, and only with several threads per rank: with one, the kernel's
+      copies lose to the copy-through-shared-memory path's memcpy (2-core VM, A/B runs); at
+      4 MiB the lanes through the segment beat it (64-core host, 4 ranks: ~290-360 us against
+      450-940), at 8 MiB and more it wins. Below 4 MiB NumPy arrays have 4 KiB pages (it asks
+      for huge pages from 4 MiB on), and process_vm_readv/writev pay ~1 us per page;
+    - broadcast: from 8 MiB (below, the ring through the segment stays in cache and wins, 2
+      ranks A/B), up to 4 ranks (with 16, the readers all pinning the root's pages at once ran
+      slower than the ring on the 64-core host);
+    - one-shot all_reduce (every rank reads every input) up to 16 KiB / ranks bytes when each
+      rank has a core, two-shot above: on the 64-core host the two-shot was faster from 2 KiB
+      at 16 ranks (4.5-5.2 us against 7.8-8.4), 4 KiB at 8, 8 KiB at 5 and 16 KiB at 4 ranks
+      (ninth session). With 2 ranks, or ranks sharing cores (where each extra wait can cost a
+      context switch), one-shot up to the executor's 32 KiB.
+    The executor takes rank 0's sizes, so every rank picks the same protocol."""
+    threads = config.get("LINKWISE_COLL_THREADS")
+    if threads <= 0:
+        threads = max(1, min(DEFAULT_MAX_THREADS, int(cpus_per_rank)))
+    ar_min = config.get("LINKWISE_COLL_CMA_MIN") or (8 << 20 if threads > 1 else NEVER)
+    bc_min = config.get("LINKWISE_COLL_CMA_BCAST_MIN") or (8 << 20 if size <= 4 else NEVER)
+    one_max = config.get("LINKWISE_COLL_ONE_SHOT_MAX") or (
+        _ONE_SHOT_CAP if size <= 2 or cpus_per_rank < 1 else max(64, _ONE_SHOT_READS // size))
+    return (config.get("LINKWISE_SHM_CMA"), ar_min, bc_min, config.get("LINKWISE_COLL_CMA_CHUNK"),
+            config.get("LINKWISE_COLL_CMA_PIECE"), config.get("LINKWISE_COLL_LANE_MIN"), threads, one_max)
+
+
+def attach(comm):
+    """Maps comm's shared-memory collective segment (a collective step: every rank of an
+    all-shared-memory communicator reaches it at its first all_reduce / broadcast) and
+    connects the executor; None when some peer is not reached over shared memory. Sets
+    comm._pair_bcast_p2p and, unless async collectives exist, comm._fast_shm."""
+    if comm._store is None or not comm.transports or any(v != "shm" for v in comm.transports.values()):
+        return None
+    from ._setup import SHM_PREFIX
+    from .comm import _default_spin_us
+    name = f"/{SHM_PREFIX}{comm.job_id}-coll-{comm.comm_id}"
+    tag = f"{comm.comm_id}/shmcoll"
+    spin = _default_spin_us(comm._cpus_per_rank)
+    shm = None
+    try:
+        # Rank 0 makes a private segment (memfd, never in /dev/shm) and says where it is.
+        if comm.rank == 0:
+            shm = _native_module().ShmColl(comm._native, name, True, spin)
+            comm._store.set(f"{tag}/name", shm.segment_name.encode())
+        comm._store.barrier(f"{tag}/created", comm.size, comm.timeout)
+        if comm.rank != 0:
+            where = comm._store.get(f"{tag}/name", comm.timeout).decode()
+            shm = _native_module().ShmColl(comm._native, where, False, spin)
+        comm._store.barrier(f"{tag}/mapped", comm.size, comm.timeout)
+    finally:
+        if comm.rank == 0 and shm is not None:
+            shm.unlink()  # every rank has mapped it (or setup failed): no one else may open it
+    shm.connect(comm.timeout, *cma_settings(comm._cpus_per_rank, comm.size))
+    comm._pair_bcast_p2p = shm.cma_bcast_min > LARGE_PAIR_BCAST  # agreed: same on every rank
+    if comm.__dict__.get("_coll_worker") is None and _ENV is not None:
+        comm._fast_shm = shm
+    return shm
