@@ -62,6 +62,8 @@ done <<'EOF'
 16 all_reduce 16M 16M LINKWISE_COLL_CMA_MIN=1G
 16 all_reduce 1K 32K LINKWISE_COLL_ONE_SHOT_MAX=32K
 EOF
-stamp "tests/test_coll_lanes.py tests/test_coll_cma.py tests/test_cpu_share.py tests/test_coll_paths.py"
-timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_coll_lanes.py tests/test_coll_cma.py tests/test_cpu_share.py tests/test_coll_paths.py 2>&1 | tail -3 | tee -a "$log"
+tests="tests/test_coll_lanes.py tests/test_coll_cma.py tests/test_cpu_share.py tests/test_coll_paths.py
+       tests/test_coll_mismatch.py tests/test_coll_fuzz.py tests/test_coll_bf16_torch.py"
+stamp "$(echo $tests)"
+timeout 300 python3 -m pytest -q -x -p no:cacheprovider $tests 2>&1 | tail -3 | tee -a "$log"
 stamp done
