@@ -28,7 +28,7 @@ class Unsupported(Exception):
 
 def inplace_views(coll: str, send: np.ndarray, recv: np.ndarray, rank: int, size: int):
     """(input, output) arrays of nccl-tests' in-place form of coll."""
-    if coll in ("all_reduce", "broadcast", "reduce"):
+    if coll in ("all_reduce", "broadcast", "reduce", "all_to_all"):
         return recv, recv
     if coll == "all_gather":
         block = recv.size // size
@@ -162,15 +162,13 @@ class LinkwiseBackend(Backend):
         fn = getattr(c, coll, None)
         if not callable(fn):
             raise Unsupported(f"comm.{coll} is not available in this build")
-        if coll == "all_to_all" and inplace:
-            raise Unsupported("all_to_all in place")
         src, dst = inplace_views(coll, send, recv, self.rank, self.size) if inplace else (send, recv)
         kw: dict = {}
         if coll in ("all_reduce", "reduce", "reduce_scatter"):
             kw["op"] = op
         if coll in ("broadcast", "reduce"):
             kw["root"] = root
-        if not (inplace and coll in ("all_reduce", "broadcast", "reduce")):
+        if not (inplace and coll in ("all_reduce", "broadcast", "reduce", "all_to_all")):
             kw["out"] = dst
         return lambda: fn(src, **kw)
 

@@ -31,7 +31,7 @@ def _inputs(coll: str, op: str, rank: int, size: int, total: int, block: int, dt
     if coll == "broadcast":
         recv = send.copy() if rank == root else np.zeros(total, dtype)
         return send, recv
-    if coll in ("all_reduce", "reduce"):
+    if coll in ("all_reduce", "reduce", "all_to_all"):
         return send, send.copy()
     return send, np.zeros(total, dtype)
 

@@ -99,7 +99,7 @@ class GpuBackend(Backend):
         s, r = self._dev(send), self._dev(recv)
         self._tensors = {"send": s, "recv": r}
         if inplace:  # nccl-tests' in-place layout (inplace_views, on tensors)
-            if coll in ("all_reduce", "broadcast", "reduce"):
+            if coll in ("all_reduce", "broadcast", "reduce", "all_to_all"):
                 return r, r, s, r
             if coll == "all_gather":
                 k = r.numel() // self.size
@@ -189,14 +189,12 @@ class LinkwiseGpuBackend(GpuBackend):
                 c.recv(r, prv, stream=cur)
                 cur.wait_stream(side)
             return sendrecv
-        if coll == "all_to_all" and inplace:
-            raise Unsupported("all_to_all in place")
         kw: dict = {}
         if coll in ("all_reduce", "reduce_scatter"):
             kw["op"] = op
         if coll == "broadcast":
             kw["root"] = root
-        if not (inplace and coll in ("all_reduce", "broadcast")):
+        if not (inplace and coll in ("all_reduce", "broadcast", "all_to_all")):
             kw["out"] = out
         fn = getattr(c, coll)
         return lambda: fn(x, **kw)
