@@ -55,13 +55,15 @@
 // Every rank runs the same sequence of calls (the collective order), so the round and piece
 // numbers agree everywhere. Mismatched calls (another kind, size, dtype, op or root on some
 // rank) are caught without a debug mode (shm_coll_check.cc): each call packs its arguments
-// into a descriptor; all-reduce rounds carry it next to their counters, so a rank compares
-// every peer's as it reads the counter; and a wait that goes slow compares every peer's
-// current call (sequence number and descriptor), which catches calls whose protocols differ
-// and so would wait for each other forever. Either way every rank raises ValueError.
+// into a descriptor; the counters that announce data (all-reduce rounds, broadcast pieces)
+// carry it with the call's number in their cache line, so a rank compares every peer's as it
+// reads the counter; and a wait that goes slow compares every peer's current call (number
+// and descriptor), which catches calls whose protocols differ and so would wait for each
+// other forever. The rank that sees it raises ValueError (then every later call raises:).
 // After any failed call (mismatch, dead peer, timeout) the counters are no longer in step:
 // mark_failed also sets slot 0's `stopped`, and every later call on every rank raises
-// CommAbortedError (one relaxed load of a line that stays cached until then). Counters are 32-bit and compared modulo 2^32. Whether CMA is used
+// CommAbortedError (one relaxed load of a line that stays cached until then).
+// Counters are 32-bit and compared modulo 2^32. Whether CMA is used
 // and its size thresholds are agreed in connect() (every rank's probe must succeed; rank 0's
 // thresholds are taken), so all ranks always pick the same protocol.
 //
@@ -187,7 +189,7 @@ class ShmColl {
   void cma_take_pieces(int q, int root, uint32_t r, uint64_t src, uint64_t dst, size_t bytes);
   void mark_failed(int culprit);
   // Mismatch checks (shm_coll_check.cc): begin_call numbers this call and publishes its
-  // descriptor; check_peer throws when a peer's descriptor of the same round differs;
+  // descriptor; check_line throws when a peer's stamp of the same round differs;
   // check_calls (slow waits only) when a peer in the same call has another descriptor.
   // Throws CommAbortedError when an earlier call failed on any rank (stopped() is true).
   void begin_call(CallKind kind, size_t bytes, DType t, RedOp op, int root);
