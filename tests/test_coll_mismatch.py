@@ -166,3 +166,41 @@ def test_later_collectives_raise_after_a_mismatch():
     assert out[1][0] == "ValueError", out  # the reader, whose size differs
     for first, later in out:
         assert later[0] in ("aborted", "peer") and later[1:] == ["aborted"] * 2, out
+
+
+def _reduced_differently(comm, case):
+    """A point-to-point reducing collective with another op or dtype (same bytes) on the last
+    rank; returns (first call's outcome, the next collective's outcome)."""
+    import linkwise
+    odd = comm.rank == comm.size - 1
+    outcome = []
+    for call in (lambda: _reduce_case(comm, case, odd), lambda: comm.all_gather(np.ones(4, np.float32))):
+        try:
+            call()
+            outcome.append("ok")
+        except ValueError as exc:
+            outcome.append("ValueError" if "different dtypes or ops" in str(exc) else f"ValueError: {exc}")
+        except linkwise.CommAbortedError:
+            outcome.append("aborted")
+    return outcome
+
+
+def _reduce_case(comm, case, odd):
+    if case == "reduce_op":
+        comm.reduce(np.ones(1000, np.float32), op="max" if odd else "sum")
+    elif case == "reduce_scatter_dtype":
+        comm.reduce_scatter(np.ones(1000 * comm.size, np.int32 if odd else np.float32))
+    elif case == "all_reduce_op":  # over TCP: the ring / recursive doubling, not the executor
+        comm.all_reduce(np.ones(100_000, np.float32), op="min" if odd else "sum")
+
+
+@pytest.mark.parametrize("case,transport", [("reduce_op", "shm"), ("reduce_scatter_dtype", "shm"),
+                                            ("reduce_scatter_dtype", "tcp"), ("all_reduce_op", "tcp")])
+def test_point_to_point_reductions_check_dtype_and_op(case, transport):
+    out = run_ranks(3, _reduced_differently, case,
+                    env={"LINKWISE_TIMEOUT": "20", "LINKWISE_TRANSPORT": transport}, timeout=60)
+    firsts = [first for first, _ in out]
+    assert "ValueError" in firsts, out  # named by a rank that received a message reduced otherwise
+    # No rank goes on: whoever returned from the call (a reduce's senders) fails the next one.
+    assert all(first in ("ValueError", "aborted", "ok") for first in firsts), out
+    assert all(later == "aborted" for _, later in out), out

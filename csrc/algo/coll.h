@@ -60,11 +60,20 @@ class CollCtx {
     return (uint64_t{1} << 63) | ((p_.seq & ((uint64_t{1} << 38) - 1)) << 24) |
            (static_cast<uint64_t>(p_.kind) << 16) | static_cast<uint64_t>(step & 0xffff);
   }
+  // Reducing collectives send their (kind, dtype, op) in every message header, so the
+  // receiver fails a message reduced another way (the engine compares the codes).
+  uint32_t wire_code() const {
+    const bool reducing = p_.kind == CollKind::AllReduce || p_.kind == CollKind::Reduce ||
+                          p_.kind == CollKind::ReduceScatter;
+    return reducing ? kCollCode | static_cast<uint32_t>(p_.kind) << 16 | static_cast<uint32_t>(p_.dtype) << 8 |
+                          static_cast<uint32_t>(p_.op)
+                    : 0;
+  }
   std::shared_ptr<Request> isend(int peer, const void* buf, size_t bytes, int step) {
-    return e_.isend(peer, buf, bytes, tag(step), 0, false);
+    return e_.isend(peer, buf, bytes, tag(step), wire_code(), false);
   }
   std::shared_ptr<Request> irecv(int peer, void* buf, size_t bytes, int step) {
-    return e_.irecv(peer, buf, bytes, tag(step), 0, false);
+    return e_.irecv(peer, buf, bytes, tag(step), wire_code(), false);
   }
   // Every receive of a collective expects an exact size; a shorter message means the ranks
   // called it with different sizes or dtypes (a longer one fails in the engine already).

@@ -187,11 +187,16 @@ void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, co
   }
 }
 
-void ShmColl::mark_failed(int culprit) {
+void ShmColl::mark_failed(const Error& e) {
+  const int culprit = e.peer() < 0 ? rank_ : e.peer();
   auto& f = slot(rank_)->h().failed.v;
-  if (f.load(std::memory_order_relaxed) == 0) f.store(static_cast<uint32_t>((culprit < 0 ? rank_ : culprit) + 1));
+  if (f.load(std::memory_order_relaxed) == 0) f.store(static_cast<uint32_t>(culprit + 1));
+  // A dead or failed peer is what later calls report (PeerError, as the waits would); any
+  // other failure (mismatch, timeout) stops the executor with this rank named.
+  const uint32_t why = e.kind() == ErrorKind::Peer ? kStoppedByPeer | static_cast<uint32_t>(culprit + 1)
+                                                   : static_cast<uint32_t>(rank_ + 1);
   uint32_t none = 0;
-  slot(0)->h().stopped.v.compare_exchange_strong(none, static_cast<uint32_t>(rank_ + 1));
+  slot(0)->h().stopped.v.compare_exchange_strong(none, why);
 }
 
 void ShmColl::all_reduce(const void* in, void* out, size_t count, DType t, RedOp op, double timeout) {
@@ -203,7 +208,7 @@ void ShmColl::all_reduce(const void* in, void* out, size_t count, DType t, RedOp
     else if (one_shot_fits(bytes)) one_shot(in, out, count, t, op);
     else two_shot(in, out, count, t, op);
   } catch (const Error& e) {
-    mark_failed(e.peer());
+    mark_failed(e);
     cma_drain();
     throw;
   }
@@ -272,7 +277,7 @@ void ShmColl::all_reduce_finish(void* out, size_t count, DType t, RedOp op) {
   try {
     one_shot_finish(one_round_, out, count, t, op);
   } catch (const Error& e) {
-    mark_failed(e.peer());
+    mark_failed(e);
     throw;
   }
 }
@@ -290,7 +295,7 @@ void ShmColl::run_lanes(int lanes, const std::function<void(int)>& lane) {
     try {
       lane(l);
     } catch (const Error& e) {
-      mark_failed(e.peer());  // now, so peers waiting on my other lanes give up too
+      mark_failed(e);  // now, so peers waiting on my other lanes give up too
       throw;
     }
   });
@@ -382,7 +387,7 @@ void ShmColl::broadcast(const void* src, void* buf, size_t bytes, int root, doub
     if (cma_ && bytes >= opt_.bc_min) cma_broadcast(s, b, bytes, root);
     else ring_broadcast(s, b, bytes, root);
   } catch (const Error& e) {
-    mark_failed(e.peer());
+    mark_failed(e);
     cma_drain();
     throw;
   }

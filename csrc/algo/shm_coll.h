@@ -61,8 +61,9 @@
 // and descriptor), which catches calls whose protocols differ and so would wait for each
 // other forever. The rank that sees it raises ValueError (then every later call raises:).
 // After any failed call (mismatch, dead peer, timeout) the counters are no longer in step:
-// mark_failed also sets slot 0's `stopped`, and every later call on every rank raises
-// CommAbortedError (one relaxed load of a line that stays cached until then).
+// mark_failed also sets slot 0's `stopped`, and every later call on every rank raises:
+// PeerError naming the peer when one died or failed (what its waits would have raised),
+// else CommAbortedError (one relaxed load of a line that stays cached until then).
 // Counters are 32-bit and compared modulo 2^32. Whether CMA is used
 // and its size thresholds are agreed in connect() (every rank's probe must succeed; rank 0's
 // thresholds are taken), so all ranks always pick the same protocol.
@@ -93,6 +94,7 @@
 #include <vector>
 
 #include "core/reduce.h"
+#include "core/status.h"
 #include "transport/shm/shm_segment.h"
 
 namespace linkwise {
@@ -187,7 +189,8 @@ class ShmColl {
   void ring_drain();
   void cma_broadcast(const void* src, void* buf, size_t bytes, int root);
   void cma_take_pieces(int q, int root, uint32_t r, uint64_t src, uint64_t dst, size_t bytes);
-  void mark_failed(int culprit);
+  void mark_failed(const Error& e);  // sets my `failed` and slot 0's `stopped`
+  static constexpr uint32_t kStoppedByPeer = 1u << 16;  // in `stopped`: a peer died or failed
   // Mismatch checks (shm_coll_check.cc): begin_call numbers this call and publishes its
   // descriptor; check_line throws when a peer's stamp of the same round differs;
   // check_calls (slow waits only) when a peer in the same call has another descriptor.

@@ -34,11 +34,19 @@ std::string describe(uint64_t d) {
 bool ShmColl::stopped() const { return slot(0)->h().stopped.v.load(std::memory_order_relaxed) != 0; }
 
 void ShmColl::begin_call(CallKind kind, size_t bytes, DType t, RedOp op, int root) {
-  if (const uint32_t by = slot(0)->h().stopped.v.load(std::memory_order_acquire))
+  if (const uint32_t why = slot(0)->h().stopped.v.load(std::memory_order_acquire)) {
+    const int who = static_cast<int>(why & (kStoppedByPeer - 1)) - 1;
+    if (why & kStoppedByPeer)
+      throw Error(ErrorKind::Peer,
+                  "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(who) +
+                      " died or failed during an earlier shared-memory collective; the shared-memory collectives "
+                      "of this communicator stopped. Look at that rank's output for the cause.",
+                  who);
     throw Error(ErrorKind::Aborted,
                 "rank " + std::to_string(rank_) + ": the shared-memory collectives of this communicator stopped "
-                    "after a collective failed on rank " + std::to_string(by - 1) +
+                    "after a collective failed on rank " + std::to_string(who) +
                     " (see the first error there and on this rank); make a new communicator to go on");
+  }
   desc_ = kind == kBroadcast ? pack(kind, bytes, 15, 15, root)
                              : pack(kind, bytes, static_cast<int>(t), static_cast<int>(op), 0);
   auto& call = slot(rank_)->h().call;

@@ -130,6 +130,10 @@ class Engine {
 };
 
 // Element type code carried in headers: (format character << 8) | itemsize; 0 = untyped.
+// Codes with kCollCode set are a reducing collective's (kind, dtype, op) instead
+// (CollCtx::wire_code): two of them must be equal, so ranks that reduce with another dtype
+// or op fail at the first message instead of combining garbage.
+constexpr uint32_t kCollCode = 1u << 31;
 uint32_t dtype_code(const char* format, size_t itemsize);
 bool dtypes_compatible(uint32_t a, uint32_t b);
 std::string dtype_name(uint32_t code);

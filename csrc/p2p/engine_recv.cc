@@ -17,6 +17,13 @@ static std::string misfit(const Request& req, const MsgHeader& h, int me, ErrorK
            std::to_string(req.bytes) + " bytes; receive into a buffer of at least " + std::to_string(h.size) +
            " bytes (the message is kept for the next receive with this tag)";
   }
+  if (((h.dtype | req.dtype) & kCollCode) && h.dtype != req.dtype) {
+    *kind = ErrorKind::Invalid;
+    return "rank " + std::to_string(me) + ": rank " + std::to_string(req.peer) + " reduces " + dtype_name(h.dtype) +
+           " in this collective (" + tag_text(h.tag) + ") but this rank reduces " + dtype_name(req.dtype) +
+           ": the ranks called it with different dtypes or ops; call each collective with the same arguments "
+           "on every rank (LINKWISE_CHECK=1 compares them first)";
+  }
   if (!dtypes_compatible(h.dtype, req.dtype)) {
     *kind = ErrorKind::Type;
     return "rank " + std::to_string(me) + ": rank " + std::to_string(req.peer) + " sent " + dtype_name(h.dtype) +
