@@ -204,3 +204,33 @@ def test_point_to_point_reductions_check_dtype_and_op(case, transport):
     # No rank goes on: whoever returned from the call (a reduce's senders) fails the next one.
     assert all(first in ("ValueError", "aborted", "ok") for first in firsts), out
     assert all(later == "aborted" for _, later in out), out
+
+
+def _kind_mismatch_then_go_on(comm):
+    """Rank 0 all_reduce (shared memory) against rank 1 all_gather (point-to-point): rank 1
+    times out; neither rank's later all_reduce may pair with the other's pending call."""
+    import linkwise
+    comm.all_reduce(np.ones(4, np.float32))  # attach the executor
+    x = np.full(4, 1000.0 + comm.rank, np.float32)
+    try:
+        comm.all_reduce(x) if comm.rank == 0 else comm.all_gather(x)
+        first = "ok"
+    except (linkwise.TimeoutError, linkwise.PeerError) as exc:
+        first = type(exc).__name__
+    later = []
+    for i in range(2):
+        y = np.full(4, 10.0 * i + comm.rank, np.float32)
+        try:
+            comm.all_reduce(y)
+            later.append(float(y[0]))
+        except linkwise.CommAbortedError:
+            later.append("aborted")
+    return first, later
+
+
+def test_a_failed_point_to_point_collective_stops_the_shared_memory_one():
+    out = run_ranks(2, _kind_mismatch_then_go_on, env={"LINKWISE_TIMEOUT": "3"}, timeout=60)
+    assert out[1][0] == "TimeoutError", out
+    assert out[0][0] == "PeerError", out  # rank 1 stopped the executor it was waited on in
+    for _, later in out:
+        assert later == ["aborted", "aborted"], out  # before: shifted sums (1001.0, 11.0)

@@ -149,6 +149,10 @@ class ShmColl {
   int max_lanes() const { return lanes_; }  // agreed by every rank at connect()
   size_t one_shot_max() const { return opt_.one_max; }  // likewise
   void unlink() { seg_.unlink(); }
+  // Another collective of the communicator failed on this rank (a point-to-point one, whose
+  // peers may now be a call behind or ahead here): peers waiting on this rank give up
+  // (PeerError) and every later call on every rank raises. Safe from any thread.
+  void stop() { mark_failed(Error(ErrorKind::Aborted, "stopped", -1)); }
   const std::string& segment_name() const { return seg_.name(); }  // what the others open
 
   void all_reduce(const void* in, void* out, size_t count, DType t, RedOp op, double timeout);

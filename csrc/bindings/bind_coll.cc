@@ -284,6 +284,9 @@ void bind_coll(nb::module_& m) {
       .def_prop_ro("max_lanes", [](PyShmColl& s) { return s.shm_.max_lanes(); },
                    "Most lanes a message is cut into (rank 0's threads, at most 16; agreed by all ranks).")
       .def("unlink", [](PyShmColl& s) { s.shm_.unlink(); })
+      .def("stop", [](PyShmColl& s) { s.shm_.stop(); },
+           "after another collective of the communicator failed here: peers waiting in this "
+           "executor give up, and every later call on every rank raises")
       .def_prop_ro("segment_name", [](PyShmColl& s) { return s.shm_.segment_name(); })
       .def("all_reduce",
            [](PyShmColl& s, nb::handle x, nb::handle out, int code, double timeout) {

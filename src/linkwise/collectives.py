@@ -134,13 +134,32 @@ class CollectivesMixin:
             args = (KINDS[kind], xr, outr, dcode, OPS.get(op, 0), root, self._next_seq(), algo, chunk,
                     order, parent, children, self.timeout)
             if inline:
-                _native_module().coll(self._native, *args)
+                try:
+                    _native_module().coll(self._native, *args)
+                except BaseException:
+                    self._stop_shm()
+                    raise
                 return result
         if worker is None:
             worker = self._coll_worker = _native_module().CollWorker(self._native)
             self._fast_shm = None
         req = CollectiveRequest(worker.submit(*args), self.timeout, result)
-        return req if async_op else req.wait()
+        if async_op:
+            return req
+        try:
+            return req.wait()
+        except BaseException:
+            self._stop_shm()
+            raise
+
+    def _stop_shm(self) -> None:
+        """A collective failed on this rank: the ranks' collective sequences may no longer
+        agree, so stop the shared-memory executor too (its waiting peers raise PeerError, and
+        every later call there raises), rather than let the next call pair with a different
+        call on another rank."""
+        shm = self.__dict__.get("_shm")
+        if shm:
+            shm.stop()
 
     def _shm_for(self, kind: str, nbytes: int):
         """The shared-memory executor for this call, or None for the point-to-point algorithms.
