@@ -206,31 +206,39 @@ def test_point_to_point_reductions_check_dtype_and_op(case, transport):
     assert all(later == "aborted" for _, later in out), out
 
 
-def _kind_mismatch_then_go_on(comm):
-    """Rank 0 all_reduce (shared memory) against rank 1 all_gather (point-to-point): rank 1
-    times out; neither rank's later all_reduce may pair with the other's pending call."""
+def _other_count_on_one_rank(comm, kind, odd_count):
+    """The last rank passes odd_count elements, the others 2; then four correct broadcasts.
+    Returns (the first call's outcome, each later broadcast's: "ok", "WRONG" or the error's name)."""
     import linkwise
-    comm.all_reduce(np.ones(4, np.float32))  # attach the executor
-    x = np.full(4, 1000.0 + comm.rank, np.float32)
+    x = np.ones(odd_count if comm.rank == comm.size - 1 else 2, np.float32)
     try:
-        comm.all_reduce(x) if comm.rank == 0 else comm.all_gather(x)
+        comm.broadcast(x, root=0) if kind == "broadcast" else comm.all_reduce(x)
         first = "ok"
-    except (linkwise.TimeoutError, linkwise.PeerError) as exc:
+    except (ValueError, linkwise.CommAbortedError, linkwise.PeerError) as exc:
         first = type(exc).__name__
     later = []
-    for i in range(2):
-        y = np.full(4, 10.0 * i + comm.rank, np.float32)
+    for i in range(4):
+        y = np.full(10, 42.0 + i if comm.rank == 0 else -1.0, np.float32)
         try:
-            comm.all_reduce(y)
-            later.append(float(y[0]))
-        except linkwise.CommAbortedError:
-            later.append("aborted")
+            comm.broadcast(y, root=0)
+            later.append("ok" if np.all(y == 42.0 + i) else "WRONG")
+        except (linkwise.CommAbortedError, linkwise.PeerError) as exc:
+            later.append(type(exc).__name__)
     return first, later
 
 
-def test_a_failed_point_to_point_collective_stops_the_shared_memory_one():
-    out = run_ranks(2, _kind_mismatch_then_go_on, env={"LINKWISE_TIMEOUT": "3"}, timeout=60)
-    assert out[1][0] == "TimeoutError", out
-    assert out[0][0] == "PeerError", out  # rank 1 stopped the executor it was waited on in
-    for _, later in out:
-        assert later == ["aborted", "aborted"], out  # before: shifted sums (1001.0, 11.0)
+@pytest.mark.parametrize("kind,odd_count", [("broadcast", 0), ("all_reduce", 0), ("broadcast", 1),
+                                            ("broadcast", 3)])
+def test_other_count_on_one_rank_raises_and_never_shifts_later_calls(kind, odd_count):
+    # Before: the 0-byte broadcast skipped the ring's piece numbering on that rank, so every
+    # later broadcast there returned the previous one's data, silently; and a small broadcast
+    # whose root had already gone on to its next call went unchecked (wrong bytes, silently).
+    out = run_ranks(3, _other_count_on_one_rank, kind, odd_count, env={"LINKWISE_TIMEOUT": "20"}, timeout=60)
+    assert out[2][0] == "ValueError", out  # the odd rank meets the others' call
+    for first, later in out:
+        assert "WRONG" not in later, out
+        # A rank may finish calls that need no one else's data (a root) before it learns
+        # of the failure; once a call raised, every later one raises.
+        raised = [r != "ok" for r in later]
+        assert raised == sorted(raised), out
+    assert all(r != "ok" for r in out[2][1]), out

@@ -179,7 +179,7 @@ void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, co
                     peer);
       if (seconds_since(t0) > timeout_)
         throw Error(ErrorKind::Timeout, "rank " + std::to_string(rank_) + ": shared-memory " + what +
-                                            " waited more than " + std::to_string(timeout_) + " s for rank " +
+                                            " waited more than " + seconds_text(timeout_) + " for rank " +
                                             std::to_string(peer) + "; check that every rank calls it with the same arguments and host arrays "
                                             "(LINKWISE_CHECK=1 verifies that), or raise LINKWISE_TIMEOUT",
                     peer);
@@ -413,12 +413,16 @@ void ShmColl::ring_broadcast(const char* src, char* b, size_t bytes, int root) {
   if (rank_ == root && src != b) copy_out(b, src, bytes, stream);
 }
 
-// One lane's stripe, in pieces of 1/lanes of a ring slot.
+// One lane's stripe, in pieces of 1/lanes of a ring slot. A broadcast of 0 bytes still moves
+// one empty piece on lane 0: every rank numbers the pieces alike, and a rank called with 0
+// bytes against others' data meets the root's stamp (a mismatch raises) instead of falling a
+// piece behind, which would hand it the previous broadcast's data from then on.
 void ShmColl::ring_lane(int lane, int lanes, char* b, size_t bytes, int root, bool stream) {
   const size_t lp = (kBcPiece / static_cast<size_t>(lanes)) & ~size_t(63);
   Slot* rs = slot(root);
-  for (size_t off = 0; off < bytes; off += lp) {
-    const size_t len = std::min(lp, bytes - off);
+  const size_t pieces = bytes ? (bytes + lp - 1) / lp : lane == 0;
+  for (size_t k = 0; k < pieces; ++k) {
+    const size_t off = k * lp, len = std::min(lp, bytes - off);
     const uint64_t i = piece_[lane]++;
     char* area = rs->bc(i) + lane * lp;
     if (rank_ == root) {
@@ -428,13 +432,13 @@ void ShmColl::ring_lane(int lane, int lanes, char* b, size_t bytes, int root, bo
           if (q != root) wait_ge(q, slot(q)->h().c_done[lane].v, need, "broadcast");
       }
       std::memcpy(area, b + off, len);
-      stamp(rs->h().c_in[lane].stamp);
+      rs->h().c_in[lane].piece[i % kBcSlots].store(piece_stamp(), std::memory_order_relaxed);
       publish(rs->h().c_done[lane].v, static_cast<uint32_t>(i + 1));
       publish(rs->h().c_in[lane].v, static_cast<uint32_t>(i + 1));
     } else {
       wait_ge(root, rs->h().c_in[lane].v, static_cast<uint32_t>(i + 1), "broadcast");
-      // Not strict: the root may already be a call ahead (it runs up to kBcSlots pieces ahead).
-      if (off == 0) check_line(root, rs->h().c_in[lane].stamp, false);
+      const uint32_t theirs = rs->h().c_in[lane].piece[i % kBcSlots].load(std::memory_order_relaxed);
+      if (theirs != piece_stamp()) piece_mismatch(root);
       copy_out(b + off, area, len, stream);
       publish(slot(rank_)->h().c_done[lane].v, static_cast<uint32_t>(i + 1));
     }

@@ -31,7 +31,8 @@
 //     rank order. Half r&1 is rewritten in round r+2, after everyone's b_in reached r+1.
 //   broadcast piece i of a lane (numbered across calls): the root waits until every other
 //     rank's c_done >= i-kBcSlots+1, copies piece i into ring slot i%kBcSlots, sets
-//     c_in=c_done=i+1; a reader waits for root.c_in >= i+1, copies it out, sets its c_done=i+1.
+//     c_in=c_done=i+1 (with a stamp of the call in c_in's line, per ring slot); a reader
+//     waits for root.c_in >= i+1, checks the stamp, copies it out, sets its c_done=i+1.
 //   CMA all-reduce round r (large messages, when every rank may read and write every other
 //     rank's memory with process_vm_readv/writev): publish my in/out addresses, x_in=r →
 //     wait all x_in>=r → for each chunk of MY segment (part_off(count, n, rank)): read that
@@ -153,6 +154,8 @@ class ShmColl {
   // peers may now be a call behind or ahead here): peers waiting on this rank give up
   // (PeerError) and every later call on every rank raises. Safe from any thread.
   void stop() { mark_failed(Error(ErrorKind::Aborted, "stopped", -1)); }
+  // The same after a peer died or failed elsewhere: later calls raise PeerError naming it.
+  void stop_for_peer(int peer) { mark_failed(Error(ErrorKind::Peer, "stopped", peer)); }
   const std::string& segment_name() const { return seg_.name(); }  // what the others open
 
   void all_reduce(const void* in, void* out, size_t count, DType t, RedOp op, double timeout);
@@ -209,6 +212,11 @@ class ShmColl {
   void check_line(int q, const Stamp& s, bool strict) const;
   void check_calls() const;
   [[noreturn]] void mismatch(int q, uint32_t their_call, uint64_t theirs) const;
+  // A broadcast piece's stamp: this call's number (low 16 bits) and a 16-bit fold of its
+  // descriptor. A reader compares it strictly (the piece belongs to this very call); another
+  // call's arguments escape with probability 2^-16. piece_mismatch names what it can.
+  uint32_t piece_stamp() const;
+  [[noreturn]] void piece_mismatch(int root) const;
   void cma_drain();
   char* scratch(int thread);
 

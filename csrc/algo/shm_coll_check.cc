@@ -79,6 +79,25 @@ void ShmColl::check_calls() const {
   }
 }
 
+uint32_t ShmColl::piece_stamp() const {
+  const uint64_t d = desc_ ^ (desc_ >> 16) ^ (desc_ >> 32) ^ (desc_ >> 48);
+  return (call_ & 0xffffu) << 16 | static_cast<uint32_t>(d & 0xffffu);
+}
+
+void ShmColl::piece_mismatch(int root) const {
+  auto& call = slot(root)->h().call;
+  const uint32_t seq = call.seq.load(std::memory_order_acquire);
+  const uint64_t desc = call.desc.load(std::memory_order_relaxed);
+  if (seq == call_ && call.seq.load(std::memory_order_acquire) == seq) mismatch(root, seq, desc);
+  // The root already went on to later calls: its descriptor of this one is gone.
+  throw Error(ErrorKind::Invalid,
+              "rank " + std::to_string(rank_) + ": shared-memory collective number " + std::to_string(call_) +
+                  " differs between ranks: this rank called " + describe(desc_) + ", rank " + std::to_string(root) +
+                  " (the root) a broadcast of another size or root, or another collective. Call each "
+                  "collective with the same arguments, in the same order, on every rank.",
+              -1);
+}
+
 void ShmColl::mismatch(int q, uint32_t their_call, uint64_t theirs) const {
   const std::string theirs_text =
       their_call == call_ ? describe(theirs)

@@ -20,7 +20,7 @@ struct Stamp {
 };
 struct alignas(64) Line {
   std::atomic<uint32_t> v;
-  Stamp stamp;  // used by the lines that announce data: a_in, x_in, c_in, y_in
+  Stamp stamp;  // used by the lines that announce data: a_in, x_in, y_in
 };
 // b_in: a stamp per one-shot half (round parity), since a peer may already be in the next
 // round (it needs no second wait) while this rank still reads the last one.
@@ -30,6 +30,13 @@ struct alignas(64) OneShotLine {
 };
 // The owner's current call: `desc`, then `seq` (release). Peers read it only when a wait is
 // slow (ShmColl::check_calls), to tell a mismatched call from a slow peer.
+// c_in: one 32-bit stamp per ring slot (piece_stamp()), in the counter's line. The root may
+// be up to kBcSlots pieces ahead, across calls, so one stamp per line would often show a
+// later call; slot i%kBcSlots's stamp stays until every reader is done with piece i.
+struct alignas(64) PieceLine {
+  std::atomic<uint32_t> v;
+  std::atomic<uint32_t> piece[ShmColl::kBcSlots];
+};
 struct alignas(64) CallLine {
   std::atomic<uint64_t> desc;
   std::atomic<uint32_t> seq;
@@ -73,7 +80,8 @@ struct ShmColl::Slot {
   struct Header {
     int64_t pid;
     uint64_t self_addr;  // where the owner mapped this slot: peers probe CMA by reading `pid` there
-    Line a_in[kMaxLanes], a_res[kMaxLanes], c_in[kMaxLanes], c_done[kMaxLanes];  // per lane
+    Line a_in[kMaxLanes], a_res[kMaxLanes], c_done[kMaxLanes];  // per lane
+    PieceLine c_in[kMaxLanes];
     OneShotLine b_in;
     Line sleepers;
     Line failed;  // 1 + the rank blamed, once a collective failed on the owner (then never cleared)

@@ -45,13 +45,24 @@ class PyShmColl : public std::enable_shared_from_this<PyShmColl> {
  public:
   PyShmColl(std::shared_ptr<NativeComm> comm, const std::string& name, bool create, double spin_us)
       : comm_(std::move(comm)),
-        shm_(name, create, comm_->engine().rank(), comm_->engine().size(), spin_us) {}
+        shm_(name, create, comm_->engine().rank(), comm_->engine().size(), spin_us) {
+    // A point-to-point collective that fails (here or, by notice, on a peer) stops this
+    // executor too: a peer may be waiting here for a call this rank will never make.
+    comm_->engine().set_failure_hook([this](int blame) {
+      if (blame >= 0) shm_.stop_for_peer(blame);
+      else shm_.stop();
+    });
+  }
+  ~PyShmColl() { comm_->engine().set_failure_hook(nullptr); }  // the engine outlives us (comm_)
   template <class F>
   void guarded(F&& f) {
     try {
       f();
-    } catch (const Error&) {
-      comm_->engine().abort("a shared-memory collective failed on this rank");
+    } catch (const Error& e) {
+      // The point-to-point collectives stop too, here and (by notice) on the peers, so none
+      // waits for this rank until the timeout. The failure hook only re-marks this executor.
+      comm_->engine().abort_and_notify("a shared-memory collective failed on this rank",
+                                       e.kind() == ErrorKind::Peer ? e.peer() : -1);
       throw;
     }
   }
@@ -148,8 +159,8 @@ class CollRequest {
       nb::gil_scoped_release nogil;
       std::unique_lock<std::mutex> l(job_->mu);
       if (!job_->cv.wait_for(l, std::chrono::duration<double>(timeout_s), [&] { return job_->done.load(); }))
-        throw Error(ErrorKind::Timeout, "async collective did not complete within " + std::to_string(timeout_s) +
-                                            " s; check that every rank calls it, or raise LINKWISE_TIMEOUT");
+        throw Error(ErrorKind::Timeout, "async collective did not complete within " + seconds_text(timeout_s) +
+                                            "; check that every rank calls it, or raise LINKWISE_TIMEOUT");
     }
     finish();
   }

@@ -78,7 +78,9 @@ void bind_p2p(nb::module_& m) {
              return c.post(obj, peer, tag, false, is_async);
            }, nb::arg("obj"), nb::arg("peer"), nb::arg("tag"), nb::arg("is_async") = false)
       .def("describe_link", [](NativeComm& c, int peer) { return c.engine().describe_link(peer); })
-      .def("abort", [](NativeComm& c, const std::string& why) { c.engine().abort(why); });
+      .def("abort", [](NativeComm& c, const std::string& why) { c.engine().abort(why); })
+      .def_prop_ro("abort_reason", [](NativeComm& c) { return c.engine().abort_reason(); },
+                   "why the communicator was aborted; empty while it was not");
 }
 
 }  // namespace linkwise

@@ -1,6 +1,7 @@
 #include "core/status.h"
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 namespace linkwise {
@@ -12,6 +13,12 @@ void fail_check(const char* expr, const char* file, int line, const std::string&
 
 void fail_errno(const std::string& what) {
   throw Error(ErrorKind::Internal, what + ": " + std::strerror(errno));
+}
+
+std::string seconds_text(double s) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%g s", s);
+  return b;
 }
 
 }  // namespace linkwise

@@ -345,7 +345,7 @@ void GpuEngine::check() const {
   if (code == kErrTimeout)
     throw Error(ErrorKind::Timeout,
                 "rank " + std::to_string(rank_) + ": a GPU operation timed out waiting for a peer "
-                "(after " + std::to_string(timeout_s_) + " s); results are invalid and this "
+                "(after " + seconds_text(timeout_s_) + "); results are invalid and this "
                 "communicator cannot be used any more. Check that every rank makes the same calls "
                 "with CUDA arrays of the same size (LINKWISE_CHECK=1 verifies that)");
 }

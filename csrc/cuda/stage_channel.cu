@@ -150,7 +150,7 @@ void StageChannel::run(bool writer, char* dev, size_t nbytes, cudaStream_t s) {
     }
     pacer.idle([&] {
       return std::string("host-staged ") + (writer ? "send" : "receive") + " waited " +
-             std::to_string(timeout_s_) + " s for the peer (chunk " + std::to_string(done) +
+             seconds_text(timeout_s_) + " for the peer (chunk " + std::to_string(done) +
              " of " + std::to_string(nch) + ")";
     });
   }

@@ -263,7 +263,7 @@ void StageReduce::all_reduce(uintptr_t x, uintptr_t outp, size_t count, int dtyp
     }
     pacer.idle([&] {
       return "rank " + std::to_string(rank_) + ": host-staged all_reduce waited " +
-             std::to_string(timeout_s_) + " s for a peer (chunk " + std::to_string(h2d_done) +
+             seconds_text(timeout_s_) + " for a peer (chunk " + std::to_string(h2d_done) +
              " of " + std::to_string(nch) + ")";
     });
   }

@@ -247,7 +247,7 @@ void Engine::fail_peer_locked(Peer& p, const std::string& why) {
   if (p.dead) return;
   p.dead = true;
   const std::string msg = "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(p.rank) +
-                          " is gone (" + p.link->describe() + "): " + why +
+                          " died or failed (" + p.link->describe() + "): " + why +
                           ". Look at that rank's output for the cause.";
   auto fail_all = [&](std::list<std::shared_ptr<Request>>& l) {
     for (auto& r : l) fail_locked(*r, ErrorKind::Peer, msg, p.rank);
@@ -316,6 +316,17 @@ void Engine::abort_and_notify(const std::string& why, int blame) {
   notify_abort_locked(blame);
 }
 
+std::string Engine::abort_reason() {
+  std::lock_guard<std::mutex> g(mu_);
+  return aborted_ ? abort_reason_ : std::string();
+}
+
+void Engine::set_failure_hook(std::function<void(int blame)> hook) {
+  std::lock_guard<std::mutex> g(mu_);
+  failure_hook_ = std::move(hook);
+  if (failure_hook_ && notices_sent_) failure_hook_(failure_blame_);  // failed before it was set
+}
+
 std::string Engine::own_abort_reason(const std::string& why) const {
   return "rank " + std::to_string(rank_) + ": the communicator was aborted: " + why;
 }
@@ -352,6 +363,8 @@ void Engine::abort_locked(const std::string& reason, ErrorKind kind, int peer) {
 void Engine::notify_abort_locked(int blame) {
   if (notices_sent_) return;
   notices_sent_ = true;
+  failure_blame_ = blame;
+  if (failure_hook_) failure_hook_(blame);
   const MsgHeader h{kHeaderMagic, kAbort, static_cast<uint64_t>(blame + 1), 0, 0, 0, 0};
   for (auto& pp : peers_) {
     Peer& p = *pp;

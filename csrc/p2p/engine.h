@@ -82,7 +82,15 @@ class Engine {
   // abort(why), and an abort notice blaming rank `blame` (-1: none, e.g. a timeout) to every
   // live peer; after a collective failed on this rank (algo/coll.h). Notices go out once.
   void abort_and_notify(const std::string& why, int blame);
+  // Called once, under the engine's lock, when a collective failure aborts this engine (its
+  // own, abort_and_notify, or a peer's notice); `blame` as there. The shared-memory executor
+  // of the same communicator stops through it, so its calls cannot pair with calls the
+  // failed collective left out of step. Set after such a failure, it is called at once.
+  // Must not block or call the engine. Empty: none.
+  void set_failure_hook(std::function<void(int blame)> hook);
   std::string describe_link(int peer);
+  // Why the engine was aborted; empty while it was not.
+  std::string abort_reason();
 
  private:
   struct Unexpected;
@@ -120,6 +128,8 @@ class Engine {
   bool aborted_ = false;
   std::string abort_reason_;
   bool notices_sent_ = false;
+  std::function<void(int)> failure_hook_;
+  int failure_blame_ = -1;  // the blame of the failure that sent the notices
 
   std::atomic<int> sleepers_{0};      // threads of this process asleep in sleep_once
   std::atomic<int> pending_async_{0}; // non-blocking requests not yet done

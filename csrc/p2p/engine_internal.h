@@ -19,7 +19,13 @@ constexpr uint32_t kPull = 2;
 constexpr uint32_t kAbort = 3;  // abort notice: tag = blamed rank + 1 (0: none), no payload
 constexpr size_t kStage = 4096;          // header + payload up to this go out in one write
 constexpr int kMessagesPerPass = 16;     // incoming messages one progress pass may finish per peer
-inline std::string tag_text(uint64_t tag) { return "tag " + std::to_string(tag); }
+// Collective tags (bit 63; algo/coll.h) read as the collective's number and step.
+inline bool is_coll_tag(uint64_t tag) { return tag >> 63; }
+inline std::string tag_text(uint64_t tag) {
+  if (!is_coll_tag(tag)) return "tag " + std::to_string(tag);
+  return "collective number " + std::to_string((tag >> 24) & ((uint64_t{1} << 38) - 1)) + ", step " +
+         std::to_string(tag & 0xffff);
+}
 
 }  // namespace engine_detail
 

@@ -12,6 +12,11 @@ using namespace engine_detail;
 static std::string misfit(const Request& req, const MsgHeader& h, int me, ErrorKind* kind) {
   if (h.size > req.bytes) {
     *kind = ErrorKind::Invalid;
+    if (is_coll_tag(h.tag))
+      return "rank " + std::to_string(me) + ": a collective received " + std::to_string(h.size) + " bytes from rank " +
+             std::to_string(req.peer) + " (" + tag_text(h.tag) + ") where " + std::to_string(req.bytes) +
+             " were expected: the ranks called it with different sizes, dtypes or roots; call each collective "
+             "with the same arguments on every rank (LINKWISE_CHECK=1 compares them first)";
     return "rank " + std::to_string(me) + ": a message of " + std::to_string(h.size) + " bytes from rank " +
            std::to_string(req.peer) + " (" + tag_text(h.tag) + ") does not fit the receive buffer of " +
            std::to_string(req.bytes) + " bytes; receive into a buffer of at least " + std::to_string(h.size) +

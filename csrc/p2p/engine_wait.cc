@@ -4,14 +4,14 @@
 #include <thread>
 
 #include "core/wait.h"
-#include "p2p/engine.h"
+#include "p2p/engine_internal.h"
 
 namespace linkwise {
 
 namespace {
 constexpr int64_t kSliceUs = 100000;  // while asleep, look for dead peers this often
-std::string tag_text(uint64_t tag) { return "tag " + std::to_string(tag); }
 }  // namespace
+using engine_detail::tag_text;
 
 void Engine::wake_all() {
   for (auto& t : transports_) t->wake();
@@ -62,8 +62,8 @@ void Engine::wait(Request& req, double timeout_s, const char* op) {
           if (!req.done()) abort("an operation timed out in the middle of a transfer");
           throw Error(ErrorKind::Timeout,
                       "rank " + std::to_string(rank_) + ": " + op + " with rank " + std::to_string(req.peer) +
-                          " (" + tag_text(req.tag) + ") did not complete within " + std::to_string(timeout_s) +
-                          " s; check that the peer posts the matching call, or raise LINKWISE_TIMEOUT / timeout=",
+                          " (" + tag_text(req.tag) + ") did not complete within " + seconds_text(timeout_s) +
+                          "; check that the peer posts the matching call, or raise LINKWISE_TIMEOUT / timeout=",
                       req.peer);
         }
         break;

@@ -30,6 +30,16 @@ _FAST_CODES = {(np.dtype(d), o): c * 8 + oc for d, c in DTYPES.items() if d != "
 _FAST_CODES_BY_OP: dict = {}
 for (_dt, _op), _code in _FAST_CODES.items():
     _FAST_CODES_BY_OP.setdefault(_op, {})[_dt] = _code
+
+
+def fast_path_bf16(dt: np.dtype) -> None:
+    """Serve dt (a bfloat16 form: V2, or ml_dtypes' once an array of it was seen) on the fast
+    path. Neither exports a buffer, so its code is negative: the call goes through uint16 views."""
+    for op in ("sum", "prod", "min", "max", "avg"):
+        _FAST_CODES_BY_OP[op][dt] = -(DTYPES["bfloat16"] * 8 + OPS[op])
+
+
+fast_path_bf16(np.dtype("V2"))
 _NAMES = {np.dtype(d): d for d in DTYPES if d != "bfloat16"}
 # An unstructured 2-byte void array is bfloat16 (the issue's "NumPy void" form; ml_dtypes'
 # bfloat16 is named so by NumPy). Structured dtypes never compare equal to it: not reducible.

@@ -34,11 +34,12 @@ from . import _gpu_coll, _shm_exec, config
 from .plan.schedule import LARGE_PAIR_BCAST, default_schedule
 from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from here
     _ENV, _FAST_CODES, _FAST_CODES_BY_OP, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, CollectiveRequest, _as_array,
-    _dtype_label, _dtype_name, _env_set, _host_out, _native_module, _raw, check_agree)
+    _dtype_label, _dtype_name, _env_set, fast_path_bf16, _host_out, _native_module, _raw, check_agree)
 
 
 _BARRIER_CODE = _FAST_CODES[(np.dtype(np.uint8), "sum")]
 _ndarray = np.ndarray  # one global lookup instead of two in the latency paths
+_uint16 = np.uint16
 # The executor's defaults live in _shm_exec; importable from here as before.
 _NEVER, _cma_settings, DEFAULT_MAX_THREADS = _shm_exec.NEVER, _shm_exec.cma_settings, _shm_exec.DEFAULT_MAX_THREADS
 
@@ -133,27 +134,28 @@ class CollectivesMixin:
             outr = None if out is None else _raw(out)
             args = (KINDS[kind], xr, outr, dcode, OPS.get(op, 0), root, self._next_seq(), algo, chunk,
                     order, parent, children, self.timeout)
-            if inline:
-                try:
-                    _native_module().coll(self._native, *args)
-                except BaseException:
-                    self._stop_shm()
-                    raise
+            if inline:  # a failure here stops the shared-memory executor natively (Engine's failure hook)
+                _native_module().coll(self._native, *args)
                 return result
         if worker is None:
             worker = self._coll_worker = _native_module().CollWorker(self._native)
             self._fast_shm = None
-        req = CollectiveRequest(worker.submit(*args), self.timeout, result)
+        # Each call queued ahead may take up to the timeout before this one starts; and the
+        # call's own error (raised natively at its timeout) should win over this wait's.
+        ahead = worker.pending
+        req = CollectiveRequest(worker.submit(*args), self.timeout * (1 + ahead) + 1.0, result)
         if async_op:
             return req
         try:
             return req.wait()
         except BaseException:
+            # A collective that failed stopped the shared-memory executor natively already;
+            # this wait may also give up first (its own timeout), leaving the call behind.
             self._stop_shm()
             raise
 
     def _stop_shm(self) -> None:
-        """A collective failed on this rank: the ranks' collective sequences may no longer
+        """This rank gave up on a collective: the ranks' collective sequences may no longer
         agree, so stop the shared-memory executor too (its waiting peers raise PeerError, and
         every later call there raises), rather than let the next call pair with a different
         call on another rank."""
@@ -177,12 +179,23 @@ class CollectivesMixin:
             return None
         shm = self.__dict__.get("_shm")
         if shm is None:
+            why = self._native.abort_reason
+            if why:  # the ranks may be out of step: attaching (a collective step) could hang
+                from .errors import CommAbortedError
+                raise CommAbortedError(why)
             shm = self._shm = self._attach_shm() or False
         return shm or None
 
     def _attach_shm(self):
         _check_tunables()  # before the latency paths, which never read them, are set up
-        return _shm_exec.attach(self)
+        try:
+            return _shm_exec.attach(self)
+        except BaseException as exc:
+            # The ranks left the setup step at different points: no later collective of this
+            # communicator can be trusted to pair up (nor would setup be retried in step), so
+            # every later one raises CommAbortedError.
+            self._native.abort(f"setting up the shared-memory collectives failed: {exc}")
+            raise
 
     def _root(self, root: Any, op: str) -> int:
         if isinstance(root, bool) or not isinstance(root, (int, np.integer)):  # True is an int
@@ -208,7 +221,9 @@ class CollectivesMixin:
             raise ValueError(f"{what}: the result array is read-only; pass a writable array or out=")
 
     def _same(self, a: np.ndarray, b: np.ndarray, what: str, n: int = 1) -> None:
-        if b.dtype != a.dtype or b.size != a.size * n:
+        # Two forms of one dtype match (a V2 array against an ml_dtypes / torch bfloat16 one).
+        same_dtype = b.dtype == a.dtype or _dtype_name(a, None) == _dtype_name(b, None) == "bfloat16"
+        if not same_dtype or b.size != a.size * n:
             raise ValueError(f"{what}: out must be a {a.dtype} array of {a.size * n} elements, "
                              f"got {b.dtype} with {b.size}")
 
@@ -229,7 +244,17 @@ class CollectivesMixin:
                 code = _FAST_CODES_BY_OP[op][x.dtype]
             except (KeyError, TypeError):  # an op or dtype it does not serve: the general path
                 code = None
-            if code is not None:
+                if x.dtype.kind == "V" and _dtype_name(x, None) == "bfloat16":
+                    fast_path_bf16(x.dtype)  # ml_dtypes' bfloat16: served from the next call
+            if code is not None and code < 0:  # bfloat16: the same call on uint16 views
+                if out is None:
+                    bits = x.view(_uint16)
+                    fast.all_reduce(bits, bits, -code, self.timeout)
+                    return x
+                if type(out) is _ndarray and out.dtype == x.dtype:
+                    fast.all_reduce(x.view(_uint16), out.view(_uint16), -code, self.timeout)
+                    return out
+            elif code is not None:
                 if out is None:
                     fast.all_reduce(x, x, code, self.timeout)
                     return x

@@ -16,8 +16,12 @@ void check_copy(ssize_t got, int peer_rank, const char* what) {
   if (got > 0) return;
   if (got < 0 && errno == ESRCH)
     throw Error(ErrorKind::Peer, "rank " + std::to_string(peer_rank) + " died", peer_rank);
-  if (got == 0)
-    throw Error(ErrorKind::Peer, "rank " + std::to_string(peer_rank) + " memory vanished", peer_rank);
+  if (got == 0 || (got < 0 && errno == EFAULT))  // alive, but the memory it offered is unmapped
+    throw Error(ErrorKind::Peer,
+                "rank " + std::to_string(peer_rank) +
+                    " no longer has the memory it offered for this transfer (its side of the operation "
+                    "failed or was cancelled)",
+                peer_rank);
   fail_errno(std::string(what) + " rank " + std::to_string(peer_rank));
 }
 }  // namespace
