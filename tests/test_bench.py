@@ -168,6 +168,22 @@ def test_report_ratio_columns():
     assert "# gloo: skipped (torch is not installed)" in text
     data = [ln for ln in text.splitlines() if not ln.startswith("#")][0].split()
     assert float(data[-1]) == pytest.approx(2.0)
+    assert "# linkwise: n/a where x" in text  # each n/a cell's reason, once
+
+
+def test_report_says_why_cells_are_na():
+    cell = {"time_us": 10.0, "algbw": 0.1, "busbw": 0.1, "wrong": 0}
+    rows = [{"size": s, "count": s, "type": "bfloat16", "redop": "sum", "root": -1, "oop": cell, "ip": cell}
+            for s in (8, 16)]
+    mpi_rows = [dict(r, oop={"na": "MPI has no bfloat16"}, ip={"na": "MPI has no bfloat16"}) for r in rows]
+    doc = {"test": "all_reduce", "nranks": 2, "systems": {
+        "linkwise": {"status": "ok", "rows": rows}, "mpi": {"status": "ok", "rows": mpi_rows}}}
+    import io
+    buf = io.StringIO()
+    report.print_doc(doc, buf)
+    lines = buf.getvalue().splitlines()
+    assert lines.count("# mpi: n/a where MPI has no bfloat16") == 1, lines
+    assert not any(ln.startswith("# linkwise: n/a") for ln in lines), lines
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")

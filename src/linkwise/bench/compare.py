@@ -196,7 +196,9 @@ class GlooBackend(Backend):
             outs = list(r.chunk(self.size))
             return lambda: d.all_gather(outs, s)
         if coll == "reduce_scatter":
-            return lambda: d.reduce_scatter_tensor(r, s, op=rop)
+            # Newer torch (2.13 here) renamed it reduce_scatter_single; the old name warns per rank.
+            rs = getattr(d, "reduce_scatter_single", None) or d.reduce_scatter_tensor
+            return lambda: rs(r, s, op=rop)
         raise Unsupported(coll)
 
     def close(self):

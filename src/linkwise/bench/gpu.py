@@ -222,7 +222,8 @@ class NcclBackend(GpuBackend):
         if coll == "all_gather":
             return lambda: d.all_gather_into_tensor(out, x)
         if coll == "reduce_scatter":
-            return lambda: d.reduce_scatter_tensor(out, x, op=self._ops.get(op))
+            rs = getattr(d, "reduce_scatter_single", None) or d.reduce_scatter_tensor  # renamed in newer torch
+            return lambda: rs(out, x, op=self._ops.get(op))
         raise Unsupported(coll)
 
     def close(self):

@@ -81,6 +81,17 @@ def _cell(c: Optional[dict]) -> str:
     return f"{c['time_us']:10.2f} {c['algbw']:7.2f} {c['busbw']:7.2f} {wrong:>6}"
 
 
+def _na_reasons(rows: list[dict]) -> list[str]:
+    """Why cells of these rows are n/a (each reason once, in order of appearance)."""
+    seen: dict = {}
+    for r in rows:
+        for var, _ in VARIANTS:
+            why = (r.get(var) or {}).get("na")
+            if why:
+                seen.setdefault(why, None)
+    return list(seen)
+
+
 def _pick(lw_row: dict, other_row: Optional[dict]):
     """(variant, lw cell, other cell) for a comparison: out-of-place where the other system
     has it, else in-place."""
@@ -145,6 +156,10 @@ def collective_table(doc: dict, out: TextIO) -> None:
     if others:
         w("# lw/x: linkwise busbw / x busbw for the same variant (= x time / linkwise time); "
           "* = compared in place (x has no out-of-place form)\n")
+    for name, system in systems.items():
+        if system.get("status") == "ok":
+            for why in _na_reasons(system.get("rows") or []):
+                w(f"# {name}: n/a where {why}\n")
     w(f"# Out of bounds values : {wrong_total} {'OK' if wrong_total == 0 else 'FAILED'}\n")
     if busbws:
         w(f"# Avg bus bandwidth    : {sum(busbws) / len(busbws):.4f}\n")
