@@ -48,6 +48,10 @@ for n in 4 16; do
         --compare mpi,gloo --no-progress --json "$out/${coll}_n${n}.json" 2>&1 | tee -a "$log"
   done
 done
+# all_to_all's small messages (no target; an under-load 2-core reading was 3x Open MPI's time)
+stamp "linkwise bench all_to_all -N 4 -b 256 -e 64K -f 16 -n 50 -w 10 --compare mpi"
+timeout 60 python3 -m linkwise.cli bench all_to_all -N 4 -b 256 -e 64K -f 16 -n 50 -w 10 \
+    --compare mpi --no-progress < /dev/null 2>&1 | tee -a "$log"
 while read -r n coll b e variant; do
   stamp "$variant linkwise bench $coll -N $n -b $b -e $e -f 8 -n 20 -w 5"
   env $variant timeout 30 python3 -m linkwise.cli bench "$coll" -N "$n" -b "$b" -e "$e" -f 8 -n 20 -w 5 \
@@ -63,7 +67,8 @@ done <<'EOF'
 16 all_reduce 1K 32K LINKWISE_COLL_ONE_SHOT_MAX=32K
 EOF
 tests="tests/test_coll_lanes.py tests/test_coll_cma.py tests/test_cpu_share.py tests/test_coll_paths.py
-       tests/test_coll_mismatch.py tests/test_coll_fuzz.py tests/test_coll_bf16_torch.py"
+       tests/test_coll_mismatch.py tests/test_coll_fuzz.py tests/test_coll_bf16_torch.py
+       tests/test_coll_failure_spread.py"
 stamp "$(echo $tests)"
 timeout 300 python3 -m pytest -q -x -p no:cacheprovider $tests 2>&1 | tail -3 | tee -a "$log"
 stamp done
