@@ -73,10 +73,12 @@ class CollectivesMixin:
     # The eager CUDA fast path (cuda/fast.py FastPath), set once the GPU data plane is built
     # (cuda.gpu_comm), cleared by GpuComm.close(); it declines (None) whatever it does not handle.
     _gpu_fast = None
+    _coll_seq = 0  # point-to-point collectives so far (their tags' seq; the same on every rank)
+    _sched_cache = None  # (kind, root, bytes, env) -> the native call's schedule arguments
 
     # -- plumbing ------------------------------------------------------------------------
     def _next_seq(self) -> int:
-        seq = getattr(self, "_coll_seq", 0)
+        seq = self._coll_seq
         self._coll_seq = seq + 1
         return seq
 
@@ -84,7 +86,9 @@ class CollectivesMixin:
         env = ((os.environ.get("LINKWISE_ALGO", ""), os.environ.get("LINKWISE_CHUNK_SIZE", ""))
                if _env_set(b"LINKWISE_ALGO") or _env_set(b"LINKWISE_CHUNK_SIZE") else None)
         key = (kind, root, nbytes, env)
-        cache = self.__dict__.setdefault("_sched_cache", {})
+        cache = self._sched_cache
+        if cache is None:
+            cache = self._sched_cache = {}
         hit = cache.get(key)
         if hit is None:
             algo = config.get("LINKWISE_ALGO") or None
