@@ -8,6 +8,7 @@ wait at the setup barrier and then fail with BootstrapError.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -61,7 +62,97 @@ def test_a_failed_collective_stops_the_others(form, attached):
     if attached:
         assert out[0][0] == "PeerError", out  # rank 1 stopped the executor rank 0 waited in
     else:
-        assert out[0][0] == "TimeoutError", out  # rank 0 waited at the executor's setup
+        # rank 0 waited at the executor's setup: for the timeout, or until it read rank 1's
+        # abort notice there
+        assert out[0][0] in ("TimeoutError", "CommAbortedError"), out
     for _, later in out:
         # Never a number: any sum would pair a call with one the failure left behind.
         assert later == ["CommAbortedError", "CommAbortedError"], out
+
+
+def _argument_error(comm, case, everywhere):
+    """Rank 0's arguments (every rank's, with everywhere) are refused with ValueError before
+    any data moves, while the others enter the call; then two all_reduces on every rank.
+    Returns (first outcome, later outcomes: the sums, or the errors' names)."""
+    import linkwise
+    x = np.full(4, 1000.0 + comm.rank, np.float32)
+    bad = everywhere or comm.rank == 0
+    if case in ("latency_path_out", "async_pending"):
+        comm.all_reduce(np.ones(4, np.float32))  # attach the executor: the latency path exists
+    try:
+        if case == "latency_path_out":  # out of another size: refused natively, on the latency path
+            comm.all_reduce(np.ones(4, np.float32), out=np.zeros(5 if bad else 4, np.float32))
+        elif case == "general_path_op":
+            comm.all_reduce(x, op="nope" if bad else "sum")
+        elif case == "point_to_point_out":
+            comm.all_gather(x, out=np.zeros(7 if bad else 8, np.float32))
+        elif case == "async_pending":  # refused while an async all_reduce is still queued
+            req = comm.all_reduce(np.ones(300_000, np.float32), async_op=True)
+            try:
+                comm.broadcast(x, root=7 if bad else 0)
+            finally:
+                req.wait()
+        first = "ok"
+    except (ValueError, TypeError, linkwise.PeerError, linkwise.CommAbortedError, linkwise.TimeoutError) as exc:
+        # PeerError covers StoreClosedError: rank 0 may be gone (with the store) before rank
+        # 1 reads rank 0's state while setting up the executor.
+        first = "PeerError" if isinstance(exc, linkwise.PeerError) else type(exc).__name__
+    later = []
+    for i in range(2):
+        y = np.full(4, 10.0 * i + comm.rank, np.float32)
+        try:
+            comm.all_reduce(y)
+            later.append(float(y[0]))
+        except (ValueError, linkwise.PeerError, linkwise.CommAbortedError, linkwise.TimeoutError) as exc:
+            later.append("PeerError" if isinstance(exc, linkwise.PeerError) else type(exc).__name__)
+    return first, later
+
+
+CASES = ["latency_path_out", "general_path_op", "point_to_point_out", "async_pending"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_arguments_refused_on_one_rank_never_pair_with_its_next_call(case):
+    # Before: rank 1's call paired with rank 0's next one (sums 2001 instead of 3000 and 3),
+    # with or without LINKWISE_CHECK.
+    out = run_ranks(2, _argument_error, case, False, env={"LINKWISE_TIMEOUT": "3"}, timeout=60)
+    assert out[0][0] == "ValueError", out
+    assert out[1][0] != "ok", out
+    for _, later in out:
+        assert all(isinstance(r, str) for r in later), out  # never a sum
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_arguments_refused_on_every_rank_leave_the_communicator_usable(case):
+    out = run_ranks(2, _argument_error, case, True, env={"LINKWISE_TIMEOUT": "10"}, timeout=60)
+    for first, later in out:
+        assert first == "ValueError", out
+        assert later == [1.0, 21.0], out  # 0+1, then 10+11
+
+
+def _first_collective_fails_then_attach(comm):
+    """A reduce with another op on the root fails there (ValueError) while the other ranks
+    return; the root then sleeps past the timeout before its next call. The others' next
+    all_reduce sets up the shared-memory executor: it must raise at once (the root's notice),
+    not wait at the setup barrier until the timeout (before: TimeoutError after it)."""
+    import linkwise
+    try:
+        comm.reduce(np.ones(10, np.float32), root=0, op="max" if comm.rank == 0 else "sum")
+    except ValueError:
+        pass
+    if comm.rank == 0:
+        time.sleep(4)
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(np.ones(4, np.float32))
+        return "ok", time.monotonic() - t0
+    except (linkwise.CommAbortedError, linkwise.PeerError, linkwise.TimeoutError) as exc:
+        return type(exc).__name__, time.monotonic() - t0
+
+
+def test_setup_after_a_failure_raises_at_once():
+    out = run_ranks(3, _first_collective_fails_then_attach, env={"LINKWISE_TIMEOUT": "3"}, timeout=60)
+    for kind, seconds in out:
+        assert kind == "CommAbortedError", out
+    for kind, seconds in out[1:]:
+        assert seconds < 2, out

@@ -206,11 +206,12 @@ def test_point_to_point_reductions_check_dtype_and_op(case, transport):
     assert all(later == "aborted" for _, later in out), out
 
 
-def _other_count_on_one_rank(comm, kind, odd_count):
-    """The last rank passes odd_count elements, the others 2; then four correct broadcasts.
+def _other_count_on_one_rank(comm, kind, count, odd_count):
+    """The last rank passes odd_count elements, the others count; then four correct broadcasts.
     Returns (the first call's outcome, each later broadcast's: "ok", "WRONG" or the error's name)."""
     import linkwise
-    x = np.ones(odd_count if comm.rank == comm.size - 1 else 2, np.float32)
+    odd = comm.rank == comm.size - 1
+    x = np.ones(odd_count if odd else count, np.float32)
     try:
         comm.broadcast(x, root=0) if kind == "broadcast" else comm.all_reduce(x)
         first = "ok"
@@ -227,13 +228,17 @@ def _other_count_on_one_rank(comm, kind, odd_count):
     return first, later
 
 
-@pytest.mark.parametrize("kind,odd_count", [("broadcast", 0), ("all_reduce", 0), ("broadcast", 1),
-                                            ("broadcast", 3)])
-def test_other_count_on_one_rank_raises_and_never_shifts_later_calls(kind, odd_count):
+@pytest.mark.parametrize("kind,count,odd_count", [
+    ("broadcast", 2, 0), ("all_reduce", 2, 0), ("broadcast", 2, 1), ("broadcast", 2, 3),
+    ("broadcast", 1, 65536), ("broadcast", 65536, 1)])
+def test_other_count_on_one_rank_raises_and_never_shifts_later_calls(kind, count, odd_count):
     # Before: the 0-byte broadcast skipped the ring's piece numbering on that rank, so every
     # later broadcast there returned the previous one's data, silently; and a small broadcast
     # whose root had already gone on to its next call went unchecked (wrong bytes, silently).
-    out = run_ranks(3, _other_count_on_one_rank, kind, odd_count, env={"LINKWISE_TIMEOUT": "20"}, timeout=60)
+    # 4 against 262144 bytes: sizes that the first piece stamp (a 16-bit fold of the call's
+    # descriptor) could not tell apart, found by an acceptance run.
+    out = run_ranks(3, _other_count_on_one_rank, kind, count, odd_count, env={"LINKWISE_TIMEOUT": "20"},
+                    timeout=60)
     assert out[2][0] == "ValueError", out  # the odd rank meets the others' call
     for first, later in out:
         assert "WRONG" not in later, out

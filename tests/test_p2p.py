@@ -198,6 +198,30 @@ def test_async_and_test(transport_env):
     assert res == [[8, 800, 2_400_000]] * 2
 
 
+def _awaited_receive_that_timed_out(comm):
+    """An awaited receive that times out must not stay posted: a later message goes to the
+    later receive, never into the abandoned buffer (before: it landed in the first one)."""
+    import linkwise
+    if comm.rank == 1:
+        comm.barrier()  # after rank 0's receive timed out
+        comm.send(np.full(4, 42.0), 0, tag=7)
+        return "sent"
+    abandoned, later = np.zeros(4), np.zeros(4)
+    try:
+        asyncio.run(comm.arecv(abandoned, 1, tag=7, timeout=0.3))
+        return "the receive did not time out"
+    except linkwise.TimeoutError as exc:
+        assert "within 0.3 s;" in str(exc), exc
+    comm.barrier()
+    comm.recv(later, 1, tag=7)
+    return later.tolist(), abandoned.tolist()
+
+
+def test_awaited_receive_that_timed_out_is_cancelled(transport_env):
+    out = run_ranks(2, _awaited_receive_that_timed_out, env=transport_env)
+    assert out == [([42.0] * 4, [0.0] * 4), "sent"]
+
+
 def _torch_tensors(comm):
     import torch
     peer = 1 - comm.rank

@@ -165,10 +165,14 @@ void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, co
       const uint32_t blame = slot(peer)->h().failed.v.load(std::memory_order_acquire);
       if (blame && !reached(word.load(std::memory_order_acquire), target)) {
         const int culprit = static_cast<int>(blame) - 1;
+        // `what` is this rank's call; the peer may have failed in another one (a mismatch).
+        const std::string who = culprit == peer ? "a collective failed on peer rank " + std::to_string(peer)
+                                                : "peer rank " + std::to_string(peer) +
+                                                      " gave up on a collective because rank " +
+                                                      std::to_string(culprit) + " failed";
         throw Error(ErrorKind::Peer,
-                    "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(peer) +
-                        " gave up on a shared-memory " + what + " (it blames rank " + std::to_string(culprit) +
-                        "). Look at that rank's output for the cause.",
+                    "rank " + std::to_string(rank_) + ": " + who + " while this rank waited in a shared-memory " +
+                        what + ". Look at rank " + std::to_string(culprit) + "'s output for the cause.",
                     culprit);
       }
       if (peer_gone(peer) && !reached(word.load(std::memory_order_acquire), target))

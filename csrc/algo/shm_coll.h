@@ -156,6 +156,11 @@ class ShmColl {
   void stop() { mark_failed(Error(ErrorKind::Aborted, "stopped", -1)); }
   // The same after a peer died or failed elsewhere: later calls raise PeerError naming it.
   void stop_for_peer(int peer) { mark_failed(Error(ErrorKind::Peer, "stopped", peer)); }
+  // A collective refused its arguments on this rank before reaching the executor: number the
+  // calls as if it had run, so that where only this rank refused it, the next call meets the
+  // peers' pending one under another number (a mismatch) rather than pairing with it. Owner
+  // thread, in issue order (the Python layer queues it behind pending async calls).
+  void skip_call() { ++call_; }
   const std::string& segment_name() const { return seg_.name(); }  // what the others open
 
   void all_reduce(const void* in, void* out, size_t count, DType t, RedOp op, double timeout);
@@ -212,9 +217,11 @@ class ShmColl {
   void check_line(int q, const Stamp& s, bool strict) const;
   void check_calls() const;
   [[noreturn]] void mismatch(int q, uint32_t their_call, uint64_t theirs) const;
-  // A broadcast piece's stamp: this call's number (low 16 bits) and a 16-bit fold of its
-  // descriptor. A reader compares it strictly (the piece belongs to this very call); another
-  // call's arguments escape with probability 2^-16. piece_mismatch names what it can.
+  // A broadcast piece's stamp: this call's number modulo 16 and its byte count modulo 2^28
+  // (exact below 256 MiB; the root and kind are implied: only the root's broadcasts write
+  // pieces to its slot). A reader compares it strictly, since the piece belongs to this very
+  // call; piece_mismatch names what it can. (A hash of the whole descriptor folded to 16
+  // bits, the first version, let some size pairs such as 4 and 262144 bytes through.)
   uint32_t piece_stamp() const;
   [[noreturn]] void piece_mismatch(int root) const;
   void cma_drain();

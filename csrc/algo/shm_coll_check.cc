@@ -42,10 +42,11 @@ void ShmColl::begin_call(CallKind kind, size_t bytes, DType t, RedOp op, int roo
                       " died or failed during an earlier shared-memory collective; the shared-memory collectives "
                       "of this communicator stopped. Look at that rank's output for the cause.",
                   who);
+    const std::string where = who == rank_ ? "this rank" : "rank " + std::to_string(who);
     throw Error(ErrorKind::Aborted,
                 "rank " + std::to_string(rank_) + ": the shared-memory collectives of this communicator stopped "
-                    "after a collective failed on rank " + std::to_string(who) +
-                    " (see the first error there and on this rank); make a new communicator to go on");
+                    "after a collective failed on " + where +
+                    " (see the first error there); make a new communicator to go on");
   }
   desc_ = kind == kBroadcast ? pack(kind, bytes, 15, 15, root)
                              : pack(kind, bytes, static_cast<int>(t), static_cast<int>(op), 0);
@@ -80,8 +81,8 @@ void ShmColl::check_calls() const {
 }
 
 uint32_t ShmColl::piece_stamp() const {
-  const uint64_t d = desc_ ^ (desc_ >> 16) ^ (desc_ >> 32) ^ (desc_ >> 48);
-  return (call_ & 0xffffu) << 16 | static_cast<uint32_t>(d & 0xffffu);
+  const uint64_t bytes = desc_ >> 24;
+  return (call_ & 0xfu) << 28 | static_cast<uint32_t>(bytes & 0x0fffffffu);
 }
 
 void ShmColl::piece_mismatch(int root) const {
@@ -101,7 +102,9 @@ void ShmColl::piece_mismatch(int root) const {
 void ShmColl::mismatch(int q, uint32_t their_call, uint64_t theirs) const {
   const std::string theirs_text =
       their_call == call_ ? describe(theirs)
-                          : describe(theirs) + " as its shared-memory collective number " + std::to_string(their_call);
+                          : describe(theirs) + " as its shared-memory collective number " + std::to_string(their_call) +
+                                " (the ranks' sequences of calls differ: a call missing on one rank, or one "
+                                "whose arguments were refused on one rank only)";
   throw Error(ErrorKind::Invalid,
               "rank " + std::to_string(rank_) + ": shared-memory collective number " + std::to_string(call_) +
                   " differs between ranks: this rank called " + describe(desc_) + ", rank " + std::to_string(q) +

@@ -75,6 +75,7 @@ class PyShmColl : public std::enable_shared_from_this<PyShmColl> {
 // the CollRequest (under the GIL) before the job can be dropped elsewhere, or leaked.
 struct CollJob {
   CollParams p;
+  bool skip = false;               // shm->skip_call() only (a call refused on this rank)
   std::shared_ptr<PyShmColl> shm;  // from shared_from_this(); set: run p.kind (AllReduce/Broadcast) through shared memory
   HeldBuffer x, out;
   const void* send = nullptr;
@@ -246,6 +247,10 @@ class CollWorker {
 };
 
 void run_shm(CollJob& j) {
+  if (j.skip) {
+    j.shm->shm_.skip_call();
+    return;
+  }
   j.shm->guarded([&] {
     if (j.p.kind == CollKind::Broadcast)
       j.shm->shm_.broadcast(j.send ? j.send : j.recv, j.recv, j.recv_bytes, j.p.root, j.p.timeout);
@@ -295,6 +300,8 @@ void bind_coll(nb::module_& m) {
       .def_prop_ro("max_lanes", [](PyShmColl& s) { return s.shm_.max_lanes(); },
                    "Most lanes a message is cut into (rank 0's threads, at most 16; agreed by all ranks).")
       .def("unlink", [](PyShmColl& s) { s.shm_.unlink(); })
+      .def("skip_call", [](PyShmColl& s) { s.shm_.skip_call(); },
+           "a collective refused its arguments on this rank: number the calls as if it had run")
       .def("stop", [](PyShmColl& s) { s.shm_.stop(); },
            "after another collective of the communicator failed here: peers waiting in this "
            "executor give up, and every later call on every rank raises")
@@ -396,6 +403,14 @@ void bind_coll(nb::module_& m) {
            nb::arg("kind"), nb::arg("x").none(), nb::arg("out").none(), nb::arg("dtype"), nb::arg("op"),
            nb::arg("root"), nb::arg("seq"), nb::arg("algo"), nb::arg("chunk"), nb::arg("order"), nb::arg("parent"),
            nb::arg("children"), nb::arg("timeout"), nb::arg("shm").none() = nb::none())
+      .def("submit_skip",
+           [](CollWorker& w, PyShmColl& shm) {
+             auto job = std::make_shared<CollJob>();
+             job->shm = shm.shared_from_this();
+             job->skip = true;
+             w.submit(job);  // nobody waits for it: it only keeps shm's call numbers in issue order
+           },
+           nb::arg("shm"), "shm.skip_call() in issue order, behind the pending async collectives")
       .def_prop_ro("pending", &CollWorker::pending);
 }
 

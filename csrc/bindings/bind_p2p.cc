@@ -79,6 +79,8 @@ void bind_p2p(nb::module_& m) {
            }, nb::arg("obj"), nb::arg("peer"), nb::arg("tag"), nb::arg("is_async") = false)
       .def("describe_link", [](NativeComm& c, int peer) { return c.engine().describe_link(peer); })
       .def("abort", [](NativeComm& c, const std::string& why) { c.engine().abort(why); })
+      .def("poll", [](NativeComm& c) { c.engine().poll(); }, nb::call_guard<nb::gil_scoped_release>(),
+           "one progress pass over every link")
       .def_prop_ro("abort_reason", [](NativeComm& c) { return c.engine().abort_reason(); },
                    "why the communicator was aborted; empty while it was not");
 }

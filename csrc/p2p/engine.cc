@@ -316,6 +316,11 @@ void Engine::abort_and_notify(const std::string& why, int blame) {
   notify_abort_locked(blame);
 }
 
+void Engine::poll() {
+  std::lock_guard<std::mutex> g(mu_);
+  progress_locked();
+}
+
 std::string Engine::abort_reason() {
   std::lock_guard<std::mutex> g(mu_);
   return aborted_ ? abort_reason_ : std::string();

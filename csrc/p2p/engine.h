@@ -91,6 +91,8 @@ class Engine {
   std::string describe_link(int peer);
   // Why the engine was aborted; empty while it was not.
   std::string abort_reason();
+  // One progress pass over every link (reads abort notices that arrived while nobody waited).
+  void poll();
 
  private:
   struct Unexpected;

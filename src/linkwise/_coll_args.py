@@ -77,7 +77,17 @@ def check_agree(comm, kind: str, count: int, dtype: str, op: str, root: int, dev
         return
     names = {v: k for k, v in KINDS.items()}
     opn = {v: k for k, v in OPS.items()}
-    desc = "; ".join(f"rank {r}: {names.get(int(k), k)} count={c} dtype#{d} op={opn.get(int(o), '-')} "
+
+    def dtype_text(d: int) -> str:
+        if d in DTYPES.values():
+            return next(k for k, v in DTYPES.items() if v == d)
+        if d >= 100:  # a NumPy dtype by its type number
+            by_num = {np.dtype(t).num: np.dtype(t).name for t in set(np.sctypeDict.values())}
+            if d - 100 in by_num:
+                return by_num[d - 100]
+        return f"#{d}"
+
+    desc = "; ".join(f"rank {r}: {names.get(int(k), k)} count={c} dtype={dtype_text(int(d))} op={opn.get(int(o), '-')} "
                      f"root={ro} {'CUDA' if dv else 'host'} array"
                      for r, (k, c, d, o, ro, dv) in enumerate(rows.tolist()))
     raise ValueError(f"rank {comm.rank}: {kind}: the ranks disagree ({desc}); call each collective with "

@@ -76,11 +76,17 @@ async def _await_native(native_request, timeout: float) -> int:
         try:
             await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"async operation did not complete within {timeout} s; raise "
-                               "LINKWISE_TIMEOUT or pass timeout=") from None
+            pass  # the wait below finishes it as a blocking wait's timeout would
         finally:
             loop.remove_reader(fd)
-    native_request.wait(0.0)  # done: returns at once, or raises the operation's error
+    try:
+        # Done: returns at once, or raises the operation's error. Not done (timed out): a
+        # send or receive is cancelled (or, mid-transfer, the communicator aborted), so that
+        # an abandoned buffer never takes a later message; a collective goes on.
+        native_request.wait(0.0)
+    except TimeoutError:
+        raise TimeoutError(f"async operation did not complete within {timeout:g} s; raise "
+                           "LINKWISE_TIMEOUT or pass timeout=") from None
     return native_request.nbytes
 
 
@@ -128,7 +134,7 @@ class GpuRequest:
         limit = self._timeout if timeout is None else float(timeout)
         if self._ev and not self._engine.event_wait(self._ev, limit):
             self._engine.check()  # a failure explains the wait better than the timeout
-            raise TimeoutError(f"GPU operation did not complete within {limit} s; raise "
+            raise TimeoutError(f"GPU operation did not complete within {limit:g} s; raise "
                                "LINKWISE_TIMEOUT or pass timeout=")
         return self._finish()
 
@@ -141,7 +147,7 @@ class GpuRequest:
                 if loop.time() > deadline:
                     self._engine.check()
                     raise TimeoutError(f"async GPU operation did not complete within "
-                                       f"{self._timeout} s; raise LINKWISE_TIMEOUT or pass timeout=")
+                                       f"{self._timeout:g} s; raise LINKWISE_TIMEOUT or pass timeout=")
                 await asyncio.sleep(nap)
                 nap = min(_POLL_MAX_S, max(_POLL_MIN_S, nap * 2))
             return self._finish()

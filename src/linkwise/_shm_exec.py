@@ -5,6 +5,8 @@ same protocol.
 """
 from __future__ import annotations
 
+import time
+
 from . import config
 from ._coll_args import _ENV, _native_module
 from .plan.schedule import LARGE_PAIR_BCAST
@@ -58,18 +60,60 @@ def cma_settings(cpus_per_rank: float, size: int) -> tuple:
             config.get("LINKWISE_COLL_CMA_PIECE"), config.get("LINKWISE_COLL_LANE_MIN"), threads, one_max)
 
 
+def _all_shm(comm) -> bool:
+    return comm._store is not None and bool(comm.transports) and all(v == "shm" for v in comm.transports.values())
+
+
+def refuse(comm, why: str) -> None:
+    """This rank's communicator was aborted before its executor was attached: tell the ranks
+    that attach it (each waits for every rank's state first, see attach) so that they raise
+    too, at once, instead of waiting for this rank at the setup barrier until the timeout."""
+    if _all_shm(comm):
+        try:
+            comm._store.set(f"{comm.comm_id}/shmcoll/state/{comm.rank}", b"refused: " + why.encode())
+        except Exception:  # noqa: BLE001 - the store may be gone too; the caller raises anyway
+            pass
+
+
+def _state_of(comm, key: str) -> bytes:
+    """A rank's state for attach, waited for in short slices: between them the engine reads
+    abort notices, since a peer whose collective failed may not come here at all (it may
+    call something else, or sleep) while its notice is already on the way."""
+    from .errors import CommAbortedError, TimeoutError
+    deadline = time.monotonic() + comm.timeout
+    while True:
+        try:
+            return comm._store.get(key, max(0.0, min(0.1, deadline - time.monotonic())))
+        except TimeoutError:
+            comm._native.poll()
+            why = comm._native.abort_reason
+            if why:
+                raise CommAbortedError(why) from None
+            if time.monotonic() >= deadline:
+                raise
+
+
 def attach(comm):
     """Maps comm's shared-memory collective segment (a collective step: every rank of an
     all-shared-memory communicator reaches it at its first all_reduce / broadcast) and
     connects the executor; None when some peer is not reached over shared memory. Sets
     comm._pair_bcast_p2p and, unless async collectives exist, comm._fast_shm."""
-    if comm._store is None or not comm.transports or any(v != "shm" for v in comm.transports.values()):
+    if not _all_shm(comm):
         return None
     from ._setup import SHM_PREFIX
     from .comm import _default_spin_us
+    from .errors import CommAbortedError
     name = f"/{SHM_PREFIX}{comm.job_id}-coll-{comm.comm_id}"
     tag = f"{comm.comm_id}/shmcoll"
     spin = _default_spin_us(comm._cpus_per_rank)
+    # Every rank says whether it attaches at all (refuse): a rank whose communicator was
+    # aborted by a failed collective would otherwise leave the others at the barrier.
+    comm._store.set(f"{tag}/state/{comm.rank}", b"ok")
+    for r in range(comm.size):
+        state = _state_of(comm, f"{tag}/state/{r}")
+        if state != b"ok":
+            raise CommAbortedError(f"rank {comm.rank}: rank {r} had stopped this communicator's collectives "
+                                   f"when they were to be set up here ({state.decode(errors='replace')})")
     shm = None
     try:
         # Rank 0 makes a private segment (memfd, never in /dev/shm) and says where it is.

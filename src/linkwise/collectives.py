@@ -24,7 +24,7 @@ kind/size/dtype/op/root first and raises ValueError on every rank when they do n
 """
 from __future__ import annotations
 
-import json
+import functools
 import os
 from typing import Any, Optional
 
@@ -59,6 +59,24 @@ def _check_tunables() -> None:
 def _gpu_dispatch(comm, kind: str, x: Any, **kw):
     _check_tunables()
     return _gpu_coll.dispatch(comm, kind, x, **kw)
+
+
+def _skips_on_argument_error(method):
+    """Wraps a collective: when its arguments raise on this rank (ValueError, TypeError) before
+    it reached the native layer, this rank numbers its calls as if it had run (_skip_call). If
+    every rank refused it (the same arguments everywhere), they stay in step and go on; if only
+    this rank did, the others are in the call, and this rank's next call meets it under another
+    number, which raises on both sides (a mismatch, or the timeout where the protocols do not
+    meet) instead of pairing with it. A call that raised natively has already failed the
+    communicator (every later call raises), so the skip changes nothing there."""
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (ValueError, TypeError):
+            self._skip_call()
+            raise
+    return guarded
 
 
 class CollectivesMixin:
@@ -158,6 +176,20 @@ class CollectivesMixin:
             self._stop_shm()
             raise
 
+    def _skip_call(self) -> None:
+        """A collective refused on this rank: its point-to-point number and its shared-memory
+        executor call number move on as if it had run (see _skips_on_argument_error)."""
+        self._coll_seq += 1
+        shm = self.__dict__.get("_shm")
+        if shm is None:  # not attached yet: applied once it is
+            self._shm_skips = self.__dict__.get("_shm_skips", 0) + 1
+        elif shm:
+            worker = self.__dict__.get("_coll_worker")
+            if worker is not None and worker.pending:
+                worker.submit_skip(shm)  # behind the pending async calls: issue order
+            else:
+                shm.skip_call()
+
     def _stop_shm(self) -> None:
         """This rank gave up on a collective: the ranks' collective sequences may no longer
         agree, so stop the shared-memory executor too (its waiting peers raise PeerError, and
@@ -186,8 +218,11 @@ class CollectivesMixin:
             why = self._native.abort_reason
             if why:  # the ranks may be out of step: attaching (a collective step) could hang
                 from .errors import CommAbortedError
+                _shm_exec.refuse(self, why)
                 raise CommAbortedError(why)
             shm = self._shm = self._attach_shm() or False
+            for _ in range(self.__dict__.pop("_shm_skips", 0) if shm else 0):
+                shm.skip_call()  # calls refused on this rank before the executor existed
         return shm or None
 
     def _attach_shm(self):
@@ -245,28 +280,36 @@ class CollectivesMixin:
         if (fast is not None and type(x) is _ndarray and not async_op and dtype is None
                 and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
             try:
-                code = _FAST_CODES_BY_OP[op][x.dtype]
-            except (KeyError, TypeError):  # an op or dtype it does not serve: the general path
-                code = None
-                if x.dtype.kind == "V" and _dtype_name(x, None) == "bfloat16":
-                    fast_path_bf16(x.dtype)  # ml_dtypes' bfloat16: served from the next call
-            if code is not None and code < 0:  # bfloat16: the same call on uint16 views
-                if out is None:
-                    bits = x.view(_uint16)
-                    fast.all_reduce(bits, bits, -code, self.timeout)
-                    return x
-                if type(out) is _ndarray and out.dtype == x.dtype:
-                    fast.all_reduce(x.view(_uint16), out.view(_uint16), -code, self.timeout)
-                    return out
-            elif code is not None:
-                if out is None:
-                    fast.all_reduce(x, x, code, self.timeout)
-                    return x
-                if type(out) is _ndarray:
-                    # out's dtype, size, writability and layout are checked natively (cheaper
-                    # than here: this path is timed at 8 bytes).
-                    fast.all_reduce(x, out, code, self.timeout)
-                    return out
+                try:
+                    code = _FAST_CODES_BY_OP[op][x.dtype]
+                except (KeyError, TypeError):  # an op or dtype it does not serve: the general path
+                    code = None
+                    if x.dtype.kind == "V" and _dtype_name(x, None) == "bfloat16":
+                        fast_path_bf16(x.dtype)  # ml_dtypes' bfloat16: served from the next call
+                if code is not None and code < 0:  # bfloat16: the same call on uint16 views
+                    if out is None:
+                        bits = x.view(_uint16)
+                        fast.all_reduce(bits, bits, -code, self.timeout)
+                        return x
+                    if type(out) is _ndarray and out.dtype == x.dtype:
+                        fast.all_reduce(x.view(_uint16), out.view(_uint16), -code, self.timeout)
+                        return out
+                elif code is not None:
+                    if out is None:
+                        fast.all_reduce(x, x, code, self.timeout)
+                        return x
+                    if type(out) is _ndarray:
+                        # out's dtype, size, writability and layout are checked natively (cheaper
+                        # than here: this path is timed at 8 bytes).
+                        fast.all_reduce(x, out, code, self.timeout)
+                        return out
+            except (ValueError, TypeError):  # the buffer checks of the native call
+                self._skip_call()
+                raise
+        return self._all_reduce(x, op, out, async_op, dtype, stream)
+
+    @_skips_on_argument_error
+    def _all_reduce(self, x: Any, op: str, out: Any, async_op: bool, dtype: Optional[str], stream: Any):
         if type(x) is not np.ndarray:
             gf = self._gpu_fast
             if gf is not None and not async_op and dtype is None:
@@ -296,8 +339,16 @@ class CollectivesMixin:
                 and x.dtype.kind in "biufc" and type(root) is int and 0 <= root < self.size
                 and (self.size != 2 or x.nbytes < LARGE_PAIR_BCAST or not self._pair_bcast_p2p)
                 and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
-            fast.broadcast(x, root, self.timeout)  # the latency path (buffer checks happen there)
+            try:
+                fast.broadcast(x, root, self.timeout)  # the latency path (buffer checks happen there)
+            except (ValueError, TypeError):
+                self._skip_call()
+                raise
             return x
+        return self._broadcast(x, root, out, async_op, stream)
+
+    @_skips_on_argument_error
+    def _broadcast(self, x: Any, root: Any, out: Any, async_op: bool, stream: Any):
         gf = self._gpu_fast
         if gf is not None and not async_op and type(x) is not np.ndarray:
             r = gf.broadcast(x, root, out, stream)
@@ -317,6 +368,7 @@ class CollectivesMixin:
         self._writable(out, "broadcast")
         return self._run("broadcast", x, out, _dtype_label(x.dtype), "", root, x.size, x.nbytes, async_op, result)
 
+    @_skips_on_argument_error
     def reduce(self, x: Any, root: int = 0, op: str = "sum", out: Any = None, async_op: bool = False,
                dtype: Optional[str] = None):
         """Combine x across ranks onto root (into x, or out, on root; other ranks' x is untouched)."""
@@ -337,6 +389,7 @@ class CollectivesMixin:
         return self._run("reduce", x, out if self.rank == root else None, dt, op, root, x.size, x.nbytes,
                          async_op, result)
 
+    @_skips_on_argument_error
     def all_gather(self, x: Any, out: Any = None, async_op: bool = False, stream: Any = None):
         """Concatenate every rank's x (rank order) into out (size * len(x) elements).
         CUDA arrays: on the GPU, on `stream`."""
@@ -351,6 +404,7 @@ class CollectivesMixin:
         self._writable(out, "all_gather")
         return self._run("all_gather", x, out, _dtype_label(x.dtype), "", 0, x.size, x.nbytes, async_op, result)
 
+    @_skips_on_argument_error
     def reduce_scatter(self, x: Any, op: str = "sum", out: Any = None, async_op: bool = False,
                        dtype: Optional[str] = None, stream: Any = None):
         """Combine x across ranks; rank r gets block r (x has size * len(out) elements).
@@ -374,6 +428,7 @@ class CollectivesMixin:
         self._writable(out, "reduce_scatter")
         return self._run("reduce_scatter", x, out, dt, op, 0, out.size, x.nbytes, async_op, result)
 
+    @_skips_on_argument_error
     def all_to_all(self, x: Any, out: Any = None, async_op: bool = False, stream: Any = None):
         """Rank r's block j (x split into size equal blocks) goes to rank j's block r.
         CUDA arrays: on the GPU, on `stream`."""
@@ -392,6 +447,7 @@ class CollectivesMixin:
         self._writable(out, "all_to_all")
         return self._run("all_to_all", x, out, _dtype_label(x.dtype), "", 0, x.size, x.nbytes, async_op, result)
 
+    @_skips_on_argument_error
     def gather(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
         """Concatenate every rank's x onto root; returns out on root and None elsewhere."""
         root = self._root(root, "gather")
@@ -411,6 +467,7 @@ class CollectivesMixin:
             out = result = None
         return self._run("gather", x, out, _dtype_label(x.dtype), "", root, x.size, x.nbytes, async_op, result)
 
+    @_skips_on_argument_error
     def scatter(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
         """Root's x, split into size blocks, goes block r to rank r (into out, returned).
 
@@ -436,6 +493,7 @@ class CollectivesMixin:
         return self._run("scatter", send, out, _dtype_label(out.dtype), "", root, out.size, out.nbytes, async_op,
                          result)
 
+    @_skips_on_argument_error
     def barrier(self, async_op: bool = False, stream: Any = None):
         """Return once every rank has entered the barrier.
 
@@ -462,61 +520,3 @@ class CollectivesMixin:
                 return None
             return self._run("all_reduce", token, token, "uint8", "sum", 0, 1, 1, async_op, None)
         return self._run("barrier", None, None, "uint8", "", 0, 0, 0, async_op, None)
-
-    # -- coroutines ----------------------------------------------------------------------
-    async def aall_reduce(self, x, op="sum", out=None, dtype=None):
-        return await self.all_reduce(x, op=op, out=out, async_op=True, dtype=dtype)
-
-    async def abroadcast(self, x, root=0, out=None):
-        return await self.broadcast(x, root=root, out=out, async_op=True)
-
-    async def areduce(self, x, root=0, op="sum", out=None, dtype=None):
-        return await self.reduce(x, root=root, op=op, out=out, async_op=True, dtype=dtype)
-
-    async def aall_gather(self, x, out=None):
-        return await self.all_gather(x, out=out, async_op=True)
-
-    async def areduce_scatter(self, x, op="sum", out=None, dtype=None):
-        return await self.reduce_scatter(x, op=op, out=out, async_op=True, dtype=dtype)
-
-    async def aall_to_all(self, x, out=None):
-        return await self.all_to_all(x, out=out, async_op=True)
-
-    async def agather(self, x, root=0, out=None):
-        return await self.gather(x, root=root, out=out, async_op=True)
-
-    async def ascatter(self, x, root=0, out=None):
-        return await self.scatter(x, root=root, out=out, async_op=True)
-
-    async def abarrier(self):
-        return await self.barrier(async_op=True)
-
-    # -- sub-communicators ---------------------------------------------------------------
-    def split(self, color: Optional[int], key: Optional[int] = None):
-        """A new communicator over the ranks that pass the same color, ordered by (key, rank).
-
-        Every rank must call it; color=None (MPI_UNDEFINED) joins no group and returns None.
-        The new communicator has its own links and its own collective sequence."""
-        from ._setup import host_identity
-        self._check_open("split")
-        if color is not None and (not isinstance(color, (int, np.integer)) or color < 0):
-            raise ValueError(f"split: color must be a non-negative int or None, got {color!r}")
-        key = self.rank if key is None else int(key)
-        n = getattr(self, "_split_count", 0)
-        self._split_count = n + 1
-        tag = f"{self.comm_id}/split{n}"
-        me = json.dumps([None if color is None else int(color), key, host_identity()]).encode()
-        if self.size == 1:
-            cards = [json.loads(me)]
-        else:
-            cards = [json.loads(c) for c in self._store.all_gather(tag, self.rank, self.size, me)]
-        if color is None:
-            return None
-        members = sorted((k, r) for r, (c, k, _) in enumerate(cards) if c == color)
-        ranks = [r for _, r in members]
-        new_rank = ranks.index(self.rank)
-        host = cards[self.rank][2]
-        local = [r for r in ranks if cards[r][2] == host]
-        return type(self)(new_rank, len(ranks), local_rank=local.index(self.rank), local_size=len(local),
-                          launcher=self.launcher, store=self._store, job_id=self.job_id,
-                          comm_id=f"{self.comm_id}-s{n}c{int(color)}", timeout=self.timeout)

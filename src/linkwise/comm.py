@@ -13,15 +13,18 @@ receive writes into the array it is given.
 from __future__ import annotations
 
 import atexit
-import os
+import json
 import weakref
 from typing import Any, Optional
+
+import numpy as np
 
 from . import bootstrap, config
 from . import _bf16, _setup
 from ._setup import new_job_id
 from ._request import Request
 from ._coll_args import _raw
+from ._coll_coroutines import CoroutineCollectivesMixin
 from .collectives import CollectivesMixin
 from .errors import CommAbortedError
 
@@ -75,7 +78,7 @@ def _default_spin_us(cpus_per_rank: float) -> float:
     return 50.0 if cpus_per_rank >= 1 else 1.0
 
 
-class Communicator(CollectivesMixin):
+class Communicator(CollectivesMixin, CoroutineCollectivesMixin):
     """A group of ranks that can message each other. Made by :func:`linkwise.init`."""
 
     def __init__(self, rank: int, size: int, *, local_rank: int = 0, local_size: int = 1,
@@ -203,6 +206,36 @@ class Communicator(CollectivesMixin):
                     stream: Any = None) -> int:
         """Coroutine receive: ``n = await comm.arecv(x, src)``; returns bytes received."""
         return await self._post(x, src, tag, False, True, timeout, stream)
+
+    # -- sub-communicators ---------------------------------------------------------------
+    def split(self, color: Optional[int], key: Optional[int] = None):
+        """A new communicator over the ranks that pass the same color, ordered by (key, rank).
+
+        Every rank must call it; color=None (MPI_UNDEFINED) joins no group and returns None.
+        The new communicator has its own links and its own collective sequence."""
+        from ._setup import host_identity
+        self._check_open("split")
+        if color is not None and (not isinstance(color, (int, np.integer)) or color < 0):
+            raise ValueError(f"split: color must be a non-negative int or None, got {color!r}")
+        key = self.rank if key is None else int(key)
+        n = getattr(self, "_split_count", 0)
+        self._split_count = n + 1
+        tag = f"{self.comm_id}/split{n}"
+        me = json.dumps([None if color is None else int(color), key, host_identity()]).encode()
+        if self.size == 1:
+            cards = [json.loads(me)]
+        else:
+            cards = [json.loads(c) for c in self._store.all_gather(tag, self.rank, self.size, me)]
+        if color is None:
+            return None
+        members = sorted((k, r) for r, (c, k, _) in enumerate(cards) if c == color)
+        ranks = [r for _, r in members]
+        new_rank = ranks.index(self.rank)
+        host = cards[self.rank][2]
+        local = [r for r in ranks if cards[r][2] == host]
+        return type(self)(new_rank, len(ranks), local_rank=local.index(self.rank), local_size=len(local),
+                          launcher=self.launcher, store=self._store, job_id=self.job_id,
+                          comm_id=f"{self.comm_id}-s{n}c{int(color)}", timeout=self.timeout)
 
     # -- information and lifetime ---------------------------------------------------------
     def link(self, peer: int) -> str:

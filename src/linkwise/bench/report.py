@@ -156,10 +156,14 @@ def collective_table(doc: dict, out: TextIO) -> None:
     if others:
         w("# lw/x: linkwise busbw / x busbw for the same variant (= x time / linkwise time); "
           "* = compared in place (x has no out-of-place form)\n")
-    for name, system in systems.items():
-        if system.get("status") == "ok":
-            for why in _na_reasons(system.get("rows") or []):
-                w(f"# {name}: n/a where {why}\n")
+    # Why the n/a cells shown are n/a: linkwise's own cells, and another system's points where
+    # it has neither form (one form alone is compared, marked *).
+    shown = {"linkwise": rows} if lw.get("status") == "ok" else {}
+    for s in others:
+        shown[s] = [o for o in systems[s]["rows"] if _pick(o, o)[0] is None]
+    for name, na_rows in shown.items():
+        for why in _na_reasons(na_rows):
+            w(f"# {name}: n/a where {why}\n")
     w(f"# Out of bounds values : {wrong_total} {'OK' if wrong_total == 0 else 'FAILED'}\n")
     if busbws:
         w(f"# Avg bus bandwidth    : {sum(busbws) / len(busbws):.4f}\n")
