@@ -86,6 +86,10 @@ def _argument_error(comm, case, everywhere):
             comm.all_reduce(x, op="nope" if bad else "sum")
         elif case == "point_to_point_out":
             comm.all_gather(x, out=np.zeros(7 if bad else 8, np.float32))
+        elif case == "gather_read_only_out":  # out matters on the root only, but is checked everywhere
+            out = np.zeros(4 * comm.size, np.float32)
+            out.setflags(write=not bad)
+            comm.gather(x, root=0, out=out)
         elif case == "async_pending":  # refused while an async all_reduce is still queued
             req = comm.all_reduce(np.ones(300_000, np.float32), async_op=True)
             try:
@@ -108,7 +112,7 @@ def _argument_error(comm, case, everywhere):
     return first, later
 
 
-CASES = ["latency_path_out", "general_path_op", "point_to_point_out", "async_pending"]
+CASES = ["latency_path_out", "general_path_op", "point_to_point_out", "gather_read_only_out", "async_pending"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -117,7 +121,8 @@ def test_arguments_refused_on_one_rank_never_pair_with_its_next_call(case):
     # with or without LINKWISE_CHECK.
     out = run_ranks(2, _argument_error, case, False, env={"LINKWISE_TIMEOUT": "3"}, timeout=60)
     assert out[0][0] == "ValueError", out
-    assert out[1][0] != "ok", out
+    # A gather's non-root only sends: it may return before it could notice (README)
+    assert out[1][0] != "ok" or case == "gather_read_only_out", out
     for _, later in out:
         assert all(isinstance(r, str) for r in later), out  # never a sum
 
@@ -156,3 +161,57 @@ def test_setup_after_a_failure_raises_at_once():
         assert kind == "CommAbortedError", out
     for kind, seconds in out[1:]:
         assert seconds < 2, out
+
+
+def _refusals_then_broadcasts(comm, refusals, size):
+    """Rank 1 refuses the first `refusals` broadcasts (out= of another size), every rank calls
+    the same broadcasts from root 0. Returns each later outcome of rank 1: "ok" (its own data
+    of that call), "WRONG" (another call's data) or the error's name."""
+    import linkwise
+    got = []
+    for c in range(refusals + 3):
+        x = np.full(size, 100.0 + c if comm.rank == 0 else -1.0, np.float32)
+        try:
+            if comm.rank == 1 and c < refusals:
+                comm.broadcast(x, root=0, out=np.zeros(size + 1, np.float32))
+            else:
+                comm.broadcast(x, root=0)
+                got.append("ok" if np.all(x == 100.0 + c) else "WRONG")
+        except ValueError:
+            if not (comm.rank == 1 and c < refusals):
+                got.append("ValueError")
+        except (linkwise.PeerError, linkwise.CommAbortedError, linkwise.TimeoutError) as exc:
+            got.append(type(exc).__name__)
+    return got
+
+
+@pytest.mark.parametrize("refusals,size,env,nranks", [
+    (16, 8, {}, 2),  # the first piece stamps kept the call number mod 16: calls 16 apart passed
+    # the single-copy path (3 ranks: 2 ranks send a broadcast this large point-to-point)
+    (1, 3 << 20, {"LINKWISE_COLL_THREADS": "2", "LINKWISE_COLL_CMA_BCAST_MIN": "1M"}, 3),
+])
+def test_refused_broadcasts_never_shift_later_ones(refusals, size, env, nranks):
+    out = run_ranks(nranks, _refusals_then_broadcasts, refusals, size, env={"LINKWISE_TIMEOUT": "5", **env},
+                    timeout=90)
+    assert not any("WRONG" in got for got in out), out  # before: rank 1 got the data of calls 16 (1) earlier
+    assert out[1] and out[1][0] != "ok", out
+
+
+def _fortran_order(comm):
+    x = np.ones((4, 3), np.float32, order="F")
+    comm.all_reduce(np.ones(4, np.float32))  # attach: the latency path exists
+    outcomes = []
+    for call in (lambda: comm.all_reduce(x), lambda: comm.all_reduce(x, async_op=True).wait()):
+        try:
+            call()
+            outcomes.append("ok")
+        except ValueError as exc:
+            outcomes.append("C-contiguous" if "C-contiguous" in str(exc) else str(exc))
+    y = np.ones(4, np.float32)
+    comm.all_reduce(y)  # refused on every rank: the communicator goes on
+    return outcomes, float(y[0])
+
+
+def test_fortran_order_is_refused_on_every_path():
+    # Before: the latency path took it, the general path (async, LINKWISE_CHECK) refused it.
+    assert run_ranks(2, _fortran_order, timeout=60) == [(["C-contiguous"] * 2, 2.0)] * 2

@@ -179,7 +179,7 @@ def _reduced_differently(comm, case):
             call()
             outcome.append("ok")
         except ValueError as exc:
-            outcome.append("ValueError" if "different dtypes or ops" in str(exc) else f"ValueError: {exc}")
+            outcome.append("ValueError" if "dtypes or ops" in str(exc) else f"ValueError: {exc}")
         except linkwise.CommAbortedError:
             outcome.append("aborted")
     return outcome
@@ -247,3 +247,36 @@ def test_other_count_on_one_rank_raises_and_never_shifts_later_calls(kind, count
         raised = [r != "ok" for r in later]
         assert raised == sorted(raised), out
     assert all(r != "ok" for r in out[2][1]), out
+
+
+def _prefix_sizes(comm, kind):
+    """The receiver's size is a whole number of 512 KiB chunks, the sender's larger: every
+    message fits, so only the size hash in each message tells the calls apart."""
+    import linkwise
+    big, small = 262144, 131072  # float32: 1 MiB and 512 KiB
+    try:
+        if kind == "broadcast":
+            comm.broadcast(np.full(big if comm.rank == 0 else small, 7.0, np.float32), root=0)
+        elif kind == "reduce":
+            comm.reduce(np.ones(small if comm.rank == 0 else big, np.float32), root=0)
+        else:  # broadcast with 0 elements on the reader
+            comm.broadcast(np.full(big if comm.rank == 0 else 0, 7.0, np.float32), root=0)
+        first = "ok"
+    except (ValueError, linkwise.CommAbortedError, linkwise.PeerError) as exc:
+        first = type(exc).__name__
+    try:
+        comm.all_reduce(np.ones(4))
+        later = "ok"
+    except (linkwise.CommAbortedError, linkwise.PeerError):
+        later = "raised"
+    return first, later
+
+
+@pytest.mark.parametrize("env", [{"LINKWISE_TRANSPORT": "tcp"}, {"LINKWISE_ALGO": "chain"}], ids=["tcp", "chain"])
+@pytest.mark.parametrize("kind", ["broadcast", "reduce", "broadcast_zero"])
+def test_message_based_prefix_sizes_raise(kind, env):
+    # Before: the reader of a broadcast (the root of a reduce) silently took the prefix.
+    out = run_ranks(2, _prefix_sizes, kind, env={"LINKWISE_TIMEOUT": "10", **env}, timeout=60)
+    receiver = 1 if kind.startswith("broadcast") else 0
+    assert out[receiver][0] == "ValueError", out
+    assert all(later == "raised" for _, later in out), out

@@ -222,6 +222,43 @@ def test_awaited_receive_that_timed_out_is_cancelled(transport_env):
     assert out == [([42.0] * 4, [0.0] * 4), "sent"]
 
 
+def _cancelled_receive(comm, form):
+    """A receive whose asyncio task is cancelled (task.cancel(), an outer wait_for) is withdrawn
+    as a timed-out one is: the later message goes to the later receive."""
+    if comm.rank == 1:
+        comm.barrier()
+        comm.send(np.full(4, 42.0), 0, tag=9)
+        return "sent"
+
+    async def main(buf):
+        recv = comm.arecv(buf, 1, tag=9)
+        if form == "wait_for":
+            try:
+                await asyncio.wait_for(recv, 0.3)
+            except asyncio.TimeoutError:
+                return "cancelled"
+        task = asyncio.ensure_future(recv)
+        await asyncio.sleep(0.2)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return "cancelled"
+        return "not cancelled"
+
+    abandoned, later = np.zeros(4), np.zeros(4)
+    state = asyncio.run(main(abandoned))
+    comm.barrier()
+    comm.recv(later, 1, tag=9)
+    return state, later.tolist(), abandoned.tolist()
+
+
+@pytest.mark.parametrize("form", ["wait_for", "cancel"])
+def test_cancelled_awaited_receive_is_withdrawn(form):
+    out = run_ranks(2, _cancelled_receive, form)
+    assert out == [("cancelled", [42.0] * 4, [0.0] * 4), "sent"]
+
+
 def _torch_tensors(comm):
     import torch
     peer = 1 - comm.rank

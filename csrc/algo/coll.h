@@ -52,7 +52,10 @@ void run_collective(Engine& engine, const CollParams& p, const void* send, size_
 // Point-to-point helpers bound to one collective call.
 class CollCtx {
  public:
-  CollCtx(Engine& e, const CollParams& p) : e_(e), p_(p) {}
+  // call_bytes: the size every rank passes for this call (see run_collective), carried in
+  // every message's code so that a call of another size fails even where the messages would
+  // fit (a prefix: a broadcast of 1 MiB read as 512 KiB, in whole chunks).
+  CollCtx(Engine& e, const CollParams& p, size_t call_bytes) : e_(e), p_(p), call_bytes_(call_bytes) {}
   int rank() const { return e_.rank(); }
   int size() const { return e_.size(); }
   const CollParams& params() const { return p_; }
@@ -60,14 +63,14 @@ class CollCtx {
     return (uint64_t{1} << 63) | ((p_.seq & ((uint64_t{1} << 38) - 1)) << 24) |
            (static_cast<uint64_t>(p_.kind) << 16) | static_cast<uint64_t>(step & 0xffff);
   }
-  // Reducing collectives send their (kind, dtype, op) in every message header, so the
-  // receiver fails a message reduced another way (the engine compares the codes).
+  // Every message header carries (kind, dtype, op, a 16-bit hash of the call's size): the
+  // engine requires equal codes, so the receiver fails a message of a call reduced another
+  // way or of another size (collective_code in p2p/engine.h).
   uint32_t wire_code() const {
     const bool reducing = p_.kind == CollKind::AllReduce || p_.kind == CollKind::Reduce ||
                           p_.kind == CollKind::ReduceScatter;
-    return reducing ? kCollCode | static_cast<uint32_t>(p_.kind) << 16 | static_cast<uint32_t>(p_.dtype) << 8 |
-                          static_cast<uint32_t>(p_.op)
-                    : 0;
+    return collective_code(static_cast<uint32_t>(p_.kind), reducing ? static_cast<uint32_t>(p_.dtype) : 15,
+                           reducing ? static_cast<uint32_t>(p_.op) : 15, call_bytes_);
   }
   std::shared_ptr<Request> isend(int peer, const void* buf, size_t bytes, int step) {
     return e_.isend(peer, buf, bytes, tag(step), wire_code(), false);
@@ -109,6 +112,7 @@ class CollCtx {
   [[noreturn]] void size_mismatch(const Request& r) const;
   Engine& e_;
   const CollParams& p_;
+  size_t call_bytes_;
 };
 
 // Scratch memory reused across collectives. Fresh pages cost a page fault each (several us

@@ -43,7 +43,13 @@ char* coll_scratch(ScratchSlot slot, size_t bytes) {
 
 void run_collective(Engine& engine, const CollParams& p, const void* send, size_t send_bytes, void* recv,
                     size_t recv_bytes) {
-  CollCtx c(engine, p);
+  // The size every rank passes for this kind (a block for the per-rank-block collectives).
+  size_t call_bytes = send_bytes;
+  if (p.kind == CollKind::Broadcast || p.kind == CollKind::ReduceScatter || p.kind == CollKind::Scatter)
+    call_bytes = recv_bytes;
+  else if (p.kind == CollKind::Barrier)
+    call_bytes = 0;
+  CollCtx c(engine, p, call_bytes);
   const int n = engine.size(), me = engine.rank();
   const size_t es = dtype_size(p.dtype);
   auto copy = [](void* dst, const void* src, size_t bytes) {

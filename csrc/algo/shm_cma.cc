@@ -108,13 +108,21 @@ void ShmColl::cma_broadcast(const void* src, void* buf, size_t bytes, int root) 
   me.y_work.v.store(static_cast<uint64_t>(r) << 32, std::memory_order_relaxed);
   me.y_done.v.store(static_cast<uint64_t>(r) << 32, std::memory_order_relaxed);
   stamp(me.y_in.stamp);
-  publish(me.y_in.v, r);  // seq_cst store: y_addr / y_work / y_done are visible with it
+  me.y_call.v.store(static_cast<uint64_t>(r) << 32 | call_, std::memory_order_relaxed);
+  publish(me.y_in.v, r);  // seq_cst store: y_addr / y_work / y_done / y_call are visible with it
+  // Peer q's call in this round must be this one; q may already be in a later round.
+  auto check_round = [&](int q) {
+    const uint64_t w = slot(q)->h().y_call.v.load(std::memory_order_relaxed);
+    if (static_cast<uint32_t>(w >> 32) == r && static_cast<uint32_t>(w) != call_)
+      mismatch(q, static_cast<uint32_t>(w), slot(q)->h().y_in.stamp.desc.load(std::memory_order_relaxed));
+    check_line(q, slot(q)->h().y_in.stamp, false);
+  };
   cma_busy_ = 2;
   y_root_ = root;
   const uint64_t mine = me.y_addr;
   if (rank_ != root) {
     wait_ge(root, slot(root)->h().y_in.v, r, "broadcast");
-    check_line(root, slot(root)->h().y_in.stamp, false);
+    check_round(root);
     const uint64_t from = slot(root)->h().y_addr;
     pool_->run(pool_->threads(), [&](int, int) { cma_take_pieces(rank_, root, r, from, mine, bytes); });
     wait_ge(root, me.y_fin.v, r, "broadcast");  // pieces the root claimed have landed
@@ -128,7 +136,7 @@ void ShmColl::cma_broadcast(const void* src, void* buf, size_t bytes, int root) 
   pool_->run(n_ - 1, [&](int k, int) {
     const int q = (root + 1 + k) % n_;
     wait_ge(q, slot(q)->h().y_in.v, r, "broadcast");
-    check_line(q, slot(q)->h().y_in.stamp, false);
+    check_round(q);
     cma_take_pieces(q, root, r, mine, slot(q)->h().y_addr, bytes);
   });
   for (int q = 0; q < n_; ++q)

@@ -436,12 +436,12 @@ void ShmColl::ring_lane(int lane, int lanes, char* b, size_t bytes, int root, bo
           if (q != root) wait_ge(q, slot(q)->h().c_done[lane].v, need, "broadcast");
       }
       std::memcpy(area, b + off, len);
-      rs->h().c_in[lane].piece[i % kBcSlots].store(piece_stamp(), std::memory_order_relaxed);
+      rs->h().c_stamp[lane].piece[i % kBcSlots].store(piece_stamp(), std::memory_order_relaxed);
       publish(rs->h().c_done[lane].v, static_cast<uint32_t>(i + 1));
       publish(rs->h().c_in[lane].v, static_cast<uint32_t>(i + 1));
     } else {
       wait_ge(root, rs->h().c_in[lane].v, static_cast<uint32_t>(i + 1), "broadcast");
-      const uint32_t theirs = rs->h().c_in[lane].piece[i % kBcSlots].load(std::memory_order_relaxed);
+      const uint64_t theirs = rs->h().c_stamp[lane].piece[i % kBcSlots].load(std::memory_order_relaxed);
       if (theirs != piece_stamp()) piece_mismatch(root);
       copy_out(b + off, area, len, stream);
       publish(slot(rank_)->h().c_done[lane].v, static_cast<uint32_t>(i + 1));

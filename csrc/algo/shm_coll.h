@@ -217,12 +217,12 @@ class ShmColl {
   void check_line(int q, const Stamp& s, bool strict) const;
   void check_calls() const;
   [[noreturn]] void mismatch(int q, uint32_t their_call, uint64_t theirs) const;
-  // A broadcast piece's stamp: this call's number modulo 16 and its byte count modulo 2^28
-  // (exact below 256 MiB; the root and kind are implied: only the root's broadcasts write
-  // pieces to its slot). A reader compares it strictly, since the piece belongs to this very
-  // call; piece_mismatch names what it can. (A hash of the whole descriptor folded to 16
-  // bits, the first version, let some size pairs such as 4 and 262144 bytes through.)
-  uint32_t piece_stamp() const;
+  // A broadcast piece's stamp: this call's number and its byte count modulo 2^32 (the root
+  // and kind are implied: only the root's broadcasts write pieces to its slot). A reader
+  // compares it strictly, since the piece belongs to this very call; piece_mismatch names
+  // what it can. (Earlier forms in one 32-bit word let through some size pairs, such as 4
+  // and 262144 bytes, and calls 16 apart after refused calls: acceptance runs.)
+  uint64_t piece_stamp() const;
   [[noreturn]] void piece_mismatch(int root) const;
   void cma_drain();
   char* scratch(int thread);

@@ -80,9 +80,9 @@ void ShmColl::check_calls() const {
   }
 }
 
-uint32_t ShmColl::piece_stamp() const {
+uint64_t ShmColl::piece_stamp() const {
   const uint64_t bytes = desc_ >> 24;
-  return (call_ & 0xfu) << 28 | static_cast<uint32_t>(bytes & 0x0fffffffu);
+  return static_cast<uint64_t>(call_) << 32 | (bytes & 0xffffffffu);
 }
 
 void ShmColl::piece_mismatch(int root) const {

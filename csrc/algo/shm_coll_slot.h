@@ -30,12 +30,12 @@ struct alignas(64) OneShotLine {
 };
 // The owner's current call: `desc`, then `seq` (release). Peers read it only when a wait is
 // slow (ShmColl::check_calls), to tell a mismatched call from a slow peer.
-// c_in: one 32-bit stamp per ring slot (piece_stamp()), in the counter's line. The root may
-// be up to kBcSlots pieces ahead, across calls, so one stamp per line would often show a
-// later call; slot i%kBcSlots's stamp stays until every reader is done with piece i.
-struct alignas(64) PieceLine {
-  std::atomic<uint32_t> v;
-  std::atomic<uint32_t> piece[ShmColl::kBcSlots];
+// Broadcast pieces: one stamp per ring slot (piece_stamp()), a line per lane next to c_in.
+// The root may be up to kBcSlots pieces ahead, across calls, so one stamp per counter would
+// often show a later call; slot i%kBcSlots's stamp stays until every reader is done with
+// piece i.
+struct alignas(64) PieceStamps {
+  std::atomic<uint64_t> piece[ShmColl::kBcSlots];
 };
 struct alignas(64) CallLine {
   std::atomic<uint64_t> desc;
@@ -80,8 +80,8 @@ struct ShmColl::Slot {
   struct Header {
     int64_t pid;
     uint64_t self_addr;  // where the owner mapped this slot: peers probe CMA by reading `pid` there
-    Line a_in[kMaxLanes], a_res[kMaxLanes], c_done[kMaxLanes];  // per lane
-    PieceLine c_in[kMaxLanes];
+    Line a_in[kMaxLanes], a_res[kMaxLanes], c_in[kMaxLanes], c_done[kMaxLanes];  // per lane
+    PieceStamps c_stamp[kMaxLanes];
     OneShotLine b_in;
     Line sleepers;
     Line failed;  // 1 + the rank blamed, once a collective failed on the owner (then never cleared)
@@ -100,6 +100,10 @@ struct ShmColl::Slot {
     // round<<32 | pieces copied, then y_in = round; y_fin = round once all pieces landed.
     Line y_in, y_fin;
     Line64 y_work, y_done;
+    // round << 32 | call number, written before y_in: a peer that reads it after y_in >= r
+    // knows whether it is this round's (compare the call strictly) or a later one's (the
+    // owner went on: a reader may pull every piece itself, the root may push every piece).
+    Line64 y_call;
     uint64_t y_addr;
   };
   static_assert(sizeof(Header) <= kSlotHeader, "slot header fits its pages");

@@ -17,9 +17,10 @@ namespace linkwise {
 
 void tree_broadcast(CollCtx& c, void* buf, size_t bytes) {
   const CollParams& p = c.params();
-  if (bytes == 0) return;
   const size_t ce = std::max<size_t>(1, p.chunk_bytes);
-  const size_t K = (bytes + ce - 1) / ce;
+  // At least one (maybe empty) chunk: a rank called with 0 bytes against others' data then
+  // meets their first chunk (another size: an error) instead of returning at once.
+  const size_t K = std::max<size_t>(1, (bytes + ce - 1) / ce);
   char* b = static_cast<char*>(buf);
   std::vector<std::shared_ptr<Request>> recvs, sends;
   try {
@@ -41,7 +42,6 @@ void tree_reduce(CollCtx& c, const void* in, void* out, size_t count) {
   const size_t es = dtype_size(p.dtype);
   const size_t bytes = count * es;
   const bool root = p.parent < 0;
-  if (count == 0) return;
   const size_t nch = p.children.size();
   if (nch == 0 && root) {  // a single rank
     if (out != in) std::memcpy(out, in, bytes);
@@ -49,7 +49,7 @@ void tree_reduce(CollCtx& c, const void* in, void* out, size_t count) {
     return;
   }
   const size_t ce = std::max<size_t>(1, p.chunk_bytes / es);
-  const size_t K = (count + ce - 1) / ce;
+  const size_t K = std::max<size_t>(1, (count + ce - 1) / ce);  // one empty chunk for 0 elements (as broadcast)
   char* scratch = coll_scratch(kTreeChildren, nch * bytes);
   char* acc = root ? static_cast<char*>(out) : coll_scratch(kTreeAcc, bytes);  // unused at a leaf
   const char* src = static_cast<const char*>(in);

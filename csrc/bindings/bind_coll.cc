@@ -126,12 +126,12 @@ CollParams make_params(int kind, int dtype, int op, int root, uint64_t seq, int 
 void hold(nb::handle x, nb::handle out, HeldBuffer& hx, HeldBuffer& ho, const void*& s, size_t& sb, void*& r,
           size_t& rb) {
   if (!x.is_none()) {
-    acquire_buffer(x, false, "collective input", hx);
+    acquire_buffer(x, false, "collective input", hx, true);
     s = hx.ptr();
     sb = hx.bytes();
   }
   if (!out.is_none()) {
-    acquire_buffer(out, true, "collective output", ho);
+    acquire_buffer(out, true, "collective output", ho, true);
     r = ho.ptr();
     rb = ho.bytes();
   }
@@ -313,10 +313,10 @@ void bind_coll(nb::module_& m) {
              // happens here, with the messages of the general path.
              HeldBuffer hx, ho;
              const bool in_place = out.is(x);
-             acquire_buffer(x, in_place, "all_reduce", hx);
+             acquire_buffer(x, in_place, "all_reduce", hx, true);
              void* o = const_cast<void*>(hx.ptr());
              if (!in_place) {
-               acquire_buffer(out, true, "all_reduce", ho);
+               acquire_buffer(out, true, "all_reduce", ho, true);
                if (ho.bytes() != hx.bytes() || ho.dtype() != hx.dtype()) {
                  const size_t xs = hx.view.itemsize, os = ho.view.itemsize;
                  throw nb::value_error(("all_reduce: out must be a " + dtype_name(hx.dtype()) + " array of " +
@@ -345,10 +345,10 @@ void bind_coll(nb::module_& m) {
            [](PyShmColl& s, nb::handle buf, int root, double timeout, nb::handle src) {
              // src: the root's source (None: buf itself, in place), as many bytes as buf.
              HeldBuffer hb, hs;
-             acquire_buffer(buf, true, "broadcast", hb);
+             acquire_buffer(buf, true, "broadcast", hb, true);
              const void* from = hb.ptr();
              if (!src.is_none() && !src.is(buf)) {
-               acquire_buffer(src, false, "broadcast", hs);
+               acquire_buffer(src, false, "broadcast", hs, true);
                if (hs.bytes() != hb.bytes()) throw nb::value_error("broadcast: out must have as many bytes as x");
                from = hs.ptr();
              }

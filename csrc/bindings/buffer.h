@@ -29,6 +29,8 @@ struct HeldBuffer {
 
 // Acquires obj's buffer. Raises TypeError when obj has no buffer protocol (the Python side
 // then tries __dlpack__), ValueError when it is not contiguous or, for `writable`, read-only.
-void acquire_buffer(nanobind::handle obj, bool writable, const char* op, HeldBuffer& out);
+// c_order: the collectives' rule (the same as the Python layer's): C-contiguous only, so that
+// a Fortran-order array is refused on every path, not accepted by the latency paths alone.
+void acquire_buffer(nanobind::handle obj, bool writable, const char* op, HeldBuffer& out, bool c_order = false);
 
 }  // namespace linkwise

@@ -30,11 +30,11 @@ bool dtypes_compatible(uint32_t a, uint32_t b) { return a == 0 || b == 0 || a ==
 
 std::string dtype_name(uint32_t code) {
   if (code == 0) return "untyped bytes";
-  if (code & kCollCode) {
-    const unsigned t = (code >> 8) & 0xff, op = code & 0xff;
+  if (code & kCollCode) {  // a collective's (collective_code)
+    const unsigned t = (code >> 20) & 15, op = (code >> 16) & 15;
     if (t < static_cast<unsigned>(DType::kCount) && op < static_cast<unsigned>(RedOp::kCount))
       return std::string(dtype_str(static_cast<DType>(t))) + " (" + redop_str(static_cast<RedOp>(op)) + ")";
-    return "collective code " + std::to_string(code);
+    return "bytes";
   }
   char kind = static_cast<char>(code >> 8);
   unsigned bits = (code & 0xff) * 8;

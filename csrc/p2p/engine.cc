@@ -101,7 +101,7 @@ std::shared_ptr<Request> Engine::isend(int peer, const void* buf, size_t bytes, 
     check_peer_arg(peer, "send");
     Peer& p = *peers_[peer];
     if (aborted_) {
-      fail_locked(*req, ErrorKind::Aborted, abort_reason_, -1);
+      fail_locked(*req, abort_kind_, abort_reason_, abort_peer_);
     } else if (p.dead) {
       fail_locked(*req, ErrorKind::Peer, "rank " + std::to_string(rank_) + ": cannot send to rank " +
                                              std::to_string(peer) + ", which is gone", peer);
@@ -127,7 +127,7 @@ std::shared_ptr<Request> Engine::irecv(int peer, void* buf, size_t capacity, uin
     check_peer_arg(peer, "recv");
     Peer& p = *peers_[peer];
     if (aborted_) {
-      fail_locked(*req, ErrorKind::Aborted, abort_reason_, -1);
+      fail_locked(*req, abort_kind_, abort_reason_, abort_peer_);
     } else if (!match_unexpected_locked(p, req)) {
       if (p.dead)
         fail_locked(*req, ErrorKind::Peer, "rank " + std::to_string(rank_) + ": cannot receive from rank " +
@@ -312,7 +312,11 @@ void Engine::abort(const std::string& why) {
 
 void Engine::abort_and_notify(const std::string& why, int blame) {
   std::lock_guard<std::mutex> g(mu_);
-  abort_locked(own_abort_reason(why), ErrorKind::Aborted, -1);
+  if (blame >= 0)  // a rank died or failed: later calls here raise PeerError naming it, as the peers' do
+    abort_locked(own_abort_reason(why + " (rank " + std::to_string(blame) + " died or failed)"), ErrorKind::Peer,
+                 blame);
+  else
+    abort_locked(own_abort_reason(why), ErrorKind::Aborted, -1);
   notify_abort_locked(blame);
 }
 
@@ -342,6 +346,8 @@ void Engine::abort_locked(const std::string& reason, ErrorKind kind, int peer) {
   if (!aborted_) {
     aborted_ = true;
     abort_reason_ = reason;
+    abort_kind_ = kind;  // requests posted later fail the same way (PeerError after a death)
+    abort_peer_ = peer;
   }
   for (auto& pp : peers_) {
     Peer& p = *pp;

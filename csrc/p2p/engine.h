@@ -129,6 +129,8 @@ class Engine {
   std::vector<std::shared_ptr<Transport>> transports_;
   bool aborted_ = false;
   std::string abort_reason_;
+  ErrorKind abort_kind_ = ErrorKind::Aborted;  // of the first abort: Peer when a rank died or failed
+  int abort_peer_ = -1;
   bool notices_sent_ = false;
   std::function<void(int)> failure_hook_;
   int failure_blame_ = -1;  // the blame of the failure that sent the notices
@@ -142,10 +144,15 @@ class Engine {
 };
 
 // Element type code carried in headers: (format character << 8) | itemsize; 0 = untyped.
-// Codes with kCollCode set are a reducing collective's (kind, dtype, op) instead
-// (CollCtx::wire_code): two of them must be equal, so ranks that reduce with another dtype
-// or op fail at the first message instead of combining garbage.
+// Codes with kCollCode set are a collective's instead (CollCtx::wire_code): kind in bits
+// 24-27, dtype 20-23 and op 16-19 (15: not a reduction), a 16-bit hash of the call's size in
+// 0-15. Two of them must be equal, so ranks that reduce another way, or pass another size,
+// fail at the first message instead of combining garbage or reading a prefix.
 constexpr uint32_t kCollCode = 1u << 31;
+inline uint32_t collective_code(uint32_t kind, uint32_t dtype, uint32_t op, uint64_t call_bytes) {
+  const uint32_t size_hash = static_cast<uint32_t>((call_bytes * 0x9E3779B97F4A7C15ull) >> 48);
+  return kCollCode | (kind & 15) << 24 | (dtype & 15) << 20 | (op & 15) << 16 | size_hash;
+}
 uint32_t dtype_code(const char* format, size_t itemsize);
 bool dtypes_compatible(uint32_t a, uint32_t b);
 std::string dtype_name(uint32_t code);

@@ -24,10 +24,13 @@ static std::string misfit(const Request& req, const MsgHeader& h, int me, ErrorK
   }
   if (((h.dtype | req.dtype) & kCollCode) && h.dtype != req.dtype) {
     *kind = ErrorKind::Invalid;
-    return "rank " + std::to_string(me) + ": rank " + std::to_string(req.peer) + " reduces " + dtype_name(h.dtype) +
-           " in this collective (" + tag_text(h.tag) + ") but this rank reduces " + dtype_name(req.dtype) +
-           ": the ranks called it with different dtypes or ops; call each collective with the same arguments "
-           "on every rank (LINKWISE_CHECK=1 compares them first)";
+    const bool same_kind = ((h.dtype ^ req.dtype) & 0xffff0000u) == 0;  // so the sizes differ
+    return "rank " + std::to_string(me) + ": rank " + std::to_string(req.peer) + "'s message in this collective (" +
+           tag_text(h.tag) + ") " +
+           (same_kind ? std::string("belongs to a call of another size")
+                      : "moves " + dtype_name(h.dtype) + " where this rank's call moves " + dtype_name(req.dtype)) +
+           ": the ranks called it with different sizes, dtypes or ops; call each collective with the same "
+           "arguments on every rank (LINKWISE_CHECK=1 compares them first)";
   }
   if (!dtypes_compatible(h.dtype, req.dtype)) {
     *kind = ErrorKind::Type;

@@ -77,6 +77,11 @@ async def _await_native(native_request, timeout: float) -> int:
             await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             pass  # the wait below finishes it as a blocking wait's timeout would
+        except asyncio.CancelledError:
+            # The task was cancelled (task.cancel(), an outer asyncio.wait_for): withdraw the
+            # operation too, so that its buffer is not written or sent later.
+            _withdraw(native_request)
+            raise
         finally:
             loop.remove_reader(fd)
     try:
@@ -88,6 +93,16 @@ async def _await_native(native_request, timeout: float) -> int:
         raise TimeoutError(f"async operation did not complete within {timeout:g} s; raise "
                            "LINKWISE_TIMEOUT or pass timeout=") from None
     return native_request.nbytes
+
+
+def _withdraw(native_request) -> None:
+    """A send or receive nobody waits for any more: cancelled where it has not started moving,
+    else the communicator is aborted (the engine's rule for a timed-out wait). A collective
+    cannot be withdrawn: it goes on."""
+    try:
+        native_request.wait(0.0)
+    except Exception:  # noqa: BLE001 - the timeout (or the operation's own error) is expected here
+        pass
 
 
 class GpuRequest:

@@ -383,9 +383,10 @@ class CollectivesMixin:
             out = x
             if self.rank == root:
                 self._writable(x, "reduce")
-        else:
+        else:  # checked on every rank, though only the root writes it: a bad one raises everywhere
             out = _as_array(out, "reduce")
             self._same(x, out, "reduce")
+            self._writable(out, "reduce")
         return self._run("reduce", x, out if self.rank == root else None, dt, op, root, x.size, x.nbytes,
                          async_op, result)
 
@@ -463,7 +464,9 @@ class CollectivesMixin:
             self._writable(out, "gather")
         else:
             if out is not None:  # unused here, but checked as on root: a wrong one raises everywhere
-                self._same(x, _as_array(out, "gather"), "gather", self.size)
+                unused = _as_array(out, "gather")
+                self._same(x, unused, "gather", self.size)
+                self._writable(unused, "gather")
             out = result = None
         return self._run("gather", x, out, _dtype_label(x.dtype), "", root, x.size, x.nbytes, async_op, result)
 
