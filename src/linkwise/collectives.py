@@ -449,54 +449,6 @@ class CollectivesMixin:
         return self._run("all_to_all", x, out, _dtype_label(x.dtype), "", 0, x.size, x.nbytes, async_op, result)
 
     @_skips_on_argument_error
-    def gather(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
-        """Concatenate every rank's x onto root; returns out on root and None elsewhere."""
-        root = self._root(root, "gather")
-        if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
-            raise _gpu_coll.unsupported("gather", "use all_gather (every rank gets the result) or copy x to the host")
-        x = _as_array(x, "gather")
-        if self.rank == root:
-            if out is None:
-                out = result = np.empty((self.size * (x.shape[0] if x.ndim else 1),) + x.shape[1:], dtype=x.dtype)
-            else:
-                result, out = out, _as_array(out, "gather")
-                self._same(x, out, "gather", self.size)
-            self._writable(out, "gather")
-        else:
-            if out is not None:  # unused here, but checked as on root: a wrong one raises everywhere
-                unused = _as_array(out, "gather")
-                self._same(x, unused, "gather", self.size)
-                self._writable(unused, "gather")
-            out = result = None
-        return self._run("gather", x, out, _dtype_label(x.dtype), "", root, x.size, x.nbytes, async_op, result)
-
-    @_skips_on_argument_error
-    def scatter(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
-        """Root's x, split into size blocks, goes block r to rank r (into out, returned).
-
-        x matters on root only (other ranks may pass None together with out=)."""
-        root = self._root(root, "scatter")
-        if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
-            raise _gpu_coll.unsupported("scatter", "broadcast the whole array and take your block, or copy x to the host")
-        xa = None if x is None else _as_array(x, "scatter")
-        if self.rank == root and xa is None:
-            raise ValueError("scatter: the root must pass x")
-        if xa is not None and xa.size % self.size:
-            raise ValueError(f"scatter: x has {xa.size} elements, not a multiple of the communicator size {self.size}")
-        if out is None:
-            if xa is None:
-                raise ValueError("scatter: pass out= (an array of len(x) // size elements) on ranks without x")
-            out = result = np.empty(xa.size // self.size, dtype=xa.dtype)
-        else:
-            result, out = out, _as_array(out, "scatter")
-            if xa is not None and (out.dtype != xa.dtype or out.size * self.size != xa.size):
-                raise ValueError(f"scatter: out must be a {xa.dtype} array of {xa.size // self.size} elements")
-        self._writable(out, "scatter")
-        send = xa if self.rank == root else None
-        return self._run("scatter", send, out, _dtype_label(out.dtype), "", root, out.size, out.nbytes, async_op,
-                         result)
-
-    @_skips_on_argument_error
     def barrier(self, async_op: bool = False, stream: Any = None):
         """Return once every rank has entered the barrier.
 

@@ -25,6 +25,7 @@ from ._setup import new_job_id
 from ._request import Request
 from ._coll_args import _raw
 from ._coll_coroutines import CoroutineCollectivesMixin
+from ._coll_gather import GatherScatterMixin
 from .collectives import CollectivesMixin
 from .errors import CommAbortedError
 
@@ -78,7 +79,7 @@ def _default_spin_us(cpus_per_rank: float) -> float:
     return 50.0 if cpus_per_rank >= 1 else 1.0
 
 
-class Communicator(CollectivesMixin, CoroutineCollectivesMixin):
+class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMixin):
     """A group of ranks that can message each other. Made by :func:`linkwise.init`."""
 
     def __init__(self, rank: int, size: int, *, local_rank: int = 0, local_size: int = 1,
