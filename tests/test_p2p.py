@@ -222,6 +222,29 @@ def test_awaited_receive_that_timed_out_is_cancelled(transport_env):
     assert out == [([42.0] * 4, [0.0] * 4), "sent"]
 
 
+def _rewait_withdrawn(comm):
+    """A request withdrawn by a wait that timed out raises TimeoutError again on a later wait
+    or test (the communicator is fine), not CommAbortedError."""
+    import linkwise
+    if comm.rank == 1:
+        comm.barrier()
+        return "idle"
+    req = comm.irecv(np.zeros(4), 1, tag=11)
+    kinds = []
+    for call in (lambda: req.wait(timeout=0.2), req.wait, req.test):
+        try:
+            call()
+            kinds.append("ok")
+        except linkwise.TimeoutError:
+            kinds.append("TimeoutError")
+    comm.barrier()
+    return kinds
+
+
+def test_withdrawn_request_raises_timeout_again():
+    assert run_ranks(2, _rewait_withdrawn) == [["TimeoutError"] * 3, "idle"]
+
+
 def _cancelled_receive(comm, form):
     """A receive whose asyncio task is cancelled (task.cancel(), an outer wait_for) is withdrawn
     as a timed-out one is: the later message goes to the later receive."""

@@ -291,7 +291,12 @@ bool Engine::cancel(Request& req) {
       if (skip_front && it == l.begin() && p.front_started) return false;
       std::shared_ptr<Request> keep = *it;
       l.erase(it);
-      fail_locked(req, ErrorKind::Aborted, "the operation was cancelled", -1);
+      // Only a wait that timed out (or a dropped request) withdraws one: a later wait on it
+      // raises TimeoutError again, the communicator itself being fine.
+      fail_locked(req, ErrorKind::Timeout,
+                  "rank " + std::to_string(rank_) + ": this " + (req.kind == Request::Kind::Recv ? "receive" : "send") +
+                      " was withdrawn when a wait on it timed out (or was cancelled); post it again to retry",
+                  -1);
       return true;
     }
     return false;

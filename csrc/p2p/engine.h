@@ -75,7 +75,8 @@ class Engine {
   void wait(Request& req, double timeout_s, const char* op);
   // Progresses once; true when req is done (its error, if any, is thrown by wait/rethrow).
   bool test(Request& req);
-  // Removes a request that has not started moving; false if it already has (or is done).
+  // Removes a request that has not started moving (it fails with ErrorKind::Timeout: a wait on
+  // it timed out); false if it already has (or is done).
   bool cancel(Request& req);
   // Fails every pending request and refuses new ones. Idempotent.
   void abort(const std::string& why);
