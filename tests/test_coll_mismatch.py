@@ -280,3 +280,44 @@ def test_message_based_prefix_sizes_raise(kind, env):
     receiver = 1 if kind.startswith("broadcast") else 0
     assert out[receiver][0] == "ValueError", out
     assert all(later == "raised" for _, later in out), out
+
+
+def _zero_on_last_rank(comm, kind):
+    import linkwise
+    cnt = 0 if comm.rank == comm.size - 1 else 4
+    t0 = time.monotonic()
+    try:
+        if kind == "gather":
+            comm.gather(np.ones(cnt, np.float32), root=0)
+        elif kind == "scatter":
+            comm.scatter(np.ones(cnt * comm.size, np.float32), root=0)
+        else:
+            comm.all_to_all(np.ones(cnt * comm.size, np.float32))
+        first = "ok"
+    except (ValueError, linkwise.CommAbortedError, linkwise.PeerError) as exc:
+        first = type(exc).__name__
+    return first, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("kind", ["gather", "scatter", "all_to_all"])
+def test_zero_elements_on_one_rank_of_a_block_collective_raise(kind):
+    # Before: the rank with 0 elements returned at once and the others waited for the timeout.
+    out = run_ranks(3, _zero_on_last_rank, kind, env={"LINKWISE_TIMEOUT": "20"}, timeout=60)
+    assert "ValueError" in [first for first, _ in out], out
+    assert all(seconds < 10 for _, seconds in out), out
+
+
+def _zero_everywhere(comm):
+    comm.gather(np.ones(0, np.float32), root=0)
+    comm.scatter(np.ones(0, np.float32), root=0)
+    comm.all_to_all(np.ones(0, np.float32))
+    comm.broadcast(np.ones(0, np.float32), root=1)
+    comm.reduce(np.ones(0, np.float32), root=1)
+    x = np.ones(3, np.float32)
+    comm.all_reduce(x)
+    return float(x[0])
+
+
+@pytest.mark.parametrize("env", [{}, {"LINKWISE_TRANSPORT": "tcp"}], ids=["shm", "tcp"])
+def test_zero_elements_everywhere_still_work(env):
+    assert run_ranks(3, _zero_everywhere, env=env, timeout=60) == [3.0] * 3

@@ -27,7 +27,9 @@ void pairwise_all_to_all(CollCtx& c, const void* in, void* out, size_t bb) {
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   if (bb) std::memcpy(dst + me * bb, src + me * bb, bb);
-  if (n == 1 || bb == 0) return;
+  // Blocks of 0 bytes still go out (empty messages): a rank called with 0 elements against
+  // others' data then meets their messages (another size: an error) instead of returning.
+  if (n == 1) return;
   guarded(c, [&] {
     std::vector<std::shared_ptr<Request>> reqs;
     for (int s = 1; s < n; ++s) {
@@ -45,7 +47,6 @@ void pairwise_all_to_all(CollCtx& c, const void* in, void* out, size_t bb) {
 // The root receives block r from rank r into out (its own block copied from in).
 void linear_gather(CollCtx& c, const void* in, void* out, size_t bb) {
   const int n = c.size(), me = c.rank(), root = c.params().root;
-  if (bb == 0) return;
   guarded(c, [&] {
     if (me != root) {
       c.send(root, in, bb, 0);
@@ -55,7 +56,7 @@ void linear_gather(CollCtx& c, const void* in, void* out, size_t bb) {
     std::vector<std::shared_ptr<Request>> reqs;
     for (int r = 0; r < n; ++r)
       if (r != root) reqs.push_back(c.irecv(r, dst + r * bb, bb, 0));
-    if (dst + me * bb != in) std::memcpy(dst + me * bb, in, bb);
+    if (bb && dst + me * bb != in) std::memcpy(dst + me * bb, in, bb);
     c.wait_all(reqs);
   });
 }
@@ -63,7 +64,6 @@ void linear_gather(CollCtx& c, const void* in, void* out, size_t bb) {
 // The root sends block r of in to rank r; every rank receives its block into out.
 void linear_scatter(CollCtx& c, const void* in, void* out, size_t bb) {
   const int n = c.size(), me = c.rank(), root = c.params().root;
-  if (bb == 0) return;
   guarded(c, [&] {
     if (me != root) {
       c.recv(root, out, bb, 0);
@@ -73,7 +73,7 @@ void linear_scatter(CollCtx& c, const void* in, void* out, size_t bb) {
     std::vector<std::shared_ptr<Request>> reqs;
     for (int r = 0; r < n; ++r)
       if (r != root) reqs.push_back(c.isend(r, src + r * bb, bb, 0));
-    if (src + me * bb != out) std::memmove(out, src + me * bb, bb);
+    if (bb && src + me * bb != out) std::memmove(out, src + me * bb, bb);
     c.wait_all(reqs);
   });
 }
