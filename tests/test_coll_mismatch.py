@@ -291,6 +291,12 @@ def _zero_on_last_rank(comm, kind):
             comm.gather(np.ones(cnt, np.float32), root=0)
         elif kind == "scatter":
             comm.scatter(np.ones(cnt * comm.size, np.float32), root=0)
+        elif kind == "all_gather":
+            comm.all_gather(np.ones(cnt, np.float32))
+        elif kind == "reduce_scatter":
+            comm.reduce_scatter(np.ones(cnt * comm.size, np.float32))
+        elif kind == "all_reduce":  # over TCP: the message-based algorithms
+            comm.all_reduce(np.ones(cnt * 1000, np.float32))
         else:
             comm.all_to_all(np.ones(cnt * comm.size, np.float32))
         first = "ok"
@@ -299,15 +305,19 @@ def _zero_on_last_rank(comm, kind):
     return first, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("kind", ["gather", "scatter", "all_to_all"])
-def test_zero_elements_on_one_rank_of_a_block_collective_raise(kind):
+@pytest.mark.parametrize("kind", ["gather", "scatter", "all_to_all", "all_gather", "reduce_scatter", "all_reduce"])
+def test_zero_elements_on_one_rank_of_a_message_based_collective_raise(kind):
     # Before: the rank with 0 elements returned at once and the others waited for the timeout.
-    out = run_ranks(3, _zero_on_last_rank, kind, env={"LINKWISE_TIMEOUT": "20"}, timeout=60)
+    env = {"LINKWISE_TIMEOUT": "20", "LINKWISE_TRANSPORT": "tcp" if kind == "all_reduce" else "auto"}
+    out = run_ranks(3, _zero_on_last_rank, kind, env=env, timeout=60)
     assert "ValueError" in [first for first, _ in out], out
     assert all(seconds < 10 for _, seconds in out), out
 
 
 def _zero_everywhere(comm):
+    comm.all_gather(np.ones(0, np.float32))
+    comm.reduce_scatter(np.ones(0, np.float32))
+    comm.all_reduce(np.ones(0, np.float32))
     comm.gather(np.ones(0, np.float32), root=0)
     comm.scatter(np.ones(0, np.float32), root=0)
     comm.all_to_all(np.ones(0, np.float32))

@@ -60,8 +60,9 @@ void run_collective(Engine& engine, const CollParams& p, const void* send, size_
       need(send_bytes == recv_bytes, "all_reduce: out must have as many bytes as x");
       copy(recv, send, send_bytes);
       const size_t count = send_bytes / es;
-      if (n == 1 || count == 0) return;
-      if (p.algo == Algo::Tree) rd_all_reduce(c, recv, count);
+      if (n == 1) return;
+      if (count == 0) ring_all_reduce(c, recv, 0);  // empty messages (see ring.cc): meets a rank with data
+      else if (p.algo == Algo::Tree) rd_all_reduce(c, recv, count);
       else if (p.algo == Algo::Direct) direct_all_reduce(c, recv, count);
       else ring_all_reduce(c, recv, count);
       return;
@@ -76,18 +77,18 @@ void run_collective(Engine& engine, const CollParams& p, const void* send, size_
     case CollKind::AllGather: {
       need(recv_bytes == send_bytes * n, "all_gather: out must have size * len(x) elements");
       copy(static_cast<char*>(recv) + me * send_bytes, send, send_bytes);
-      if (n > 1 && send_bytes) ring_all_gather(c, recv, send_bytes);
+      if (n > 1) ring_all_gather(c, recv, send_bytes);
       return;
     }
     case CollKind::ReduceScatter: {
       need(send_bytes == recv_bytes * n, "reduce_scatter: x must have size * len(out) elements");
       const size_t m = recv_bytes / es;
-      if (n == 1 || m == 0) {
+      if (n == 1) {
         copy(recv, send, recv_bytes);
         return;
       }
       char* work = coll_scratch(kDispatchCopy, send_bytes);
-      std::memcpy(work, send, send_bytes);
+      if (send_bytes) std::memcpy(work, send, send_bytes);
       ring_reduce_scatter(c, work, m, recv);
       return;
     }

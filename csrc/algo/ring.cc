@@ -68,7 +68,9 @@ void ring_run(CollCtx& c, const Ring& R, char* work, const std::vector<size_t>& 
 
   auto seg_send = [&](int t) { return t < nrs ? mod(R.pos - t, n) : mod(R.pos + 1 - (t - nrs), n); };
   auto seg_recv = [&](int t) { return t < nrs ? mod(R.pos - t - 1, n) : mod(R.pos - (t - nrs), n); };
-  auto nchunks = [&](int j) { return (seg_len[j] + ce - 1) / ce; };
+  // An empty segment still moves one empty chunk: a rank called with 0 elements against
+  // others' data then meets their messages (another size: an error) instead of returning.
+  auto nchunks = [&](int j) { return std::max<size_t>(1, (seg_len[j] + ce - 1) / ce); };
   auto chunk_len = [&](int j, size_t k) { return std::min(ce, seg_len[j] - k * ce); };
 
   std::vector<std::shared_ptr<Request>> sends;
