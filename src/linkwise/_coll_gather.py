@@ -14,7 +14,7 @@ from .collectives import _skips_on_argument_error
 
 
 class GatherScatterMixin:
-    """Uses CollectivesMixin's _root, _same, _writable and _run."""
+    """Uses CollectivesMixin's _root, _gathered_out, _same, _writable and _run."""
 
     @_skips_on_argument_error
     def gather(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
@@ -24,12 +24,7 @@ class GatherScatterMixin:
             raise _gpu_coll.unsupported("gather", "use all_gather (every rank gets the result) or copy x to the host")
         x = _as_array(x, "gather")
         if self.rank == root:
-            if out is None:
-                out = result = np.empty((self.size * (x.shape[0] if x.ndim else 1),) + x.shape[1:], dtype=x.dtype)
-            else:
-                result, out = out, _as_array(out, "gather")
-                self._same(x, out, "gather", self.size)
-            self._writable(out, "gather")
+            result, out = self._gathered_out(x, out, "gather")
         else:
             if out is not None:  # unused here, but checked as on root: a wrong one raises everywhere
                 unused = _as_array(out, "gather")

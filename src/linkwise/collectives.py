@@ -266,6 +266,17 @@ class CollectivesMixin:
             raise ValueError(f"{what}: out must be a {a.dtype} array of {a.size * n} elements, "
                              f"got {b.dtype} with {b.size}")
 
+    def _gathered_out(self, x: np.ndarray, out: Any, what: str) -> tuple:
+        """(result, out array) of a collective that concatenates every rank's x: out allocated
+        (size blocks along x's first axis) or checked (dtype, size, writable)."""
+        if out is None:
+            result = arr = np.empty((self.size * (x.shape[0] if x.ndim else 1),) + x.shape[1:], dtype=x.dtype)
+        else:
+            result, arr = out, _host_out(out, what)
+            self._same(x, arr, what, self.size)
+        self._writable(arr, what)
+        return result, arr
+
     # -- collectives ---------------------------------------------------------------------
     def all_reduce(self, x: Any, op: str = "sum", out: Any = None, async_op: bool = False,
                    dtype: Optional[str] = None, stream: Any = None):
@@ -397,12 +408,7 @@ class CollectivesMixin:
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
             return _gpu_dispatch(self, "all_gather", x, out=out, async_op=async_op, stream=stream)
         x = _as_array(x, "all_gather")
-        if out is None:
-            out = result = np.empty((self.size * (x.shape[0] if x.ndim else 1),) + x.shape[1:], dtype=x.dtype)
-        else:
-            result, out = out, _host_out(out, "all_gather")
-            self._same(x, out, "all_gather", self.size)
-        self._writable(out, "all_gather")
+        result, out = self._gathered_out(x, out, "all_gather")
         return self._run("all_gather", x, out, _dtype_label(x.dtype), "", 0, x.size, x.nbytes, async_op, result)
 
     @_skips_on_argument_error
