@@ -31,8 +31,8 @@
 //     rank order. Half r&1 is rewritten in round r+2, after everyone's b_in reached r+1.
 //   broadcast piece i of a lane (numbered across calls): the root waits until every other
 //     rank's c_done >= i-kBcSlots+1, copies piece i into ring slot i%kBcSlots, sets
-//     c_in=c_done=i+1 (with a stamp of the call in c_in's line, per ring slot); a reader
-//     waits for root.c_in >= i+1, checks the stamp, copies it out, sets its c_done=i+1.
+//     c_in=c_done=i+1 (having stamped the call in c_stamp[lane], one word per ring slot); a
+//     reader waits for root.c_in >= i+1, checks the stamp, copies it out, sets its c_done=i+1.
 //   CMA all-reduce round r (large messages, when every rank may read and write every other
 //     rank's memory with process_vm_readv/writev): publish my in/out addresses, x_in=r →
 //     wait all x_in>=r → for each chunk of MY segment (part_off(count, n, rank)): read that
@@ -150,9 +150,10 @@ class ShmColl {
   int max_lanes() const { return lanes_; }  // agreed by every rank at connect()
   size_t one_shot_max() const { return opt_.one_max; }  // likewise
   void unlink() { seg_.unlink(); }
-  // Another collective of the communicator failed on this rank (a point-to-point one, whose
-  // peers may now be a call behind or ahead here): peers waiting on this rank give up
-  // (PeerError) and every later call on every rank raises. Safe from any thread.
+  // Another collective of the communicator failed (a point-to-point one here, or on a peer as
+  // its abort notice says: the engine's failure hook), so the ranks may now be a call behind
+  // or ahead here: peers waiting on this rank give up (PeerError) and every later call on
+  // every rank raises. Safe from any thread.
   void stop() { mark_failed(Error(ErrorKind::Aborted, "stopped", -1)); }
   // The same after a peer died or failed elsewhere: later calls raise PeerError naming it.
   void stop_for_peer(int peer) { mark_failed(Error(ErrorKind::Peer, "stopped", peer)); }

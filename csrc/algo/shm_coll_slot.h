@@ -28,8 +28,6 @@ struct alignas(64) OneShotLine {
   std::atomic<uint32_t> v;
   Stamp stamp[2];
 };
-// The owner's current call: `desc`, then `seq` (release). Peers read it only when a wait is
-// slow (ShmColl::check_calls), to tell a mismatched call from a slow peer.
 // Broadcast pieces: one stamp per ring slot (piece_stamp()), a line per lane next to c_in.
 // The root may be up to kBcSlots pieces ahead, across calls, so one stamp per counter would
 // often show a later call; slot i%kBcSlots's stamp stays until every reader is done with
@@ -37,6 +35,8 @@ struct alignas(64) OneShotLine {
 struct alignas(64) PieceStamps {
   std::atomic<uint64_t> piece[ShmColl::kBcSlots];
 };
+// The owner's current call: `desc`, then `seq` (release). Peers read it only when a wait is
+// slow (ShmColl::check_calls), to tell a mismatched call from a slow peer.
 struct alignas(64) CallLine {
   std::atomic<uint64_t> desc;
   std::atomic<uint32_t> seq;

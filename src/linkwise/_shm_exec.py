@@ -64,13 +64,17 @@ def _all_shm(comm) -> bool:
     return comm._store is not None and bool(comm.transports) and all(v == "shm" for v in comm.transports.values())
 
 
+def _state_key(comm, rank: int) -> str:
+    return f"{comm.comm_id}/shmcoll/state/{rank}"  # whether that rank attaches (attach, refuse)
+
+
 def refuse(comm, why: str) -> None:
     """This rank's communicator was aborted before its executor was attached: tell the ranks
     that attach it (each waits for every rank's state first, see attach) so that they raise
     too, at once, instead of waiting for this rank at the setup barrier until the timeout."""
     if _all_shm(comm):
         try:
-            comm._store.set(f"{comm.comm_id}/shmcoll/state/{comm.rank}", b"refused: " + why.encode())
+            comm._store.set(_state_key(comm, comm.rank), b"refused: " + why.encode())
         except Exception:  # noqa: BLE001 - the store may be gone too; the caller raises anyway
             pass
 
@@ -108,9 +112,9 @@ def attach(comm):
     spin = _default_spin_us(comm._cpus_per_rank)
     # Every rank says whether it attaches at all (refuse): a rank whose communicator was
     # aborted by a failed collective would otherwise leave the others at the barrier.
-    comm._store.set(f"{tag}/state/{comm.rank}", b"ok")
+    comm._store.set(_state_key(comm, comm.rank), b"ok")
     for r in range(comm.size):
-        state = _state_of(comm, f"{tag}/state/{r}")
+        state = _state_of(comm, _state_key(comm, r))
         if state != b"ok":
             raise CommAbortedError(f"rank {comm.rank}: rank {r} had stopped this communicator's collectives "
                                    f"when they were to be set up here ({state.decode(errors='replace')})")
