@@ -243,6 +243,23 @@ void Engine::fail_locked(Request& req, ErrorKind kind, const std::string& msg, i
   if (sleepers_.load() > 0) wake_all();
 }
 
+// Before failing sends whose receiver may still be copying from their buffers: once they fail,
+// the user may write those buffers again (PeerLink::withdraw). `blame` as in abort_locked.
+void Engine::withdraw_pulls_locked(Peer& p, int blame) {
+  if (!p.link) return;
+  for (auto& r : p.awaiting_ack) p.link->withdraw(static_cast<uint32_t>(r->pull_seq), blame);
+}
+
+// This rank was copying a message its sender withdrew: the sender aborted. An abort that blames
+// a rank is that rank's failure passed on, as the sender's abort notice would (so survivors all
+// name the rank that failed); otherwise the sender itself failed.
+void Engine::take_withdrawal_locked(Peer& p, const WithdrawnError& e) {
+  if (e.blame() >= 0)
+    take_abort_notice_locked(p, e.blame());
+  else
+    fail_peer_locked(p, e.what());
+}
+
 void Engine::fail_peer_locked(Peer& p, const std::string& why) {
   if (p.dead) return;
   p.dead = true;
@@ -254,6 +271,7 @@ void Engine::fail_peer_locked(Peer& p, const std::string& why) {
     l.clear();
   };
   fail_all(p.send_queue);
+  withdraw_pulls_locked(p, p.rank);
   fail_all(p.awaiting_ack);
   fail_all(p.posted);
   if (p.in_msg) {
@@ -361,6 +379,7 @@ void Engine::abort_locked(const std::string& reason, ErrorKind kind, int peer) {
       l.clear();
     };
     fail_all(p.send_queue);
+    withdraw_pulls_locked(p, peer);
     fail_all(p.awaiting_ack);
     fail_all(p.posted);
     if (p.in_req) fail_locked(*p.in_req, kind, abort_reason_, peer);

@@ -109,6 +109,8 @@ class Engine {
   void materialize_deferred_locked();
   void deliver_deferred_locked(Peer& p, Unexpected& u, Request* req);
   void fail_peer_locked(Peer& p, const std::string& why);
+  void withdraw_pulls_locked(Peer& p, int blame);
+  void take_withdrawal_locked(Peer& p, const WithdrawnError& e);
   void abort_locked(const std::string& reason, ErrorKind kind, int peer);
   std::string own_abort_reason(const std::string& why) const;
   void notify_abort_locked(int blame);

@@ -111,6 +111,9 @@ bool Engine::progress_recv(Peer& p) {
       if (p.in_got < h.size) break;
       finish_incoming(p);
     }
+  } catch (const WithdrawnError& e) {
+    take_withdrawal_locked(p, e);
+    return true;
   } catch (const Error& e) {
     fail_peer_locked(p, e.what());
     return true;
@@ -174,6 +177,12 @@ void Engine::deliver_deferred_locked(Peer& p, Unexpected& u, Request* req) {
       if (n) p.link->pull(u.data.get(), u.hdr.addr, n, u.hdr.seq);
     }
     p.link->post_ack(u.hdr.seq);
+  } catch (const WithdrawnError& e) {
+    const int blame = e.blame() >= 0 ? e.blame() : p.rank;
+    if (req) fail_locked(*req, ErrorKind::Peer, e.what(), blame);
+    u.deferred = false;
+    take_withdrawal_locked(p, e);
+    return;
   } catch (const Error& e) {
     if (req) fail_locked(*req, ErrorKind::Peer, e.what(), p.rank);
     u.deferred = false;

@@ -12,8 +12,23 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
+
+#include "core/status.h"
 
 namespace linkwise {
+
+// Thrown by PeerLink::pull when the sender withdrew the message (PeerLink::withdraw): the
+// sender aborted. peer() is the sender; blame() the rank its abort blames, or -1.
+class WithdrawnError : public Error {
+ public:
+  WithdrawnError(std::string message, int sender, int blame)
+      : Error(ErrorKind::Peer, std::move(message), sender), blame_(blame) {}
+  int blame() const { return blame_; }
+
+ private:
+  int blame_;
+};
 
 class PeerLink {
  public:
@@ -50,6 +65,13 @@ class PeerLink {
   virtual bool help_pull(uint32_t seq, const void* src, size_t n) { return true; }
   virtual void post_ack(uint32_t seq) {}
   virtual bool acked(uint32_t seq) { return false; }
+  // Sender side: message `seq` was announced but its send failed (a wait timed out, or the
+  // communicator aborted) before the ack, so the sender's buffer may be reused from now on.
+  // `blame` is the rank the sender's abort blames (-1: none). The receiver's pull() checks for
+  // this after copying and throws WithdrawnError instead of delivering bytes the user may
+  // already have overwritten. If the check finds nothing, the copy ended before the
+  // withdrawal, so before the sender returned to its user.
+  virtual void withdraw(uint32_t seq, int blame) {}
 };
 
 class Transport {

@@ -59,6 +59,11 @@ struct RingControl {
   // ack_slots[seq % kMaxPullsInFlight] = seq once the receiver has pulled message seq.
   alignas(kLine) std::atomic<uint32_t> ack_slots[PeerLink::kMaxPullsInFlight];
   alignas(kLine) CoopSlot coop[PeerLink::kMaxPullsInFlight];
+  // withdrawn_slots[seq % kMaxPullsInFlight] = seq once the sender has withdrawn message seq
+  // (PeerLink::withdraw), the blame + 1 in withdrawn_blame before it; the receiver reads them
+  // after each pull.
+  alignas(kLine) std::atomic<uint32_t> withdrawn_slots[PeerLink::kMaxPullsInFlight];
+  std::atomic<int32_t> withdrawn_blame[PeerLink::kMaxPullsInFlight];
   // Set once by the writer (close_write): nothing more will come; the reader's link reports
   // the writer gone once it has read everything before it (tail is published first).
   alignas(kLine) std::atomic<uint32_t> writer_closed;
@@ -188,7 +193,48 @@ class ShmLink : public PeerLink {
   }
 
   void pull(void* dst, uint64_t remote_addr, size_t n, uint32_t seq) override {
-    // Cooperative only if the sender may write into us (it probed our memory at connect).
+    copy_pulled(dst, remote_addr, n, seq);
+    // Ordering: the copy's reads of the sender's buffer come before this load (seq_cst fence);
+    // the sender stores the withdrawal (seq_cst) before its user may write the buffer again.
+    // So either the load sees the withdrawal, or the copy finished before the buffer changed.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    const uint32_t slot = seq % kMaxPullsInFlight;
+    if (in_->withdrawn_slots[slot].load(std::memory_order_acquire) != seq) return;
+    const int blame = in_->withdrawn_blame[slot].load(std::memory_order_relaxed) - 1;
+    throw WithdrawnError("rank " + std::to_string(peer_rank_) + " withdrew a message of " + std::to_string(n) +
+                             " bytes before this rank had copied it (its communicator aborted" +
+                             (blame >= 0 ? " because rank " + std::to_string(blame) + " failed" : std::string()) +
+                             "); the partial copy was discarded",
+                         peer_rank_, blame);
+  }
+
+  void withdraw(uint32_t seq, int blame) override {
+    const uint32_t slot = seq % kMaxPullsInFlight;
+    out_->withdrawn_blame[slot].store(blame + 1, std::memory_order_relaxed);  // published by the next store
+    out_->withdrawn_slots[slot].store(seq, std::memory_order_seq_cst);
+  }
+
+  bool help_pull(uint32_t seq, const void* src, size_t n) override {
+    if (n < kCoopMin) return true;
+    CoopSlot& c = out_->coop[seq % kMaxPullsInFlight];
+    if (c.seq.load(std::memory_order_acquire) != seq) return false;  // not asked (yet)
+    take_pieces(c, /*as_sender=*/true);
+    return true;
+  }
+
+  void post_ack(uint32_t seq) override {
+    in_->ack_slots[seq % kMaxPullsInFlight].store(seq, std::memory_order_release);
+    ring_doorbell(peer_.header);
+  }
+
+  bool acked(uint32_t seq) override {
+    return out_->ack_slots[seq % kMaxPullsInFlight].load(std::memory_order_acquire) == seq;
+  }
+
+ private:
+  // One copy of message seq out of the sender's memory, with the sender's help when it is large
+  // and the sender may write into us (it probed our memory at connect).
+  void copy_pulled(void* dst, uint64_t remote_addr, size_t n, uint32_t seq) {
     if (n < kCoopMin || !peer_.header->can_pull_from[rank_].load(std::memory_order_relaxed)) {
       copy_from_peer(static_cast<char*>(dst), remote_addr, n);
       return;
@@ -216,24 +262,6 @@ class ShmLink : public PeerLink {
     }
   }
 
-  bool help_pull(uint32_t seq, const void* src, size_t n) override {
-    if (n < kCoopMin) return true;
-    CoopSlot& c = out_->coop[seq % kMaxPullsInFlight];
-    if (c.seq.load(std::memory_order_acquire) != seq) return false;  // not asked (yet)
-    take_pieces(c, /*as_sender=*/true);
-    return true;
-  }
-
-  void post_ack(uint32_t seq) override {
-    in_->ack_slots[seq % kMaxPullsInFlight].store(seq, std::memory_order_release);
-    ring_doorbell(peer_.header);
-  }
-
-  bool acked(uint32_t seq) override {
-    return out_->ack_slots[seq % kMaxPullsInFlight].load(std::memory_order_acquire) == seq;
-  }
-
- private:
   // Takes pieces of a cooperative copy until none is left. The receiver reads them from the
   // sender; the sender writes them into the receiver (both are one copy).
   void take_pieces(CoopSlot& c, bool as_sender) {
