@@ -241,7 +241,8 @@ def test_gloo_types_it_lacks_are_na(tmp_path):
 @pytest.mark.parametrize("argv,flag", [
     (["-b", "1K", "-e", "8"], "-e 8"), (["-N", "0"], "-N 0"), (["-N", "-1"], "-N -1"),
     (["-n", "0"], "-n 0"), (["-n", "-1"], "-n -1"), (["-w", "-1"], "-w -1"),
-    (["--json", "{missing}/x.json"], "--json"), (["--plot", "{missing}/x.png"], "--plot")])
+    (["--json", "{missing}/x.json"], "--json"), (["--plot", "{missing}/x.png"], "--plot"),
+    (["-r", "2"], "-r 2"), (["-N", "3", "-r", "-1"], "-r -1")])
 def test_bad_arguments_are_one_clear_error(argv, flag, tmp_path):
     """Like -r out of range: one line and status 2 before any rank starts, no sweep."""
     argv = [a.format(missing=tmp_path / "no" / "dir") for a in argv]
@@ -251,6 +252,25 @@ def test_bad_arguments_are_one_clear_error(argv, flag, tmp_path):
     assert r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"linkwise bench: {flag}"), r.stderr
+
+
+def _launched_bench(n: int, *argv: str) -> subprocess.CompletedProcess:
+    e = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "linkwise.cli", "launch", "-n", str(n), "-m",
+                           "linkwise.bench.cli", *argv], env=e, capture_output=True, text=True, timeout=120)
+
+
+def test_root_is_checked_against_the_launched_job():
+    """Under a launcher -r is a rank of the job (not of -N, which the launcher overrides)."""
+    r = _launched_bench(3, "broadcast", "-b", "8", "-e", "64", "-n", "2", "-w", "1", "-c", "1",
+                        "-r", "2", "--no-progress")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    rows = [ln.split()[2:] for ln in r.stdout.splitlines() if ln.startswith("[rank 0]") and ln.split()[2].isdigit()]
+    assert rows and all(row[4] == "2" and row[8] == "0" for row in rows), r.stdout
+    r = _launched_bench(2, "reduce", "-b", "8", "-e", "8", "-N", "8", "-r", "5", "--no-progress")
+    assert r.returncode != 0
+    assert "linkwise bench: -r 5 is not a rank of 2" in r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
 
 
 def test_sizes_that_round_to_the_same_count_give_one_row():

@@ -218,6 +218,27 @@ def test_void2_reduces_as_bfloat16(n, env):
     assert run_ranks(n, _void_body, env=env, timeout=120) == [True] * n
 
 
+def _mixed_forms_body(comm):
+    """Rank 0 passes "V2", the others ml_dtypes' bfloat16: one dtype, also to LINKWISE_CHECK."""
+    rank, size = comm.rank, comm.size
+    mine = _vals(rank, 4)
+    x = _to_v2(mine) if rank == 0 else mine.astype(ml_dtypes.bfloat16)
+    as_f32 = (lambda a: _from_v2(a)) if rank == 0 else (lambda a: a.astype(np.float32))
+    np.testing.assert_array_equal(as_f32(comm.all_gather(x)), np.concatenate([_vals(r, 4) for r in range(size)]))
+    y = x.copy()
+    comm.broadcast(y, root=size - 1)
+    np.testing.assert_array_equal(as_f32(y), _vals(size - 1, 4))
+    comm.all_reduce(x)
+    np.testing.assert_array_equal(as_f32(x), np.sum([_vals(r, 4) for r in range(size)], 0))
+    return True
+
+
+@pytest.mark.parametrize("check", ["0", "1"])
+def test_mixed_bfloat16_forms_across_ranks(check):
+    env = {"LINKWISE_CHECK": "1"} if check == "1" else {}
+    assert run_ranks(3, _mixed_forms_body, env=env, timeout=60) == [True] * 3
+
+
 # -- linkwise bench -d bfloat16 ---------------------------------------------------------------
 def test_bench_bfloat16_types_and_checks():
     bf = common.DTYPES["bfloat16"]

@@ -328,6 +328,32 @@ def test_sigkilled_peer_raises_peer_error(mode, transport_env, shm_clean):
     assert not shm_of_this_process()
 
 
+def _announced_then_killed(comm):
+    """Rank 1 announces a large single-copy message to rank 0 and dies before rank 0 posts its
+    receive. Rank 0's failed copy must fail every receive from rank 1 after it, the one that
+    matches the dead message's tag included (which once waited for the whole timeout)."""
+    if comm.rank == 1:
+        comm.isend(np.ones(1 << 20, np.float32), 0, tag=1)  # announced: rank 0 copies it later
+        os.kill(os.getpid(), signal.SIGKILL)
+    import linkwise
+    time.sleep(0.5)  # rank 1 is gone before this rank reads its announcement
+    t0 = time.monotonic()
+    with pytest.raises(linkwise.PeerError) as first:
+        comm.recv(np.zeros(4, np.float32), 1, tag=2, timeout=30)  # reads it, fails to copy it
+    with pytest.raises(linkwise.PeerError) as second:
+        comm.recv(np.zeros(1 << 20, np.float32), 1, tag=1, timeout=30)
+    assert first.value.peer == second.value.peer == 1
+    elapsed = time.monotonic() - t0
+    assert elapsed < 10, elapsed
+    return "raised"
+
+
+def test_receive_after_a_dead_peers_announced_message_raises(shm_clean):
+    out = run_ranks(2, _announced_then_killed, env={"LINKWISE_TRANSPORT": "shm"}, expect_fail=True)
+    assert out[0] == ("ok", "raised"), out[0]
+    assert out[1][0] == "died"
+
+
 def _oversubscribed_pingpong(comm):
     """8 ranks on 2 cores: pairs ping-pong; sleeping waits let everyone progress."""
     peer = comm.rank ^ 1

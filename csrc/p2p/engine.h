@@ -107,7 +107,7 @@ class Engine {
   void finish_incoming(Peer& p);
   void reap_dead_peers_locked();
   void materialize_deferred_locked();
-  void deliver_deferred_locked(Peer& p, Unexpected& u, Request* req);
+  bool deliver_deferred_locked(Peer& p, Unexpected& u, Request* req);
   void fail_peer_locked(Peer& p, const std::string& why);
   void withdraw_pulls_locked(Peer& p, int blame);
   void take_withdrawal_locked(Peer& p, const WithdrawnError& e);

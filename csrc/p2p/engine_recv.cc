@@ -166,9 +166,12 @@ void Engine::finish_incoming(Peer& p) {
 }
 
 // Pulls a deferred message into req's buffer (or, with req null, into a buffer of its own,
-// after which it is an ordinary complete unexpected message) and acknowledges it.
-void Engine::deliver_deferred_locked(Peer& p, Unexpected& u, Request* req) {
+// after which it is an ordinary complete unexpected message) and acknowledges it. False when
+// the pull failed (req failed, the peer failed or the communicator aborted): the caller then
+// erases u, which would otherwise stay incomplete forever and catch a later receive.
+bool Engine::deliver_deferred_locked(Peer& p, Unexpected& u, Request* req) {
   const size_t n = u.hdr.size;
+  u.deferred = false;  // from here on the caller owns u's fate (fail_peer_locked drops deferred ones)
   try {
     if (req) {
       if (n) p.link->pull(req->buf, u.hdr.addr, n, u.hdr.seq);
@@ -178,32 +181,33 @@ void Engine::deliver_deferred_locked(Peer& p, Unexpected& u, Request* req) {
     }
     p.link->post_ack(u.hdr.seq);
   } catch (const WithdrawnError& e) {
-    const int blame = e.blame() >= 0 ? e.blame() : p.rank;
-    if (req) fail_locked(*req, ErrorKind::Peer, e.what(), blame);
-    u.deferred = false;
+    if (req) fail_locked(*req, ErrorKind::Peer, e.what(), e.blame() >= 0 ? e.blame() : p.rank);
     take_withdrawal_locked(p, e);
-    return;
+    return false;
   } catch (const Error& e) {
     if (req) fail_locked(*req, ErrorKind::Peer, e.what(), p.rank);
-    u.deferred = false;
     fail_peer_locked(p, e.what());
-    return;
+    return false;
   }
-  u.deferred = false;
   if (req) {
     complete_locked(*req, n);
   } else {
     u.complete = true;
     u.got = n;
   }
+  return true;
 }
 
 void Engine::materialize_deferred_locked() {
   for (auto& pp : peers_) {
     Peer& p = *pp;
     if (p.dead) continue;
-    for (auto& u : p.unexpected) {
-      if (u.deferred) deliver_deferred_locked(p, u, nullptr);
+    for (auto it = p.unexpected.begin(); it != p.unexpected.end();) {
+      if (!it->deferred || deliver_deferred_locked(p, *it, nullptr)) {
+        ++it;
+        continue;
+      }
+      it = p.unexpected.erase(it);
       if (p.dead) break;  // failing the peer dropped its other deferred entries
     }
   }

@@ -63,6 +63,8 @@ def check_agree(comm, kind: str, count: int, dtype: str, op: str, root: int, dev
     host or CUDA) to every other through a host all_gather, and every rank raises the same
     ValueError if they differ. A collective step: all ranks must reach it in the same order,
     which holds whenever LINKWISE_CHECK is set on every rank (host and GPU calls both check)."""
+    if dtype == "void16":  # an unstructured 2-byte void array is bfloat16, as ml_dtypes' is
+        dtype = "bfloat16"
     try:
         dcode = DTYPES[dtype] if dtype in DTYPES else 100 + np.dtype(dtype).num
     except TypeError:  # a name NumPy does not know (e.g. a torch float8): compare by bytes only
@@ -85,7 +87,7 @@ def check_agree(comm, kind: str, count: int, dtype: str, op: str, root: int, dev
             by_num = {np.dtype(t).num: np.dtype(t).name for t in set(np.sctypeDict.values())}
             if d - 100 in by_num:
                 return by_num[d - 100]
-        return f"#{d}"
+        return "(a dtype NumPy does not name)" if d == 99 else f"#{d}"
 
     desc = "; ".join(f"rank {r}: {names.get(int(k), k)} count={c} dtype={dtype_text(int(d))} op={opn.get(int(o), '-')} "
                      f"root={ro} {'CUDA' if dv else 'host'} array"
@@ -107,8 +109,9 @@ def _native_module():
     return _NATIVE
 
 
-def _as_array(x: Any, what: str) -> np.ndarray:
-    """x as a C-contiguous NumPy array sharing its memory (no copy), else ValueError/TypeError."""
+def _as_array(x: Any, what: str, name: str = "x") -> np.ndarray:
+    """x as a C-contiguous NumPy array sharing its memory (no copy), else ValueError/TypeError;
+    `name` is the argument's name in the message."""
     if isinstance(x, np.ndarray):
         a = x
     else:
@@ -118,7 +121,7 @@ def _as_array(x: Any, what: str) -> np.ndarray:
             from .comm import _as_buffer
             a = _as_buffer(x, what)  # a NumPy view; a CPU torch.bfloat16 tensor comes typed bfloat16
     if not a.flags.c_contiguous:
-        raise ValueError(f"{what}: the array is not C-contiguous; pass np.ascontiguousarray(x)")
+        raise ValueError(f"{what}: {name} is not C-contiguous; pass np.ascontiguousarray({name})")
     return a
 
 
@@ -126,7 +129,7 @@ def _host_out(out: Any, what: str) -> np.ndarray:
     """out for a host collective; a CUDA out with a host x is a clear TypeError."""
     if type(out) is not np.ndarray and _gpu_coll.is_cuda(out):
         raise _gpu_coll.host_device_mix(what, False)
-    return _as_array(out, what)
+    return _as_array(out, what, "out")
 
 
 def _dtype_name(a: np.ndarray, dtype: Optional[str]) -> str:

@@ -19,8 +19,11 @@ collectives in the same order; async ones run in issue order on one worker threa
 
 Tunables (read per call): LINKWISE_ALGO forces an algorithm, LINKWISE_CHUNK_SIZE the
 pipelining chunk (a value of either that does not parse makes every collective raise
-ValueError, even those it would not change), LINKWISE_CHECK=1 verifies that all ranks agree on
-kind/size/dtype/op/root first and raises ValueError on every rank when they do not.
+ValueError, even those it would not change; except that a LINKWISE_CHUNK_SIZE set in the
+environment only after the shared-memory latency path was taken, which no chunk size changes,
+is not looked at by that path's small all_reduce, broadcast and barrier), LINKWISE_CHECK=1
+verifies that all ranks agree on kind/size/dtype/op/root first and raises ValueError on every
+rank when they do not.
 """
 from __future__ import annotations
 

@@ -98,11 +98,15 @@ def _normalise(args) -> list[str]:
             raise ValueError(f"--compare {s} needs --device {'cuda' if gpu_sys else 'cpu'}")
     if getattr(args, "graph", "off") not in ("off", False, None) and device != "cuda":
         raise ValueError("--graph needs --device cuda")
-    if args.test == "p2p" and args.nranks < 2:
-        raise ValueError("p2p needs -N 2 or more")
-    if not 0 <= args.root < max(1, args.nranks):
-        raise ValueError(f"-r {args.root} is not a rank of {args.nranks}")
     return others
+
+
+def _check_ranks(args, nranks: int) -> None:
+    """Checks that need the job's size: -N, or the launcher's when started under one."""
+    if args.test == "p2p" and nranks < 2:
+        raise ValueError("p2p needs -N 2 or more")
+    if not 0 <= args.root < nranks:
+        raise ValueError(f"-r {args.root} is not a rank of {nranks}")
 
 
 def _command(args) -> str:
@@ -214,6 +218,12 @@ def run(args) -> int:
         return 2
     from .. import bootstrap
     env = bootstrap.detect()
+    try:
+        _check_ranks(args, env.size if env.size > 1 else args.nranks)
+    except ValueError as exc:
+        if env.rank in (0, None):  # under a launcher every rank finds it: one line is enough
+            print(f"linkwise bench: {exc}", file=sys.stderr)
+        return 2
     if env.size > 1:
         return _in_launcher(args, others)
     if args.nranks == 1 and args.test != "p2p":
