@@ -329,7 +329,9 @@ class Store:
         why = f" ({exc})" if exc else ""
         return StoreClosedError(
             f"store {what} {key!r}: the rendezvous store at {self.host}:{self.port} closed the "
-            f"connection{why}; rank 0 probably exited or failed, see its output",
+            f"connection{why}; rank 0 exited, failed or closed its world communicator (which hosts "
+            f"the store that split communicators also set up through): see its output, and let "
+            f"rank 0 close only after a final barrier",
             peer=0, op=f"store {what}")
 
     def _drop(self) -> None:
