@@ -354,6 +354,55 @@ def test_receive_after_a_dead_peers_announced_message_raises(shm_clean):
     assert out[1][0] == "died"
 
 
+def _order_after_dead_sender(comm):
+    """Rank 1 queues A and B (single-copy) and C (small) on one tag and dies; rank 0 has read
+    their announcements before receiving them. A and B cannot be copied any more: their
+    receives raise PeerError, and C still goes to the third receive (once, B's got C's bytes)."""
+    if comm.rank == 1:
+        big = 100_000
+        for i, arr in enumerate([np.zeros(1), np.full(big, 1.0), np.full(big, 2.0), np.full(10, 3.0)]):
+            comm.isend(arr, 0, tag=9 if i == 0 else 5)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    import linkwise
+    time.sleep(0.8)
+    comm.recv(np.zeros(1), 1, tag=9, timeout=10)  # reads the stream past A, B and C
+    outcome = []
+    for n in (100_000, 100_000, 10):
+        y = np.zeros(n)
+        try:
+            got = comm.recv(y, 1, tag=5, timeout=10)
+            outcome.append(("got", got, np.unique(y[:got // 8]).tolist()))
+        except linkwise.PeerError as exc:
+            outcome.append(("PeerError", exc.peer))
+    return outcome
+
+
+def test_failed_copies_keep_their_place_in_order(shm_clean):
+    out = run_ranks(2, _order_after_dead_sender, env={"LINKWISE_TRANSPORT": "shm"}, expect_fail=True)
+    assert out[0] == ("ok", [("PeerError", 1), ("PeerError", 1), ("got", 80, [3.0])]), out[0]
+
+
+def _polling_test_sees_death(comm):
+    if comm.rank == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    import linkwise
+    req = comm.irecv(np.zeros(10), 1, tag=0)
+    t0 = time.monotonic()
+    with pytest.raises(linkwise.PeerError) as info:
+        while not req.test():
+            assert time.monotonic() - t0 < 10, "test() never noticed the dead peer"
+            time.sleep(0.001)
+    assert info.value.peer == 1
+    return "raised"
+
+
+def test_polling_with_test_notices_a_dead_peer(transport_env, shm_clean):
+    out = run_ranks(2, _polling_test_sees_death, env=transport_env, expect_fail=True)
+    assert out[0] == ("ok", "raised"), out[0]
+
+
 def _oversubscribed_pingpong(comm):
     """8 ranks on 2 cores: pairs ping-pong; sleeping waits let everyone progress."""
     peer = comm.rank ^ 1

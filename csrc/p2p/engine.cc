@@ -284,7 +284,9 @@ void Engine::fail_peer_locked(Peer& p, const std::string& why) {
     p.in_msg = false;
   }
   p.front_started = false;
-  p.unexpected.remove_if([](const Unexpected& u) { return u.deferred; });
+  p.failure = msg;
+  for (auto& u : p.unexpected)
+    if (u.deferred) u.deferred = false, u.failed = true;  // cannot be copied any more
 }
 
 void Engine::reap_dead_peers_locked() {

@@ -27,6 +27,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <list>
@@ -137,6 +138,7 @@ class Engine {
   bool notices_sent_ = false;
   std::function<void(int)> failure_hook_;
   int failure_blame_ = -1;  // the blame of the failure that sent the notices
+  std::chrono::steady_clock::time_point last_test_reap_{};  // test()'s last look for dead peers
 
   std::atomic<int> sleepers_{0};      // threads of this process asleep in sleep_once
   std::atomic<int> pending_async_{0}; // non-blocking requests not yet done

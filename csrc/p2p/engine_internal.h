@@ -35,6 +35,10 @@ struct Engine::Unexpected {
   size_t got = 0;
   bool complete = false;
   bool deferred = false;           // a pulled message not copied yet (data is empty)
+  // A pulled message that can no longer be copied (its sender died, failed or withdrew it). It
+  // keeps its place, so the receive it matches raises PeerError (`failure`) and the sender's
+  // later messages with the same tag still go to later receives, in order.
+  bool failed = false;
   std::shared_ptr<Request> bound;  // a receive waiting for the rest of this message
 };
 
@@ -61,6 +65,7 @@ struct Engine::Peer {
   std::shared_ptr<Request> in_req;               // the matched receive, or
   std::list<Unexpected>::iterator in_unexp;      // where the message is buffered
   size_t in_got = 0;
+  std::string failure;  // why the peer failed (fail_peer_locked), for its failed messages
 
   bool has_work() const {
     return !send_queue.empty() || !awaiting_ack.empty() || !posted.empty() || in_msg;

@@ -46,7 +46,10 @@ bool Engine::match_unexpected_locked(Peer& p, const std::shared_ptr<Request>& re
     if (it->hdr.tag != req->tag || it->bound) continue;
     ErrorKind kind;
     std::string why = misfit(*req, it->hdr, rank_, &kind);
-    if (!why.empty()) {
+    if (it->failed) {
+      fail_locked(*req, ErrorKind::Peer, p.failure, p.rank);
+      p.unexpected.erase(it);
+    } else if (!why.empty()) {
       fail_locked(*req, kind, why, -1);
     } else if (it->deferred) {
       deliver_deferred_locked(p, *it, req.get());
@@ -167,8 +170,9 @@ void Engine::finish_incoming(Peer& p) {
 
 // Pulls a deferred message into req's buffer (or, with req null, into a buffer of its own,
 // after which it is an ordinary complete unexpected message) and acknowledges it. False when
-// the pull failed (req failed, the peer failed or the communicator aborted): the caller then
-// erases u, which would otherwise stay incomplete forever and catch a later receive.
+// the pull failed: req failed (the caller erases u: its receive is done), or without req u is
+// left marked failed, in its place (see Unexpected::failed); the peer failed or the
+// communicator aborted.
 bool Engine::deliver_deferred_locked(Peer& p, Unexpected& u, Request* req) {
   const size_t n = u.hdr.size;
   u.deferred = false;  // from here on the caller owns u's fate (fail_peer_locked drops deferred ones)
@@ -182,10 +186,12 @@ bool Engine::deliver_deferred_locked(Peer& p, Unexpected& u, Request* req) {
     p.link->post_ack(u.hdr.seq);
   } catch (const WithdrawnError& e) {
     if (req) fail_locked(*req, ErrorKind::Peer, e.what(), e.blame() >= 0 ? e.blame() : p.rank);
+    if (!req) u.failed = true, p.failure = e.what();
     take_withdrawal_locked(p, e);
     return false;
   } catch (const Error& e) {
     if (req) fail_locked(*req, ErrorKind::Peer, e.what(), p.rank);
+    u.failed = !req;  // fail_peer_locked sets p.failure
     fail_peer_locked(p, e.what());
     return false;
   }
@@ -202,14 +208,9 @@ void Engine::materialize_deferred_locked() {
   for (auto& pp : peers_) {
     Peer& p = *pp;
     if (p.dead) continue;
-    for (auto it = p.unexpected.begin(); it != p.unexpected.end();) {
-      if (!it->deferred || deliver_deferred_locked(p, *it, nullptr)) {
-        ++it;
-        continue;
-      }
-      it = p.unexpected.erase(it);
-      if (p.dead) break;  // failing the peer dropped its other deferred entries
-    }
+    for (auto& u : p.unexpected)
+      if (u.deferred && !deliver_deferred_locked(p, u, nullptr) && p.dead)
+        break;  // failing the peer marked its other deferred entries failed
   }
 }
 

@@ -83,6 +83,12 @@ bool Engine::test(Request& req) {
   if (req.done()) return true;
   std::lock_guard<std::mutex> g(mu_);
   progress_locked();
+  // A caller that polls test() must learn of a dead peer too, as wait() does: at most every
+  // 0.1 s, since the check costs a system call per peer with pending work.
+  if (!req.done() && seconds_since(last_test_reap_) >= 0.1) {
+    reap_dead_peers_locked();
+    last_test_reap_ = Clock::now();
+  }
   return req.done();
 }
 
