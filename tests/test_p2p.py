@@ -169,6 +169,35 @@ def test_argument_errors_and_timeout():
     assert run_ranks(2, _argument_errors) == ["ok", "ok"]
 
 
+def _wait_on_streaming_message(comm):
+    """A receive's wait(timeout) gives up near its time even while a large message streams in
+    over TCP without pause (before: one progress pass read the whole body under the engine's
+    lock, 0.3 s late on a 128 MB message)."""
+    import linkwise
+    n = 256 << 20
+    if comm.rank == 1:
+        big = np.ones(n, np.uint8)
+        comm.send(np.zeros(1), 0, tag=2)  # the big one follows at once
+        try:
+            comm.send(big, 0, tag=3)
+        except linkwise.PeerError:  # rank 0 gave up in the middle of the transfer
+            return "aborted"
+        return "sent"
+    buf = np.zeros(n, np.uint8)
+    req = comm.irecv(buf, 1, tag=3)
+    comm.recv(np.zeros(1), 1, tag=2)
+    t0 = time.monotonic()
+    with pytest.raises(linkwise.TimeoutError):
+        req.wait(timeout=0.05)
+    return time.monotonic() - t0
+
+
+def test_wait_timeout_while_a_large_tcp_message_streams():
+    late, sender = run_ranks(2, _wait_on_streaming_message, env={"LINKWISE_TRANSPORT": "tcp"})
+    assert sender in ("aborted", "sent")
+    assert 0.05 <= late < 0.25, late
+
+
 def _async(comm):
     peer = 1 - comm.rank
 

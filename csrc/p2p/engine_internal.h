@@ -19,6 +19,10 @@ constexpr uint32_t kPull = 2;
 constexpr uint32_t kAbort = 3;  // abort notice: tag = blamed rank + 1 (0: none), no payload
 constexpr size_t kStage = 4096;          // header + payload up to this go out in one write
 constexpr int kMessagesPerPass = 16;     // incoming messages one progress pass may finish per peer
+// Payload bytes one progress pass may read from one peer's byte stream (TCP): a large message
+// arriving without pause would otherwise keep the pass, and the engine's lock, until all of it
+// is in (wait(timeout) overshot by ~0.15 s on a 128 MB receive); the caller's loop comes back.
+constexpr size_t kBytesPerPass = size_t{8} << 20;
 // Collective tags (bit 63; algo/coll.h) read as the collective's number and step.
 inline bool is_coll_tag(uint64_t tag) { return tag >> 63; }
 inline std::string tag_text(uint64_t tag) {

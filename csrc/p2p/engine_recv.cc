@@ -1,5 +1,6 @@
 // The receiving side of the engine: matching posted receives, unexpected and deferred
 // (not yet pulled) messages, reading message bodies. Called under the Engine's lock.
+#include <algorithm>
 #include <cstring>
 
 #include "p2p/engine_internal.h"
@@ -73,8 +74,9 @@ bool Engine::progress_recv(Peer& p) {
   // Bounded work per pass: a peer that streams without pause must not keep this thread here
   // (its caller waits for one particular request, and other peers need turns too).
   int budget = kMessagesPerPass;
+  size_t bytes_left = kBytesPerPass;
   try {
-    while (budget-- > 0) {
+    while (budget-- > 0 && bytes_left > 0) {
       if (!p.in_msg) {
         size_t n = link.read_some(reinterpret_cast<char*>(&p.in_hdr) + p.in_hdr_got, sizeof(MsgHeader) - p.in_hdr_got);
         p.in_hdr_got += n;
@@ -104,10 +106,11 @@ bool Engine::progress_recv(Peer& p) {
         p.in_got = h.size;
         moved = true;
       } else {
-        while (p.in_got < h.size) {
-          size_t n = link.read_some(dst + p.in_got, h.size - p.in_got);
+        while (p.in_got < h.size && bytes_left > 0) {
+          size_t n = link.read_some(dst + p.in_got, std::min(h.size - p.in_got, bytes_left));
           if (n == 0) break;
           p.in_got += n;
+          bytes_left -= n;
           moved = true;
         }
       }
