@@ -17,7 +17,9 @@ from multirank import run_ranks
 
 
 def _kind_mismatch_then_go_on(comm, form, attached):
-    """Rank 0 all_reduce (shared memory) against rank 1 all_gather (point-to-point): rank 1
+    """Rank 0 all_reduce (shared memory) against rank 1 all_gather (point-to-point: 64 KiB,
+    past the executor's small all_gather; a small one meets the all_reduce there and raises
+    ValueError at once, test_coll_mismatch.py): rank 1
     times out (LINKWISE_TIMEOUT=3); then two more all_reduces on both ranks. Returns (the
     mismatched call's outcome, the later calls' outcomes: their sums or the error's name)."""
     import linkwise
@@ -35,10 +37,10 @@ def _kind_mismatch_then_go_on(comm, form, attached):
 
     if attached:
         comm.all_reduce(np.ones(4, np.float32))
-    x = np.full(4, 1000.0 + comm.rank, np.float32)
+    x = np.full(16384, 1000.0 + comm.rank, np.float32)
     later = []
     if comm.rank == 0:
-        first = outcome(lambda: comm.all_reduce(x) and "ok")
+        first = outcome(lambda: comm.all_reduce(x) is not None and "ok")
     elif form == "blocking":
         first = outcome(lambda: comm.all_gather(x) is not None and "ok")
     elif form == "async":

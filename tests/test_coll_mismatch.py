@@ -51,10 +51,19 @@ def _mismatched(comm, case):
             comm.broadcast(np.ones(3_000_004 if odd else 3_000_000, np.uint8), root=0)
         elif case == "async_size":
             comm.all_reduce(np.ones(16 if odd else 8, np.float64), async_op=True).wait()
-        elif case == "all_gather_size":
+        elif case == "all_gather_size":  # small: through the shared-memory executor when on it
             comm.all_gather(np.ones(200 if odd else 100, np.float32))
         elif case == "reduce_scatter_size":
             comm.reduce_scatter(np.ones(comm.size * (20 if odd else 10), np.float32))
+        elif case == "all_gather_size_large":  # past 32 KiB: point-to-point messages
+            comm.all_gather(np.ones(20_000 if odd else 10_000, np.float32))
+        elif case == "reduce_scatter_size_large":
+            comm.reduce_scatter(np.ones(comm.size * (20_000 if odd else 10_000), np.float32))
+        elif case == "exchange_kind":
+            x = np.ones(comm.size * 8, np.float32)
+            comm.all_to_all(x) if odd else comm.all_gather(x)
+        elif case == "reduce_scatter_op":
+            comm.reduce_scatter(np.ones(comm.size * 8, np.float32), op="max" if odd else "sum")
         else:
             raise AssertionError(case)
     except Exception as exc:  # noqa: BLE001 - the test inspects it
@@ -63,7 +72,8 @@ def _mismatched(comm, case):
 
 
 SHM_CASES = ["size_one_shot", "size_two_shot", "one_shot_vs_two_shot", "size_large", "dtype_same_bytes", "op",
-             "kind", "barrier_vs_all_reduce", "async_size"]
+             "kind", "barrier_vs_all_reduce", "async_size", "all_gather_size", "reduce_scatter_size",
+             "exchange_kind", "reduce_scatter_op"]
 
 
 @pytest.mark.parametrize("env", [{}, LANES, CMA], ids=["default", "lanes", "cma"])
@@ -101,7 +111,8 @@ def test_message_names_both_calls():
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-@pytest.mark.parametrize("case", ["all_gather_size", "reduce_scatter_size"])
+@pytest.mark.parametrize("case", ["all_gather_size", "reduce_scatter_size", "all_gather_size_large",
+                                  "reduce_scatter_size_large"])
 def test_point_to_point_collectives_raise_on_every_rank(case, transport):
     out = run_ranks(3, _mismatched, case, env={"LINKWISE_TIMEOUT": "20", "LINKWISE_TRANSPORT": transport},
                     timeout=60)
@@ -189,7 +200,8 @@ def _reduce_case(comm, case, odd):
     if case == "reduce_op":
         comm.reduce(np.ones(1000, np.float32), op="max" if odd else "sum")
     elif case == "reduce_scatter_dtype":
-        comm.reduce_scatter(np.ones(1000 * comm.size, np.int32 if odd else np.float32))
+        # 40 KB a rank: past the executor's small reduce_scatter (32 KiB), so point-to-point
+        comm.reduce_scatter(np.ones(10_000 * comm.size, np.int32 if odd else np.float32))
     elif case == "all_reduce_op":  # over TCP: the ring / recursive doubling, not the executor
         comm.all_reduce(np.ones(100_000, np.float32), op="min" if odd else "sum")
 

@@ -135,6 +135,37 @@ def test_rank_killed_mid_collective(transport_env, coll):
     assert out[:2] == [("ok", 2), ("ok", 2)], out[:2]
 
 
+def _one_dead_one_late_body(comm, coll, n):
+    """Rank 2 dies; rank 1 comes to the collective only after 6 s; rank 0 waits in it (a
+    shared-memory round every rank must reach). Rank 0 must raise PeerError naming rank 2 at
+    the next slow check, not wait for rank 1 (before: until rank 1 came, or the timeout)."""
+    import os
+    import signal
+    import time
+    from linkwise.errors import PeerError
+    comm.barrier()
+    if comm.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if comm.rank == 1:
+        time.sleep(6.0)
+    t0 = time.monotonic()
+    x = np.ones(n, np.float32)
+    try:
+        comm.all_to_all(x) if coll == "all_to_all" else comm.all_reduce(x)
+    except PeerError as exc:
+        return exc.peer, time.monotonic() - t0
+    return "no error", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("coll,n", [("all_reduce", 4), ("all_reduce", 100_000), ("all_to_all", 30)],
+                         ids=["one-shot", "two-shot", "exchange"])
+def test_a_dead_peer_fails_a_round_waiting_on_a_late_one(coll, n):
+    out = run_ranks(3, _one_dead_one_late_body, coll, n, expect_fail=True, timeout=60)
+    assert out[2][0] == "died"
+    peer, waited = out[0][1]
+    assert peer == 2 and waited < 3.0, out[0]
+
+
 def _half_sent_body(comm, nbytes):
     """Rank 0 has a large eager message half-written to rank 1 (which does not read for a
     while) when its collective fails on rank 2's death; rank 0 then stays alive."""

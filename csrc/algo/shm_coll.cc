@@ -142,7 +142,16 @@ void ShmColl::publish(std::atomic<uint32_t>& word, uint32_t value) {
   if (slot(rank_)->h().sleepers.v.load(std::memory_order_seq_cst) > 0) futex_wake_all(&word);
 }
 
-void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, const char* what) {
+void ShmColl::peer_died(int peer, const char* what) const {
+  throw Error(ErrorKind::Peer,
+              "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(peer) + " (pid " +
+                  std::to_string(slot(peer)->h().pid) + ") died during a shared-memory " + what +
+                  ". Look at that rank's output for the cause.",
+              peer);
+}
+
+void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, const char* what,
+                      const PeerWords* every) {
   if (reached(word.load(std::memory_order_acquire), target)) return;
   const auto t0 = Clock::now();
   while (seconds_since(t0) * 1e6 < spin_us_) {
@@ -175,12 +184,12 @@ void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, co
                         what + ". Look at rank " + std::to_string(culprit) + "'s output for the cause.",
                     culprit);
       }
-      if (peer_gone(peer) && !reached(word.load(std::memory_order_acquire), target))
-        throw Error(ErrorKind::Peer,
-                    "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(peer) + " (pid " +
-                        std::to_string(slot(peer)->h().pid) + ") died during a shared-memory " + what +
-                        ". Look at that rank's output for the cause.",
-                    peer);
+      if (peer_gone(peer) && !reached(word.load(std::memory_order_acquire), target)) peer_died(peer, what);
+      if (every)
+        for (int q = 0; q < n_; ++q)
+          if (q != rank_ && q != peer && !reached((*every)(q).load(std::memory_order_acquire), target) &&
+              peer_gone(q))
+            peer_died(q, what);
       if (seconds_since(t0) > timeout_)
         throw Error(ErrorKind::Timeout, "rank " + std::to_string(rank_) + ": shared-memory " + what +
                                             " waited more than " + seconds_text(timeout_) + " for rank " +
@@ -234,22 +243,27 @@ uint32_t ShmColl::one_shot_post(const void* in, size_t bytes) {
 
 // Waits for every peer's round r, then combines all inputs in rank order into out.
 void ShmColl::one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedOp op) {
-  for (int q = 0; q < n_; ++q) {
-    if (q == rank_) continue;
-    wait_ge(q, slot(q)->h().b_in.v, r, "all_reduce");
-    check_line(q, slot(q)->h().b_in.stamp[r & 1], true);
-  }
+  one_shot_wait(r, "all_reduce");
   one_shot_combine(r, out, count, t, op);
 }
 
-void ShmColl::one_shot_combine(uint32_t r, void* out, size_t count, DType t, RedOp op) {
+void ShmColl::one_shot_wait(uint32_t r, const char* what) {
+  const PeerWords b_in = [this](int q) -> std::atomic<uint32_t>& { return slot(q)->h().b_in.v; };
+  for (int q = 0; q < n_; ++q) {
+    if (q == rank_) continue;
+    wait_ge(q, slot(q)->h().b_in.v, r, what, &b_in);
+    check_line(q, slot(q)->h().b_in.stamp[r & 1], true);
+  }
+}
+
+void ShmColl::one_shot_combine(uint32_t r, void* out, size_t count, DType t, RedOp op, size_t off) {
   if (one_pass(n_)) {
     const char* ins[kManyMax];
-    for (int q = 0; q < n_; ++q) ins[q] = slot(q)->one(r);
+    for (int q = 0; q < n_; ++q) ins[q] = slot(q)->one(r) + off;
     if (reduce_many_store(out, out, ins, n_, count, t, op, false)) return;
   }
-  reduce3(out, slot(0)->one(r), slot(1)->one(r), count, t, op);
-  for (int q = 2; q < n_; ++q) reduce_into(out, slot(q)->one(r), count, t, op);
+  reduce3(out, slot(0)->one(r) + off, slot(1)->one(r) + off, count, t, op);
+  for (int q = 2; q < n_; ++q) reduce_into(out, slot(q)->one(r) + off, count, t, op);
   if (op == RedOp::Avg) avg_finish(out, count, t, n_);
 }
 
@@ -333,6 +347,8 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
   char* my_res = me->two_res() + lane * area;
   auto& a_in = me->h().a_in[lane].v;
   auto& a_res = me->h().a_res[lane].v;
+  const PeerWords a_in_of = [this, lane](int q) -> std::atomic<uint32_t>& { return slot(q)->h().a_in[lane].v; };
+  const PeerWords a_res_of = [this, lane](int q) -> std::atomic<uint32_t>& { return slot(q)->h().a_res[lane].v; };
   for (size_t base = 0; base < count; base += piece) {
     const size_t cnt = std::min(piece, count - base);
     const uint32_t r = ++two_round_[lane];
@@ -345,7 +361,7 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
     publish(a_in, r);
     for (int q = 0; q < n_; ++q) {
       if (q == rank_) continue;
-      wait_ge(q, slot(q)->h().a_in[lane].v, r, "all_reduce");
+      wait_ge(q, slot(q)->h().a_in[lane].v, r, "all_reduce", &a_in_of);
       check_line(q, slot(q)->h().a_in[lane].stamp, true);
     }
     // My segment, combined in rank order, a sub-block at a time so the copy-out hits cache.
@@ -370,7 +386,7 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
     publish(a_res, r);
     for (int q = 0; q < n_; ++q) {
       if (q == rank_) continue;
-      wait_ge(q, slot(q)->h().a_res[lane].v, r, "all_reduce");
+      wait_ge(q, slot(q)->h().a_res[lane].v, r, "all_reduce", &a_res_of);
       const size_t qo = part_off(cnt, n_, q), ql = part_off(cnt, n_, q + 1) - qo;
       copy_out(dst + (base + qo) * es, slot(q)->two_res() + lane * area + qo * es, ql * es, stream);
     }

@@ -147,6 +147,7 @@ class ShmColl {
   // How many two-shot all-reduces / ring broadcasts ran on more than one lane.
   uint64_t lane_all_reduces() const { return lane_ar_calls_; }
   uint64_t lane_broadcasts() const { return lane_bc_calls_; }
+  int size() const { return n_; }
   int max_lanes() const { return lanes_; }  // agreed by every rank at connect()
   size_t one_shot_max() const { return opt_.one_max; }  // likewise
   void unlink() { seg_.unlink(); }
@@ -180,17 +181,40 @@ class ShmColl {
   static constexpr double kStartSpinUs = 10.0;
 
   struct Slot;
-  enum CallKind { kAllReduce = 0, kBroadcast = 1 };  // in call descriptors (shm_coll_check.cc)
+  // In call descriptors (shm_coll_check.cc); the last three run through exchange().
+  enum CallKind { kAllReduce = 0, kBroadcast = 1, kAllGather = 2, kReduceScatter = 3, kAllToAll = 4 };
+
+  // Small all_gather, reduce_scatter and all_to_all (shm_exchange.cc): in_bytes = x's bytes,
+  // at most kOneMax (the caller checks; larger ones go point-to-point). Each rank reads
+  // in_bytes (n x in_bytes for all_gather), not the one-shot all-reduce's n x, so the whole
+  // area is used whatever one_shot_max() is. One one-shot
+  // round, in the one-shot all-reduce's area and round count: copy x in, b_in = r, wait for
+  // every peer's round r, then read what this rank needs from every rank's copy (all_gather:
+  // all of it, rank order; all_to_all: block `rank` of each; reduce_scatter: block `rank` of
+  // each, combined in rank order). out may be x (in place): x was copied in first. out holds
+  // n * in_bytes (all_gather), in_bytes / n (reduce_scatter) or in_bytes (all_to_all); t and
+  // op matter for reduce_scatter only.
+  void exchange(CallKind kind, const void* in, size_t in_bytes, void* out, DType t, RedOp op, double timeout);
 
  private:
   Slot* slot(int r) const;
-  void wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, const char* what);
+  // The same counter of every peer (a round every rank must reach), for wait_ge.
+  using PeerWords = std::function<std::atomic<uint32_t>&(int q)>;
+  // Waits until peer's word reaches target. Raises PeerError when that peer died or failed
+  // first, TimeoutError after timeout_. With `every` (a round every peer must reach), also
+  // PeerError when another peer died before reaching it: the peer waited for may be alive
+  // but busy elsewhere (say, in a receive from this rank), and the round can never complete.
+  void wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, const char* what,
+               const PeerWords* every = nullptr);
+  [[noreturn]] void peer_died(int peer, const char* what) const;
   void publish(std::atomic<uint32_t>& word, uint32_t value);
   bool peer_gone(int peer);
   void one_shot(const void* in, void* out, size_t count, DType t, RedOp op);
   uint32_t one_shot_post(const void* in, size_t bytes);
   void one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedOp op);
-  void one_shot_combine(uint32_t r, void* out, size_t count, DType t, RedOp op);
+  void one_shot_wait(uint32_t r, const char* what);  // every peer's round r posted (and its stamp checked)
+  // Combines count elements at byte offset off of every rank's round-r input, in rank order.
+  void one_shot_combine(uint32_t r, void* out, size_t count, DType t, RedOp op, size_t off = 0);
   int lanes_for(size_t bytes) const;
   void run_lanes(int lanes, const std::function<void(int)>& lane);
   void two_shot(const void* in, void* out, size_t count, DType t, RedOp op);

@@ -22,8 +22,10 @@ std::string describe(uint64_t d) {
   const int kind = d & 15, dtype = (d >> 4) & 15, op = (d >> 8) & 15, root = (d >> 12) & 4095;
   const std::string bytes = std::to_string(d >> 24) + " bytes";
   if (kind == ShmColl::kBroadcast) return "broadcast of " + bytes + " from root " + std::to_string(root);
+  if (kind == ShmColl::kAllGather) return "all_gather of " + bytes;
+  if (kind == ShmColl::kAllToAll) return "all_to_all of " + bytes;
   const bool known = dtype < static_cast<int>(DType::kCount) && op < static_cast<int>(RedOp::kCount);
-  return "all_reduce of " + bytes +
+  return std::string(kind == ShmColl::kReduceScatter ? "reduce_scatter" : "all_reduce") + " of " + bytes +
          (known ? std::string(" of ") + dtype_str(static_cast<DType>(dtype)) + " (" +
                       redop_str(static_cast<RedOp>(op)) + ")"
                 : std::string());

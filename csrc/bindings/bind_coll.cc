@@ -189,6 +189,27 @@ class CollRequest {
 
 void run_shm(CollJob& j);
 
+// The executor's kind for a small all_gather / reduce_scatter / all_to_all, after checking
+// that out has the size that kind needs for in_bytes of x (ValueError, as the general path).
+ShmColl::CallKind exchange_kind(CollKind kind, size_t in_bytes, size_t out_bytes, const ShmColl& shm) {
+  const size_t n = static_cast<size_t>(shm.size());
+  switch (kind) {
+    case CollKind::AllGather:
+      if (out_bytes != in_bytes * n) throw Error(ErrorKind::Invalid, "all_gather: out must have size * len(x) elements");
+      return ShmColl::kAllGather;
+    case CollKind::ReduceScatter:
+      if (out_bytes * n != in_bytes) throw Error(ErrorKind::Invalid, "reduce_scatter: x must have size * len(out) elements");
+      return ShmColl::kReduceScatter;
+    case CollKind::AllToAll:
+      if (out_bytes != in_bytes || in_bytes % n)
+        throw Error(ErrorKind::Invalid, "all_to_all: x and out need the same size, a multiple of the communicator size");
+      return ShmColl::kAllToAll;
+    default:
+      throw Error(ErrorKind::Invalid, "the shared-memory executor runs all_reduce, broadcast, all_gather, "
+                                      "reduce_scatter and all_to_all only");
+  }
+}
+
 class CollWorker {
  public:
   explicit CollWorker(std::shared_ptr<NativeComm> comm) : comm_(std::move(comm)) {}
@@ -254,8 +275,11 @@ void run_shm(CollJob& j) {
   j.shm->guarded([&] {
     if (j.p.kind == CollKind::Broadcast)
       j.shm->shm_.broadcast(j.send ? j.send : j.recv, j.recv, j.recv_bytes, j.p.root, j.p.timeout);
-    else
+    else if (j.p.kind == CollKind::AllReduce)
       j.shm->shm_.all_reduce(j.send, j.recv, j.send_bytes / dtype_size(j.p.dtype), j.p.dtype, j.p.op, j.p.timeout);
+    else
+      j.shm->shm_.exchange(exchange_kind(j.p.kind, j.send_bytes, j.recv_bytes, j.shm->shm_), j.send, j.send_bytes,
+                           j.recv, j.p.dtype, j.p.op, j.p.timeout);
   });
 }
 
@@ -355,7 +379,24 @@ void bind_coll(nb::module_& m) {
              nb::gil_scoped_release nogil;
              s.guarded([&] { s.shm_.broadcast(from, hb.ptr(), hb.bytes(), root, timeout); });
            },
-           nb::arg("buf"), nb::arg("root"), nb::arg("timeout"), nb::arg("src").none() = nb::none());
+           nb::arg("buf"), nb::arg("root"), nb::arg("timeout"), nb::arg("src").none() = nb::none())
+      .def("exchange",
+           [](PyShmColl& s, int kind, nb::handle x, nb::handle out, int code, double timeout) {
+             // kind: a CollKind code (all_gather, reduce_scatter, all_to_all); code = dtype * 8
+             // + op (reduce_scatter; validated by the caller for x's dtype). out may be x.
+             HeldBuffer hx, ho;
+             const void* send = nullptr;
+             size_t sb = 0, rb = 0;
+             void* recv = nullptr;
+             hold(x, out, hx, ho, send, sb, recv, rb);
+             const ShmColl::CallKind k = exchange_kind(static_cast<CollKind>(kind), sb, rb, s.shm_);
+             nb::gil_scoped_release nogil;
+             s.guarded([&] {
+               s.shm_.exchange(k, send, sb, recv, static_cast<DType>(code >> 3), static_cast<RedOp>(code & 7), timeout);
+             });
+           },
+           nb::arg("kind"), nb::arg("x"), nb::arg("out"), nb::arg("code"), nb::arg("timeout"),
+           "A small all_gather, reduce_scatter or all_to_all (x of at most 32 KiB, ShmColl::kOneMax).");
 
   m.def("coll",
         [](NativeComm& c, int kind, nb::handle x, nb::handle out, int dtype, int op, int root, uint64_t seq, int algo,

@@ -22,7 +22,7 @@ NEVER = (1 << 63) - 1
 # about 2x slower than with 2 or 3, and 8 ranks with 8 each 2-3x slower than with 4.
 DEFAULT_MAX_THREADS = 8
 THREAD_SHARE = 0.75
-_ONE_SHOT_CAP = 32 << 10    # the executor's one-shot area (ShmColl::kOneMax)
+ONE_SHOT_CAP = 32 << 10    # the executor's one-shot area (ShmColl::kOneMax)
 _ONE_SHOT_READS = 16 << 10  # one-shot while ranks x bytes stay within this (see cma_settings)
 
 
@@ -55,7 +55,7 @@ def cma_settings(cpus_per_rank: float, size: int) -> tuple:
     ar_min = config.get("LINKWISE_COLL_CMA_MIN") or (8 << 20 if threads > 1 else NEVER)
     bc_min = config.get("LINKWISE_COLL_CMA_BCAST_MIN") or (8 << 20 if size <= 4 else NEVER)
     one_max = config.get("LINKWISE_COLL_ONE_SHOT_MAX") or (
-        _ONE_SHOT_CAP if size <= 2 or cpus_per_rank < 1 else max(64, _ONE_SHOT_READS // size))
+        ONE_SHOT_CAP if size <= 2 or cpus_per_rank < 1 else max(64, _ONE_SHOT_READS // size))
     return (config.get("LINKWISE_SHM_CMA"), ar_min, bc_min, config.get("LINKWISE_COLL_CMA_CHUNK"),
             config.get("LINKWISE_COLL_CMA_PIECE"), config.get("LINKWISE_COLL_LANE_MIN"), threads, one_max)
 
@@ -79,20 +79,32 @@ def refuse(comm, why: str) -> None:
             pass
 
 
+def _raise_if_aborted(comm) -> None:
+    """CommAbortedError when an abort notice has reached this rank (read now)."""
+    from .errors import CommAbortedError
+    comm._native.poll()
+    why = comm._native.abort_reason
+    if why:
+        raise CommAbortedError(why) from None
+
+
 def _state_of(comm, key: str) -> bytes:
     """A rank's state for attach, waited for in short slices: between them the engine reads
     abort notices, since a peer whose collective failed may not come here at all (it may
-    call something else, or sleep) while its notice is already on the way."""
-    from .errors import CommAbortedError, TimeoutError
+    call something else, or sleep) while its notice is already on the way. Rank 0 hosts the
+    store: when it stopped the collectives and then exited, the store is gone, and the abort
+    notice it sent first is what this rank reports (not the closed store)."""
+    from .errors import TimeoutError
+    from .store import StoreClosedError
     deadline = time.monotonic() + comm.timeout
     while True:
         try:
             return comm._store.get(key, max(0.0, min(0.1, deadline - time.monotonic())))
+        except StoreClosedError:
+            _raise_if_aborted(comm)
+            raise
         except TimeoutError:
-            comm._native.poll()
-            why = comm._native.abort_reason
-            if why:
-                raise CommAbortedError(why) from None
+            _raise_if_aborted(comm)
             if time.monotonic() >= deadline:
                 raise
 
@@ -112,7 +124,12 @@ def attach(comm):
     spin = _default_spin_us(comm._cpus_per_rank)
     # Every rank says whether it attaches at all (refuse): a rank whose communicator was
     # aborted by a failed collective would otherwise leave the others at the barrier.
-    comm._store.set(_state_key(comm, comm.rank), b"ok")
+    from .store import StoreClosedError
+    try:
+        comm._store.set(_state_key(comm, comm.rank), b"ok")
+    except StoreClosedError:  # rank 0 stopped the collectives and exited (see _state_of)
+        _raise_if_aborted(comm)
+        raise
     for r in range(comm.size):
         state = _state_of(comm, _state_key(comm, r))
         if state != b"ok":

@@ -34,6 +34,8 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _gpu_coll, _shm_exec, config
+from ._coll_fast import ALL_GATHER as _ALL_GATHER, ALL_TO_ALL as _ALL_TO_ALL, REDUCE_SCATTER as _REDUCE_SCATTER
+from ._coll_fast import exchange_fast
 from .plan.schedule import LARGE_PAIR_BCAST, default_schedule
 from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from here
     _ENV, _FAST_CODES, _FAST_CODES_BY_OP, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, CollectiveRequest, _as_array,
@@ -80,6 +82,10 @@ def _skips_on_argument_error(method):
             self._skip_call()
             raise
     return guarded
+
+
+# Collectives that run through the shared-memory executor's one-shot area when small.
+_EXCHANGES = ("all_gather", "reduce_scatter", "all_to_all")
 
 
 class CollectivesMixin:
@@ -147,10 +153,12 @@ class CollectivesMixin:
             if inline:
                 if kind == "all_reduce":
                     shm.all_reduce(xr, outr, DTYPES[dtype] * 8 + OPS[op], self.timeout)
-                else:  # out of place, the root copies x into out natively (with the transfer)
+                elif kind == "broadcast":  # out of place, the root copies x into out natively
                     shm.broadcast(outr, root, self.timeout, xr)
+                else:
+                    shm.exchange(KINDS[kind], xr, outr, DTYPES.get(dtype, _U8) * 8 + OPS.get(op, 0), self.timeout)
                 return result
-            args = (KINDS[kind], xr, outr, DTYPES.get(dtype, _U8) if kind == "all_reduce" else _U8,
+            args = (KINDS[kind], xr, outr, DTYPES.get(dtype, _U8) if kind in _REDUCING else _U8,
                     OPS.get(op, 0), root, 0, 0, 1, [], -1, [], self.timeout, shm)
         else:
             algo, chunk, order, parent, children = self._schedule(kind, root, nbytes)
@@ -207,9 +215,16 @@ class CollectivesMixin:
 
         Used for all_reduce and broadcast when every peer is on this host (shared-memory links)
         and LINKWISE_ALGO does not force a point-to-point algorithm ("direct" = one-shot
-        through shared memory for all_reduce). The same on every rank, so all ranks reach the
-        first such call together and attach the segment there (a collective step)."""
-        if kind not in ("all_reduce", "broadcast") or self.size == 1:
+        through shared memory for all_reduce), and for all_gather, reduce_scatter and
+        all_to_all whose x has at most 32 KiB (one round through the segment; nbytes is x's
+        bytes). The same on every rank, so all ranks reach the first such call together and
+        attach the segment there (a collective step)."""
+        if self.size == 1:
+            return None
+        if kind in _EXCHANGES:
+            if nbytes > _shm_exec.ONE_SHOT_CAP:
+                return None
+        elif kind not in ("all_reduce", "broadcast"):
             return None
         if kind == "broadcast" and self.size == 2 and nbytes >= LARGE_PAIR_BCAST and self._pair_bcast_p2p:
             return None  # without CMA in the executor: one single-copy message beats two copies
@@ -404,21 +419,37 @@ class CollectivesMixin:
         return self._run("reduce", x, out if self.rank == root else None, dt, op, root, x.size, x.nbytes,
                          async_op, result)
 
-    @_skips_on_argument_error
     def all_gather(self, x: Any, out: Any = None, async_op: bool = False, stream: Any = None):
         """Concatenate every rank's x (rank order) into out (size * len(x) elements).
         CUDA arrays: on the GPU, on `stream`."""
+        fast = self._fast_shm
+        if fast is not None and not async_op and type(x) is _ndarray:
+            r = exchange_fast(self, fast, _ALL_GATHER, x, out)
+            if r is not None:
+                return r
+        return self._all_gather(x, out, async_op, stream)
+
+    @_skips_on_argument_error
+    def _all_gather(self, x: Any, out: Any, async_op: bool, stream: Any):
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
             return _gpu_dispatch(self, "all_gather", x, out=out, async_op=async_op, stream=stream)
         x = _as_array(x, "all_gather")
         result, out = self._gathered_out(x, out, "all_gather")
         return self._run("all_gather", x, out, _dtype_label(x.dtype), "", 0, x.size, x.nbytes, async_op, result)
 
-    @_skips_on_argument_error
     def reduce_scatter(self, x: Any, op: str = "sum", out: Any = None, async_op: bool = False,
                        dtype: Optional[str] = None, stream: Any = None):
         """Combine x across ranks; rank r gets block r (x has size * len(out) elements).
         CUDA arrays: on the GPU, on `stream`."""
+        fast = self._fast_shm
+        if fast is not None and not async_op and dtype is None and type(x) is _ndarray:
+            r = exchange_fast(self, fast, _REDUCE_SCATTER, x, out, op)
+            if r is not None:
+                return r
+        return self._reduce_scatter(x, op, out, async_op, dtype, stream)
+
+    @_skips_on_argument_error
+    def _reduce_scatter(self, x: Any, op: str, out: Any, async_op: bool, dtype: Optional[str], stream: Any):
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
             return _gpu_dispatch(self, "reduce_scatter", x, out=out, red=op, async_op=async_op,
                                  dtype=dtype, stream=stream)
@@ -438,10 +469,18 @@ class CollectivesMixin:
         self._writable(out, "reduce_scatter")
         return self._run("reduce_scatter", x, out, dt, op, 0, out.size, x.nbytes, async_op, result)
 
-    @_skips_on_argument_error
     def all_to_all(self, x: Any, out: Any = None, async_op: bool = False, stream: Any = None):
         """Rank r's block j (x split into size equal blocks) goes to rank j's block r.
         CUDA arrays: on the GPU, on `stream`."""
+        fast = self._fast_shm
+        if fast is not None and not async_op and type(x) is _ndarray:
+            r = exchange_fast(self, fast, _ALL_TO_ALL, x, out)
+            if r is not None:
+                return r
+        return self._all_to_all(x, out, async_op, stream)
+
+    @_skips_on_argument_error
+    def _all_to_all(self, x: Any, out: Any, async_op: bool, stream: Any):
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
             return _gpu_dispatch(self, "all_to_all", x, out=out, async_op=async_op, stream=stream)
         result = x if out is None else out

@@ -1,0 +1,57 @@
+"""The latency paths of small all_gather, reduce_scatter and all_to_all: straight to the
+shared-memory executor's one-shot exchange (ShmColl::exchange) for plain NumPy arrays of at
+most 32 KiB, blocking, with no LINKWISE_ALGO or LINKWISE_CHECK set. The general path
+(CollectivesMixin, then _run) costs ~6 us of Python a call on the 2-core VM against ~1.8 us
+for the exchange itself; here a handful of tests decide.
+
+exchange_fast() returns None where it declines (anything else goes the general path, which
+reaches the same exchange after its checks, or the point-to-point algorithms). The decision
+depends only on what every rank shares for a correct program (x's size and dtype, the
+environment), so all ranks take the same route. Buffer checks not made here (contiguity,
+writability) happen natively; a refusal there numbers the call as skipped, as the general
+path's refusals do (collectives._skips_on_argument_error)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ._coll_args import _ENV, _FAST_CODES_BY_OP, KINDS
+from ._shm_exec import ONE_SHOT_CAP
+
+_ndarray = np.ndarray
+ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = KINDS["all_gather"], KINDS["reduce_scatter"], KINDS["all_to_all"]
+_MOVED = "biufc"  # dtype kinds moved as they are (bfloat16 and records take the general path)
+
+
+def exchange_fast(comm, fast, kind: int, x: np.ndarray, out, op: str = ""):
+    """Run kind on x (an ndarray) through `fast`, or return None to decline."""
+    if (x.nbytes > ONE_SHOT_CAP or x.dtype.kind not in _MOVED or b"LINKWISE_ALGO" in _ENV
+            or b"LINKWISE_CHECK" in _ENV):
+        return None
+    n = comm.size
+    code = 0
+    if kind == ALL_GATHER:
+        if out is None:
+            out = np.empty((n * (x.shape[0] if x.ndim else 1),) + x.shape[1:], dtype=x.dtype)
+        elif type(out) is not _ndarray or out.dtype != x.dtype or out.size != n * x.size:
+            return None
+    else:
+        if x.size % n:
+            return None
+        if kind == REDUCE_SCATTER:
+            code = _FAST_CODES_BY_OP.get(op, {}).get(x.dtype, -1)
+            if code < 0:
+                return None
+            if out is None:
+                out = np.empty(x.size // n, dtype=x.dtype)
+            elif type(out) is not _ndarray or out.dtype != x.dtype or out.size * n != x.size:
+                return None
+        elif out is None:
+            out = x
+        elif type(out) is not _ndarray or out.dtype != x.dtype or out.size != x.size:
+            return None
+    try:
+        fast.exchange(kind, x, out, code, comm.timeout)
+    except (ValueError, TypeError):
+        comm._skip_call()
+        raise
+    return out
