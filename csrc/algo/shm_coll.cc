@@ -171,6 +171,14 @@ void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, co
     if (seconds_since(last_check) >= 0.1) {
       last_check = Clock::now();
       check_calls();  // a peer in this call with other arguments: it may never publish `word`
+      // Stopped from another thread of this rank (close(), or another collective of the
+      // communicator failed: the engine's failure hook): this call can no longer complete.
+      if (slot(rank_)->h().failed.v.load(std::memory_order_acquire) && !reached(word.load(std::memory_order_acquire), target))
+        throw Error(ErrorKind::Aborted,
+                    "rank " + std::to_string(rank_) + ": this rank's shared-memory collectives were stopped (the "
+                        "communicator was closed, or another of its collectives failed) while it waited in a "
+                        "shared-memory " + what,
+                    -1);
       const uint32_t blame = slot(peer)->h().failed.v.load(std::memory_order_acquire);
       if (blame && !reached(word.load(std::memory_order_acquire), target)) {
         const int culprit = static_cast<int>(blame) - 1;

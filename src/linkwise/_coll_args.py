@@ -58,6 +58,23 @@ def _env_set(name: bytes) -> bool:
     return bool(os.environ.get(name.decode()))
 
 
+_REFUSED = -1  # the kind in a refusal's check row
+
+
+def check_refused(comm) -> None:
+    """LINKWISE_CHECK, a collective this rank refused (ValueError, TypeError) before its check:
+    take part in the check exchange anyway, with a row no call has, so the ranks that did
+    enter the call raise at once instead of waiting for this rank until the timeout. Errors
+    of the exchange itself are left to the caller's next call (it raises the refusal)."""
+    mine = np.array([_REFUSED, 0, 0, -1, 0, 0], dtype=np.int64)
+    everyone = np.empty(comm.size * mine.size, dtype=np.int64)
+    try:
+        _native_module().coll(comm._native, KINDS["all_gather"], mine, everyone, _U8, 0, 0,
+                              comm._next_seq(), 1, 1 << 20, [], -1, [], comm.timeout)
+    except Exception:  # noqa: BLE001 - the refusal is what the caller reports
+        pass
+
+
 def check_agree(comm, kind: str, count: int, dtype: str, op: str, root: int, device: str) -> None:
     """LINKWISE_CHECK: every rank sends its call's descriptor (kind, count, dtype, op, root,
     host or CUDA) to every other through a host all_gather, and every rank raises the same
@@ -89,7 +106,8 @@ def check_agree(comm, kind: str, count: int, dtype: str, op: str, root: int, dev
                 return by_num[d - 100]
         return "(a dtype NumPy does not name)" if d == 99 else f"#{d}"
 
-    desc = "; ".join(f"rank {r}: {names.get(int(k), k)} count={c} dtype={dtype_text(int(d))} op={opn.get(int(o), '-')} "
+    desc = "; ".join(f"rank {r}: refused its arguments (see its error)" if k == _REFUSED else
+                     f"rank {r}: {names.get(int(k), k)} count={c} dtype={dtype_text(int(d))} op={opn.get(int(o), '-')} "
                      f"root={ro} {'CUDA' if dv else 'host'} array"
                      for r, (k, c, d, o, ro, dv) in enumerate(rows.tolist()))
     raise ValueError(f"rank {comm.rank}: {kind}: the ranks disagree ({desc}); call each collective with "
@@ -141,6 +159,9 @@ def _dtype_name(a: np.ndarray, dtype: Optional[str]) -> str:
             raise TypeError(f"dtype={dtype!r} does not match the array's {a.itemsize}-byte elements")
         return dtype
     name = _NAMES.get(a.dtype)
+    if name is None and not a.dtype.isnative:  # '>f4' is named float32, but is not reduced as one
+        raise TypeError(f"the array's byte order is not this machine's ({a.dtype.str}); reductions need "
+                        f"native byte order: x.astype(x.dtype.newbyteorder('='))")
     return name if name is not None else _dtype_label(a.dtype)
 
 

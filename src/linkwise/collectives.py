@@ -39,7 +39,7 @@ from ._coll_fast import exchange_fast
 from .plan.schedule import LARGE_PAIR_BCAST, default_schedule
 from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from here
     _ENV, _FAST_CODES, _FAST_CODES_BY_OP, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, CollectiveRequest, _as_array,
-    _dtype_label, _dtype_name, _env_set, fast_path_bf16, _host_out, _native_module, _raw, check_agree)
+    _dtype_label, _dtype_name, _env_set, fast_path_bf16, _host_out, _native_module, _raw, check_agree, check_refused)
 
 
 _BARRIER_CODE = _FAST_CODES[(np.dtype(np.uint8), "sum")]
@@ -76,9 +76,14 @@ def _skips_on_argument_error(method):
     communicator (every later call raises), so the skip changes nothing there."""
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
+        seq = self._coll_seq
         try:
             return method(self, *args, **kwargs)
         except (ValueError, TypeError):
+            # Refused before LINKWISE_CHECK's exchange (it takes a number): join it anyway.
+            if self._coll_seq == seq and _env_set(b"LINKWISE_CHECK") and config.get("LINKWISE_CHECK") \
+                    and self.__dict__.get("_native") is not None and self.size > 1:
+                check_refused(self)
             self._skip_call()
             raise
     return guarded

@@ -216,17 +216,29 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         The new communicator has its own links and its own collective sequence."""
         from ._setup import host_identity
         self._check_open("split")
-        if color is not None and (not isinstance(color, (int, np.integer)) or color < 0):
-            raise ValueError(f"split: color must be a non-negative int or None, got {color!r}")
-        key = self.rank if key is None else int(key)
+        # Arguments one rank refuses still take part in the exchange (a "refused" card), so
+        # every rank raises and the splits stay numbered alike: a refusal on one rank alone
+        # once paired its next split with the others' earlier one.
+        why = None
+        if color is not None and (isinstance(color, bool) or not isinstance(color, (int, np.integer)) or color < 0):
+            why = f"color must be a non-negative int or None, got {color!r}"
+        elif key is not None and (isinstance(key, bool) or not isinstance(key, (int, np.integer))):
+            why = f"key must be an int or None, got {key!r}"
+        key = self.rank if key is None or why else int(key)
         n = getattr(self, "_split_count", 0)
         self._split_count = n + 1
         tag = f"{self.comm_id}/split{n}"
-        me = json.dumps([None if color is None else int(color), key, host_identity()]).encode()
+        me = json.dumps(["refused", why, None] if why else
+                        [None if color is None else int(color), key, host_identity()]).encode()
         if self.size == 1:
             cards = [json.loads(me)]
         else:
             cards = [json.loads(c) for c in self._store.all_gather(tag, self.rank, self.size, me)]
+        refused = [(r, c[1]) for r, c in enumerate(cards) if c[0] == "refused"]
+        if refused:
+            r, reason = refused[0]
+            where = "this rank" if r == self.rank else f"rank {r}"
+            raise ValueError(f"split: {where} refused its arguments ({reason}); no rank split")
         if color is None:
             return None
         members = sorted((k, r) for r, (c, k, _) in enumerate(cards) if c == color)
@@ -252,6 +264,13 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         if gpu is not None:
             gpu.close()
             self._gpu_comm = None
+        # A pending async collective in the shared-memory executor fails too (and the peers
+        # waiting in it on this rank raise PeerError), as the point-to-point ones do below.
+        # Only then: after a completed call peers may still be reading this rank's pieces
+        # from the segment (a broadcast root returns before its readers), which stays mapped.
+        worker = self.__dict__.get("_coll_worker")
+        if worker is not None and worker.pending:
+            self._stop_shm()
         self._native.abort("the communicator was closed")
         self._native = None
         self._fast_shm = None  # the latency paths end here; later calls take the general path and raise

@@ -1,0 +1,134 @@
+"""Arguments that must be refused, and refusals that must not leave ranks out of step: object
+arrays (their bytes are pointers; a receiver crashed), non-native byte order in reductions
+(reduced as native before: garbage sums), an all_reduce out that partly overlaps x (wrong sums
+over shared memory), a refusal on one rank under LINKWISE_CHECK and in split() (the others
+waited for the timeout, or split paired with another call), and close() with an async
+collective pending in the shared-memory executor (it completed after close)."""
+import time
+
+import numpy as np
+import pytest
+
+from multirank import run_ranks
+
+
+def _object_arrays(comm):
+    out = []
+    for call in (lambda x: comm.broadcast(x, root=0), lambda x: comm.all_gather(x),
+                 lambda x: comm.all_to_all(x), lambda x: comm.send(x, 1 - comm.rank)):
+        try:
+            call(np.array(["a", "b"], dtype=object))
+            out.append("accepted")
+        except TypeError as exc:
+            out.append("objects" in str(exc))
+    x = np.ones(4, np.float32)
+    comm.all_reduce(x)  # still in step
+    return out, float(x[0])
+
+
+def test_object_arrays_are_refused(transport_env):
+    out = run_ranks(2, _object_arrays, env=transport_env)
+    assert out == [([True] * 4, 2.0)] * 2, out
+
+
+def _big_endian(comm):
+    x = np.array([1.5, 200.0, 3.0], dtype=">f4")
+    try:
+        comm.all_reduce(x)
+        first = "accepted"
+    except TypeError as exc:
+        first = "byte order" in str(exc)
+    y = np.array([1, 2], dtype=">i4")
+    comm.broadcast(y, root=1)  # bytes moved as they are: fine
+    z = np.ones(3, np.float32)
+    comm.all_reduce(z)
+    return first, y.tolist(), float(z[0])
+
+
+def test_non_native_byte_order_is_refused_in_reductions():
+    assert run_ranks(3, _big_endian) == [(True, [1, 2], 3.0)] * 3
+
+
+def _partial_overlap(comm, n):
+    buf = np.ones(n + 1, np.float32)
+    try:
+        comm.all_reduce(buf[:n], out=buf[1:])
+        return "accepted"
+    except ValueError as exc:
+        assert "overlaps" in str(exc), exc
+    x = np.ones(n, np.float32)
+    comm.all_reduce(x, out=x[:])  # the same memory through another view: in place, fine
+    return float(x.sum()) == comm.size * n
+
+
+@pytest.mark.parametrize("n", [5, 30_000, 300_000])
+def test_all_reduce_out_partly_overlapping_x_is_refused(n):
+    assert run_ranks(3, _partial_overlap, n) == [True] * 3
+
+
+def _one_rank_refuses_under_check(comm):
+    import linkwise
+    x = np.ones(2, np.int32)
+    t0 = time.monotonic()
+    try:
+        comm.gather(x, root=0, out=np.empty(2 * comm.size - 1, np.int32) if comm.rank == 0 else None)
+        first = "ok"
+    except ValueError as exc:
+        first = "refused" if comm.rank == 0 else ("disagree" in str(exc))
+    except linkwise.TimeoutError:
+        first = "timeout"
+    seconds = time.monotonic() - t0
+    y = np.ones(3, np.float32)
+    comm.all_reduce(y)
+    return first, seconds < 5, float(y[0])
+
+
+def test_a_refusal_on_one_rank_raises_everywhere_under_check():
+    out = run_ranks(3, _one_rank_refuses_under_check, env={"LINKWISE_CHECK": "1", "LINKWISE_TIMEOUT": "20"},
+                    timeout=60)
+    assert out == [("refused", True, 3.0), (True, True, 3.0), (True, True, 3.0)], out
+
+
+def _split_refused_on_one_rank(comm, bad):
+    t0 = time.monotonic()
+    try:
+        comm.split(bad if comm.rank == 0 else 0)
+        first = "ok"
+    except ValueError as exc:
+        first = "refused" in str(exc)
+    sub = comm.split(0, key=comm.size - comm.rank)  # the next split pairs with the next one
+    return first, time.monotonic() - t0 < 5, sub.rank, sub.size
+
+
+@pytest.mark.parametrize("bad", [-1, "red", True])
+def test_split_refused_on_one_rank_raises_everywhere(bad):
+    out = run_ranks(3, _split_refused_on_one_rank, bad, env={"LINKWISE_TIMEOUT": "20"}, timeout=60)
+    assert out == [(True, True, 2, 3), (True, True, 1, 3), (True, True, 0, 3)], out
+
+
+def _close_with_pending(comm):
+    import linkwise
+    sub = comm.split(0)
+    sub.all_reduce(np.ones(2, np.float32))  # the executor is attached
+    if comm.rank == 0:
+        req = sub.all_reduce(np.ones(2, np.float32), async_op=True)
+        sub.close()
+        try:
+            req.wait(timeout=10)
+            result = "completed"
+        except linkwise.CommAbortedError:
+            result = "aborted"
+    else:
+        time.sleep(1.0)
+        try:
+            sub.all_reduce(np.ones(2, np.float32))
+            result = "completed"
+        except (linkwise.CommAbortedError, linkwise.PeerError):
+            result = "aborted"
+        sub.close()
+    comm.barrier()
+    return result
+
+
+def test_close_fails_an_async_collective_pending_in_shared_memory():
+    assert run_ranks(3, _close_with_pending, timeout=60) == ["aborted"] * 3
