@@ -296,3 +296,21 @@ def _mixed_forms_body(comm):
 
 def test_mixed_blocking_and_async(shm_clean):
     assert run_ranks(3, _mixed_forms_body, timeout=60) == [True] * 3
+
+
+def _many_pending_async(comm):
+    """600 pending async all_reduces under a limit of 256 open files: each used to hold an
+    eventfd from submission (made now only when awaited), so the 256th failed with EMFILE."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+    try:
+        xs = [np.full(2, comm.rank + 1.0, np.float32) for _ in range(600)]
+        reqs = [comm.all_reduce(x, async_op=True) for x in xs]
+        return all(float(r.wait()[0]) == 3.0 for r in reqs)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_many_pending_async_collectives_need_no_file_each():
+    assert run_ranks(2, _many_pending_async, timeout=120) == [True, True]

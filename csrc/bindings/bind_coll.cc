@@ -86,19 +86,36 @@ struct CollJob {
   std::condition_variable cv;
   std::atomic<bool> done{false};
   std::exception_ptr err;
+  // An eventfd made on the first fileno() (asyncio waits on it), not per job: thousands of
+  // pending async calls waited for with wait() once ran out of file descriptors. Guarded by mu.
   int efd = -1;
   ~CollJob() {
     if (efd >= 0) ::close(efd);
   }
   void finish(std::exception_ptr e) {
+    int fd;
     {
       std::lock_guard<std::mutex> g(mu);
       err = e;
       done.store(true, std::memory_order_release);
+      fd = efd;
     }
     cv.notify_all();
+    signal(fd);  // the job outlives this call (the worker holds it), so fd is still open
+  }
+  // The eventfd, made now if need be (under mu); readable once the job is done.
+  int event_fd() {
+    std::lock_guard<std::mutex> g(mu);
+    if (efd < 0) {
+      efd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+      if (efd < 0) fail_errno("eventfd for an async collective");
+      if (done.load(std::memory_order_relaxed)) signal(efd);
+    }
+    return efd;
+  }
+  static void signal(int fd) {
     uint64_t one = 1;
-    if (efd >= 0) (void)!::write(efd, &one, sizeof one);
+    if (fd >= 0) (void)!::write(fd, &one, sizeof one);
   }
 };
 
@@ -170,10 +187,7 @@ class CollRequest {
     finish();
     return true;
   }
-  int fileno() {
-    std::lock_guard<std::mutex> g(job_->mu);
-    return job_->efd;
-  }
+  int fileno() { return job_->event_fd(); }
   bool done() const { return job_->done.load(std::memory_order_acquire); }
 
  private:
@@ -450,8 +464,6 @@ void bind_coll(nb::module_& m) {
              hold(x, out, job->x, job->out, job->send, job->send_bytes, job->recv, job->recv_bytes);
              if (shm && job->send && job->recv && job->p.kind == CollKind::AllReduce)
                refuse_partial_overlap(job->x, job->out, "all_reduce");
-             job->efd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-             if (job->efd < 0) fail_errno("eventfd for an async collective");
              auto req = std::make_unique<CollRequest>(w.comm(), job, x, out);
              w.submit(job);
              return req;
