@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
@@ -229,6 +230,52 @@ def test_get_blocks_until_set(server):
         t.join(5)
     assert got == [b"x"] * 6
     assert time.monotonic() - t0 < 1.0  # woken by the set, not by their 5 s timeout
+
+
+def test_one_client_serves_threads_at_once(server):
+    """A get blocked in one thread must not hold up another thread's calls on the same client
+    (two communicators' setups in two threads once waited for each other until the timeout)."""
+    c = client(server)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(c.get("later", timeout=5)))
+    waiter.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    c.set("now", b"1")  # through the same client while its other call blocks
+    assert c.get("now", timeout=1) == b"1"
+    assert time.monotonic() - t0 < 1.0
+    c.set("later", b"2")
+    waiter.join(5)
+    assert got == [b"2"]
+    c.close()
+    with pytest.raises(BootstrapError):
+        c.get("now", timeout=1)
+
+
+def _two_threads_two_comms(comm, mode):
+    sub = comm.split(0)
+    results = {}
+
+    def work(c, name):
+        if mode == "split":
+            results[name] = c.split(0).size
+        else:
+            x = np.ones(4, np.float32)
+            c.all_reduce(x)
+            results[name] = float(x[0])
+    threads = [threading.Thread(target=work, args=(c, n)) for c, n in ((comm, "world"), (sub, "sub"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+@pytest.mark.parametrize("mode", ["collective", "split"])
+def test_two_threads_set_up_two_communicators_at_once(mode):
+    from multirank import run_ranks
+    out = run_ranks(3, _two_threads_two_comms, mode, env={"LINKWISE_TIMEOUT": "15"}, timeout=60)
+    assert out == [{"world": 3.0, "sub": 3.0}] * 3, out
 
 
 def test_add_is_atomic(server):

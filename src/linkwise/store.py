@@ -19,8 +19,10 @@ A reply payload is ``status:u8  body``.
 
 Threading: the server runs one daemon thread per client connection; all of them share one
 dict guarded by one Condition, so any number of blocking GETs wait concurrently and a SET wakes
-them. A client ``Store`` object holds one socket and serialises its calls with a lock: threads
-that must block on the store at the same time should each open their own ``Store``.
+them. A client ``Store`` object may be used from any number of threads at once: each call
+takes an idle connection to the server, or opens one more, so a call blocked in one thread
+(say, a communicator's setup waiting for its peers) never holds up another thread's (a split
+communicator's setup: the two once waited for each other until the timeout).
 
 Failure: if the server goes away (rank 0 exited, closed the store, or was killed) every client
 call in progress or later raises :class:`StoreClosedError` (a PeerError and a BootstrapError),
@@ -227,7 +229,7 @@ class Store:
 
     ``timeout`` bounds connecting and is the default for :meth:`get`, :meth:`barrier` and
     :meth:`all_gather`. With ``port=0`` and ``is_server=True`` the OS picks a port, readable
-    as ``store.port``. Calls on one object are serialised (see the module docstring)."""
+    as ``store.port``. Any number of threads may call one object at once (see the module docstring)."""
 
     def __init__(self, host: str, port: int, *, is_server: bool, timeout: float,
                  token: str = "", spare_ports: int = 0):
@@ -235,8 +237,10 @@ class Store:
         # the job id, size and base port); it only matters with spare_ports.
         self.host, self.timeout, self.is_server = host, float(timeout), is_server
         self._server: Optional[_Server] = None
-        self._lock = threading.Lock()
-        self._sock: Optional[socket.socket] = None
+        self._lock = threading.Lock()  # guards the connection pool below
+        self._idle: list[socket.socket] = []  # connections no call is using
+        self._open: set[socket.socket] = set()  # every connection (close() shuts them all)
+        self._closed = False
         self._token = token.encode()
         candidates, self.port = [port], port
         if is_server:
@@ -246,10 +250,13 @@ class Store:
         elif spare_ports > 0 and port > 0:
             candidates = list(range(port, min(port + spare_ports, 65535) + 1))
         try:
-            self._sock, self.port = self._connect(host, candidates)
+            sock, self.port = self._connect(host, candidates)
         except BaseException:
             self.close()
             raise
+        self._conn_host = host  # where more connections go (the port answered HELLO, if asked)
+        self._idle.append(sock)
+        self._open.add(sock)
 
     def _connect(self, host: str, candidates: list[int]) -> tuple[socket.socket, int]:
         """Connect to the first candidate port whose server is this job's store (with one
@@ -301,24 +308,26 @@ class Store:
                  what: str) -> bytes:
         """Send one request and return the reply body; ``wait`` bounds the reply (None: none)."""
         k = key.encode()
+        sock = self._take(what, key)
+        try:
+            sock.settimeout(wait)
+            _send_frame(sock, _KEY.pack(op, len(k)) + k + body)
+            reply = _recv_frame(sock)
+        except socket.timeout:
+            self._drop(sock)  # its reply may still come: the stream is out of step
+            raise TimeoutError(f"store {what} {key!r}: no reply from {self.host}:{self.port} "
+                               f"within {wait:g} s") from None
+        except OSError as exc:
+            self._drop(sock)
+            raise self._gone(what, key, exc) from None
+        if reply is None:
+            self._drop(sock)
+            raise self._gone(what, key, None)
         with self._lock:
-            sock = self._sock
-            if sock is None:
-                raise BootstrapError(f"store {what} {key!r}: the store was closed")
-            try:
-                sock.settimeout(wait)
-                _send_frame(sock, _KEY.pack(op, len(k)) + k + body)
-                reply = _recv_frame(sock)
-            except socket.timeout:
-                self._drop()
-                raise TimeoutError(f"store {what} {key!r}: no reply from {self.host}:{self.port} "
-                                   f"within {wait:g} s") from None
-            except OSError as exc:
-                self._drop()
-                raise self._gone(what, key, exc) from None
-            if reply is None:
-                self._drop()
-                raise self._gone(what, key, None)
+            if self._closed:
+                self._drop_locked(sock)
+            else:
+                self._idle.append(sock)
         if reply[0] == _FAIL:
             raise BootstrapError(f"store {what} {key!r}: {reply[1:].decode()}")
         if reply[0] == _MISSING:
@@ -334,10 +343,34 @@ class Store:
             f"rank 0 close only after a final barrier",
             peer=0, op=f"store {what}")
 
-    def _drop(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+    def _take(self, what: str, key: str) -> socket.socket:
+        """An idle connection, or a new one (no other call uses it until it is given back)."""
+        with self._lock:
+            if self._closed:
+                raise BootstrapError(f"store {what} {key!r}: the store was closed")
+            if self._idle:
+                return self._idle.pop()
+        try:
+            sock = socket.create_connection((self._conn_host, self.port), timeout=max(1.0, min(self.timeout, 10.0)))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as exc:
+            raise self._gone(what, key, exc) from None
+        with self._lock:
+            self._open.add(sock)
+            if self._closed:  # closed meanwhile
+                self._drop_locked(sock)
+                raise BootstrapError(f"store {what} {key!r}: the store was closed")
+        return sock
+
+    def _drop(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._drop_locked(sock)
+
+    def _drop_locked(self, sock: socket.socket) -> None:
+        self._open.discard(sock)
+        if sock in self._idle:
+            self._idle.remove(sock)
+        sock.close()
 
     def set(self, key: str, value: bytes) -> None:
         """Set ``key`` to ``value`` and wake everyone waiting for it."""
@@ -381,8 +414,10 @@ class Store:
 
     def close(self) -> None:
         """Close the connection and, on rank 0, the server (others then get StoreClosedError)."""
-        sock = self._sock
-        if sock is not None:  # wakes a call blocked in another thread (it raises)
+        with self._lock:
+            self._closed = True
+            busy = list(self._open)
+        for sock in busy:  # wakes calls blocked in other threads (they raise)
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -391,7 +426,8 @@ class Store:
             self._server.close()
             self._server = None
         with self._lock:
-            self._drop()
+            for sock in list(self._idle):
+                self._drop_locked(sock)
 
     def __enter__(self) -> "Store":
         return self
