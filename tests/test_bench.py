@@ -244,9 +244,10 @@ def test_gloo_types_it_lacks_are_na(tmp_path):
     (["--json", "{missing}/x.json"], "--json"), (["--plot", "{missing}/x.png"], "--plot"),
     (["-r", "2"], "-r 2"), (["-N", "3", "-r", "-1"], "-r -1")])
 def test_bad_arguments_are_one_clear_error(argv, flag, tmp_path):
-    """Like -r out of range: one line and status 2 before any rank starts, no sweep."""
+    """Like -r out of range: one line and status 2 before any rank starts, no sweep.
+    (broadcast: -r is checked only for the collectives with a root.)"""
     argv = [a.format(missing=tmp_path / "no" / "dir") for a in argv]
-    r = bench("all_reduce", "-b", "8", "-e", "8", "-n", "2", "-w", "1", "--no-progress",
+    r = bench("broadcast", "-b", "8", "-e", "8", "-n", "2", "-w", "1", "--no-progress",
               "--timeout", "30", *argv)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert r.stdout == ""

@@ -16,10 +16,13 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from . import common
+
 # Tags the harness uses for its own barrier and reductions (far from user tags).
 _TAG_BARRIER = (1 << 61) + 11
 _TAG_REDUCE = (1 << 61) + 12
 _TAG_BCAST = (1 << 61) + 13
+_REDUCIBLE = {common.DTYPES[t] for t in common.REDUCIBLE}
 
 
 class Unsupported(Exception):
@@ -162,6 +165,8 @@ class LinkwiseBackend(Backend):
         fn = getattr(c, coll, None)
         if not callable(fn):
             raise Unsupported(f"comm.{coll} is not available in this build")
+        if coll in common.HAS_REDOP and send.dtype not in _REDUCIBLE:  # short n/a reason
+            raise Unsupported(f"linkwise cannot reduce {send.dtype}")
         src, dst = inplace_views(coll, send, recv, self.rank, self.size) if inplace else (send, recv)
         kw: dict = {}
         if coll in ("all_reduce", "reduce", "reduce_scatter"):

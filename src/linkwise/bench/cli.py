@@ -28,18 +28,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-b", "--minbytes", default=None, help="smallest size (default 1 for p2p, 8)")
     p.add_argument("-e", "--maxbytes", default="64M", help="largest size (default 64M)")
     p.add_argument("-f", "--stepfactor", type=float, default=2.0,
-                   help="multiply the size by this (default 2); 1: add -i instead")
-    p.add_argument("-i", "--stepbytes", default="1M", help="size step when -f is 1")
+                   help="multiply the size by this (default 2); 1: add -i instead; below 1: "
+                        "an error")
+    p.add_argument("-i", "--stepbytes", default="1M",
+                   help="size step when -f is 1 (at least 1 byte when -e > -b)")
     p.add_argument("-n", "--iters", type=int, default=None,
                    help="timed iterations (default 20; p2p 10000, fewer for large sizes)")
     p.add_argument("-w", "--warmup_iters", type=int, default=None,
-                   help="warm-up iterations (default 5; p2p 200)")
+                   help="untimed warm-up iterations (default 5; p2p 200). Collectives: the "
+                        "first call, which finds out whether the system has that form and sets "
+                        "up its connections, counts as one, so -w 0 still makes that one call; "
+                        "p2p warms up with at least 2 round trips (1 window for bw, bibw)")
     p.add_argument("-c", "--check", type=int, default=1, choices=(0, 1),
                    help="check every result and count wrong elements (default 1)")
     p.add_argument("-d", "--datatype", default="float",
-                   help=f"{', '.join(common.DTYPES)} or all (default float)")
-    p.add_argument("-o", "--op", default="sum", help=f"{', '.join(common.OPS)} or all (default sum)")
-    p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast and reduce")
+                   help=f"{', '.join(common.DTYPES)} or all (default float). linkwise cannot "
+                        "reduce uint32, uint64: all_reduce, reduce, reduce_scatter show their "
+                        "rows n/a, and with no other type refuse to start")
+    p.add_argument("-o", "--op", default="sum",
+                   help=f"{', '.join(common.OPS + common.BITWISE_OPS)}, or all = nccl-tests' "
+                        f"{','.join(common.OPS)} (default sum). The bitwise ops take "
+                        f"{', '.join(common.BITWISE_TYPES)}: with -d all their floating-point "
+                        "rows show n/a; with floating-point types only it is an error")
+    p.add_argument("-r", "--root", type=int, default=0,
+                   help="root of broadcast and reduce (a rank of the job); the other "
+                        "collectives ignore it, as nccl-tests does")
     p.add_argument("-N", "--nranks", type=int, default=2,
                    help="ranks to start when not under a launcher (default 2)")
     p.add_argument("--tests", default="latency,bw,bibw", help="p2p: which of latency,bw,bibw")
@@ -57,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=1,
                    help="repeat the whole sweep (every system, alternating); report medians")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    p.add_argument("--plot", metavar="FILE.png", help="plot busbw and time against size")
+    p.add_argument("--plot", metavar="FILE.png", help="plot busbw and time against size "
+                   "(needs matplotlib; the extension picks the format: .png, .pdf, .svg, ...)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--mpirun-args", default="", help="extra mpirun arguments for --compare mpi")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for each launch")
@@ -67,19 +81,22 @@ def _normalise(args) -> list[str]:
     """Fill test-dependent defaults; returns the compared systems (validated)."""
     if args.minbytes is None:
         args.minbytes = "1" if args.test == "p2p" else "8"
-    common.sweep(common.parse_size(args.minbytes), common.parse_size(args.maxbytes))  # -e < -b
+    lo, hi = common.parse_size(args.minbytes, "-b"), common.parse_size(args.maxbytes, "-e")
+    step = common.parse_size(args.stepbytes, "-i")
+    common.sweep(lo, hi)  # -e < -b
+    f = args.stepfactor
+    if not (1 <= f < float("inf")):  # also NaN
+        raise ValueError(f"-f {f:g}: the size factor must be at least 1 (1: step by -i bytes)")
+    if f <= 1 and step < 1 and hi > lo:
+        raise ValueError(f"-i {args.stepbytes}: with -f 1 sizes grow by -i bytes; need at least 1")
     if args.nranks < 1:
         raise ValueError(f"-N {args.nranks}: need at least 1 rank")
     if args.iters is not None and args.iters < 1:
         raise ValueError(f"-n {args.iters}: need at least 1 timed iteration")
     if args.warmup_iters is not None and args.warmup_iters < 0:
         raise ValueError(f"-w {args.warmup_iters}: must be >= 0")
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        where = os.path.dirname(os.path.abspath(path)) if path else None
-        if where and not (os.path.isdir(where) and os.access(where, os.W_OK | os.X_OK)):
-            raise ValueError(f"{flag} {path}: {where} is not a writable directory")
-    common.resolve_dtypes(args.datatype)
-    common.resolve_ops(args.op)
+    _check_outputs(args)
+    common.check_plan(args.test, common.resolve_dtypes(args.datatype), common.resolve_ops(args.op))
     others = [s.strip() for s in args.compare.split(",") if s.strip()]
     for s in others:
         if s not in compare.SYSTEMS:
@@ -101,11 +118,40 @@ def _normalise(args) -> list[str]:
     return others
 
 
+def _check_outputs(args) -> None:
+    """--json and --plot, before any rank starts, so that a sweep is never run only to fail
+    writing: a file in a writable directory (not a directory), and for --plot an importable
+    matplotlib that writes that extension. Writing can still fail later (disk full, pgf
+    without LaTeX): then _write_outputs says so in one line and the status is non-zero."""
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if not path:
+            continue
+        where = os.path.dirname(os.path.abspath(path))
+        if not (os.path.isdir(where) and os.access(where, os.W_OK | os.X_OK)):
+            raise ValueError(f"{flag} {path}: {where} is not a writable directory")
+        if os.path.isdir(path):
+            raise ValueError(f"{flag} {path}: is a directory; give a file name in it")
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            raise ValueError(f"{flag} {path}: the file is not writable")
+    if args.plot:
+        try:
+            from matplotlib.backend_bases import FigureCanvasBase
+        except ImportError:
+            raise ValueError(f"--plot {args.plot}: needs matplotlib (pip install matplotlib)") from None
+        kinds = sorted(FigureCanvasBase.get_supported_filetypes())
+        ext = os.path.splitext(args.plot)[1][1:].lower()
+        if ext not in kinds:
+            raise ValueError(f"--plot {args.plot}: matplotlib cannot write "
+                             f"{'.' + ext + ' files' if ext else 'a file without an extension'}; "
+                             f"use one of {', '.join('.' + k for k in kinds)}")
+
+
 def _check_ranks(args, nranks: int) -> None:
-    """Checks that need the job's size: -N, or the launcher's when started under one."""
+    """Checks that need the job's size: -N, or the launcher's when started under one. -r only
+    for the collectives with a root (nccl-tests ignores it for the others)."""
     if args.test == "p2p" and nranks < 2:
         raise ValueError("p2p needs -N 2 or more")
-    if not 0 <= args.root < nranks:
+    if args.test in common.HAS_ROOT and not 0 <= args.root < nranks:
         raise ValueError(f"-r {args.root} is not a rank of {nranks}")
 
 
@@ -126,22 +172,14 @@ def _finish(doc: dict, args) -> int:
         gdoc = dict(doc, systems={k[:-len(GRAPH_SUFFIX)]: v for k, v in graph.items()})
         print("# --- the same sweep captured in CUDA graphs ---")
         rc2 = _finish(gdoc, _without_outputs(args))
-        if args.json:
-            report.write_json(doc, args.json)
-        return max(rc, rc2)
+        return max(rc, rc2, _write_outputs(doc, args, plot=False))
     coll = doc["test"]
     for name, s in doc["systems"].items():
         if s.get("status") == "ok":
             s["rows"] = report.median_rows(s.get("runs", []), coll, doc["nranks"])
     report.print_doc(doc, sys.stdout)
     sys.stdout.flush()
-    if args.json:
-        report.write_json(doc, args.json)
-    if args.plot:
-        try:
-            report.plot(doc, args.plot)
-        except ImportError as exc:
-            print(f"linkwise bench: --plot needs matplotlib ({exc})", file=sys.stderr)
+    written = _write_outputs(doc, args)
     measured = [s for s in doc["systems"].values() if s.get("status") == "ok"]
     lw = doc["systems"].get("linkwise", {})
     if lw.get("status") == "not available" and not measured:
@@ -149,7 +187,28 @@ def _finish(doc: dict, args) -> int:
         return 2
     wrong = sum((c.get("wrong") or 0) for s in measured for r in s.get("rows", [])
                 for c in (r.get("oop", {}), r.get("ip", {})) if isinstance(c, dict))
-    return 1 if wrong else 0
+    return max(written, 1 if wrong else 0)
+
+
+def _write_outputs(doc: dict, args, plot: bool = True) -> int:
+    """Write --json and --plot; 0, or 1 after one line on stderr per output that failed."""
+    rc = 0
+    if args.json:
+        try:
+            report.write_json(doc, args.json)
+        except OSError as exc:
+            print(f"linkwise bench: --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
+            rc = 1
+    if args.plot and plot:
+        try:
+            if not report.plot(doc, args.plot):
+                print(f"linkwise bench: --plot {args.plot} not written: no measured point of "
+                      "more than 0 bytes to plot", file=sys.stderr)
+        except Exception as exc:  # noqa: BLE001 - matplotlib raises many kinds; one line each
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            print(f"linkwise bench: --plot {args.plot}: {why}", file=sys.stderr)
+            rc = 1
+    return rc
 
 
 GRAPH_SUFFIX = " [graph]"
@@ -211,14 +270,10 @@ def _in_launcher(args, others: list[str]) -> int:
 
 
 def run(args) -> int:
-    try:
-        others = _normalise(args)
-    except ValueError as exc:
-        print(f"linkwise bench: {exc}", file=sys.stderr)
-        return 2
     from .. import bootstrap
     env = bootstrap.detect()
     try:
+        others = _normalise(args)
         _check_ranks(args, env.size if env.size > 1 else args.nranks)
     except ValueError as exc:
         if env.rank in (0, None):  # under a launcher every rank finds it: one line is enough

@@ -6,7 +6,10 @@ ranks. With ``-c 1`` every rank then refills its inputs, runs the operation once
 counts the elements that differ from a NumPy reference (summed over ranks).
 
 Sizes are nccl-tests': for all_gather, reduce_scatter and all_to_all ``size`` is the whole
-buffer (n blocks of size/n bytes), rounded down to a multiple of n elements.
+buffer (n blocks of size/n bytes), rounded down to a multiple of n elements, and ``count``
+the elements of one block (per rank). ``-w`` counts the untimed first call that probes
+whether the system has the form (:func:`first_call`): ``-w 0`` and ``-w 1`` both make that
+one call, which also sets up the connections, before the timed ones.
 """
 from __future__ import annotations
 
@@ -103,30 +106,41 @@ def run_sweep(backend: Backend, coll: str, sizes: list[int], dtypes: list[str], 
               root: int, iters: int, warmup: int, check: bool,
               progress: Optional[Callable[[], None]] = None) -> list[dict]:
     """Every (size, type, op) point of the sweep on this backend; rows are valid on rank 0.
-    Sizes that round to the same element count as an earlier one give no second row."""
+
+    Every size gives a row (one too small for an element per rank runs on empty buffers:
+    size 0, count 0), except that sizes rounding to the same element count as an earlier one
+    give no second row (-b 0: sizes 0, 1, 2 of float are all 0 elements): the earlier row
+    lists them in ``merged_sizes`` (and the table says so), and the first size always gives
+    a row. ``count`` is nccl-tests' (:func:`common.shown_count`); ``size`` is
+    the bytes of the whole buffer. Points no system can run (:func:`common.point_na`) are
+    rows whose cells are n/a, with the reason."""
     if coll not in common.COLLECTIVES:
         raise ValueError(f"unknown collective {coll!r}")
-    rows, seen = [], set()  # seen: (count, type) already measured (-b 0: sizes 0, 1, 2 -> 0)
+    rows: list[dict] = []
+    seen: dict = {}  # (total elements, type) -> the rows measured for it
     op_list = ops if coll in common.HAS_REDOP else ["none"]
     for nbytes in sizes:
         for tname in dtypes:
             dtype = common.DTYPES[tname]
-            split = common.counts(coll, nbytes, dtype.itemsize, backend.size)
-            repeat = split is not None and (split[0], tname) in seen
-            if split is not None:
-                seen.add((split[0], tname))
+            total, block = common.counts(coll, nbytes, dtype.itemsize, backend.size)
+            earlier = seen.setdefault((total, tname), [])
+            repeat = bool(earlier)
+            for row in earlier:  # not silent: the row names the sizes it stands for too
+                row.setdefault("merged_sizes", []).append(nbytes)
             for op in op_list:
                 if progress:
                     progress()
-                if split is None or repeat:
+                if repeat:
                     continue
-                total, block = split
-                row = {"size": total * dtype.itemsize, "count": total, "type": tname, "redop": op,
-                       "root": root if coll in common.HAS_ROOT else -1}
+                row = {"size": total * dtype.itemsize, "count": common.shown_count(coll, total, block),
+                       "type": tname, "redop": op, "root": root if coll in common.HAS_ROOT else -1}
+                why = common.point_na(coll, tname, op)
                 for key, inplace in (("oop", False), ("ip", True)):
-                    row[key] = _one_variant(backend, coll, dtype, op if op != "none" else "sum",
-                                            root, total, block, inplace, iters, warmup, check)
+                    row[key] = {"na": why} if why else _one_variant(
+                        backend, coll, dtype, op if op != "none" else "sum", root, total, block,
+                        inplace, iters, warmup, check)
                 rows.append(row)
+                earlier.append(row)
     return rows
 
 

@@ -25,7 +25,13 @@ DTYPES: dict[str, np.dtype] = {
 }
 DTYPE_ALIASES = {"float16": "half", "float32": "float", "float64": "double", "char": "int8",
                  "int": "int32", "bf16": "bfloat16"}
-OPS = ("sum", "prod", "max", "min", "avg")
+OPS = ("sum", "prod", "max", "min", "avg")  # nccl-tests' five; what -o all means
+BITWISE_OPS = ("band", "bor", "bxor")  # linkwise's own; named explicitly (-o band,bxor)
+# Types linkwise reduces (collectives._redop); uint32 / uint64 it moves but cannot reduce.
+REDUCIBLE = tuple(t for t in DTYPES if t not in ("uint32", "uint64"))
+# Types linkwise's bitwise ops take (collectives._redop).
+BITWISE_TYPES = ("int8", "uint8", "int32", "int64")
+SIZE_HINT = "not a size (use e.g. 8, 64K, 1M, 2G)"
 
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter",
                "all_to_all", "sendrecv")
@@ -52,8 +58,11 @@ def busbw_factor(coll: str, nranks: int) -> float:
     raise ValueError(f"unknown collective {coll!r}; expected one of {', '.join(COLLECTIVES)}")
 
 
-def parse_size(text: str) -> int:
-    """'8', '64K', '1M', '2G', '4MiB', '1KB' -> bytes (powers of 1024)."""
+def parse_size(text: str, flag: str = "size") -> int:
+    """'8', '64K', '1M', '2G', '4MiB', '1KB' -> bytes (powers of 1024).
+
+    Anything else (negative, NaN, 'abc', '1T') raises ValueError naming ``flag`` and the
+    user's text: ``-b abc: not a size (use e.g. 8, 64K, 1M, 2G)``."""
     t = str(text).strip().upper()
     for suffix in ("IB", "B"):
         if t.endswith(suffix) and len(t) > len(suffix):
@@ -62,10 +71,13 @@ def parse_size(text: str) -> int:
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
     if mult > 1:
         t = t[:-1]
-    value = int(float(t) * mult)
-    if value < 0:
-        raise ValueError(f"size must be >= 0, got {text!r}")
-    return value
+    try:
+        number = float(t)
+    except ValueError:
+        number = float("nan")
+    if not (0 <= number < float("inf")):  # also NaN
+        raise ValueError(f"{flag} {text}: {SIZE_HINT}")
+    return int(number * mult)
 
 
 def sweep(minbytes: int, maxbytes: int, factor: float = 2.0, step: int = 1 << 20) -> list[int]:
@@ -102,24 +114,56 @@ def resolve_dtypes(text: str) -> list[str]:
 
 
 def resolve_ops(text: str) -> list[str]:
+    """-o: comma-separated ops, or all = nccl-tests' five arithmetic ops (never the bitwise
+    ones, so that -o all means the same sweep whatever -d is)."""
     names = list(OPS) if text == "all" else text.split(",")
     for name in names:
-        if name not in OPS:
-            raise ValueError(f"unknown op {name!r}; expected one of {', '.join(OPS)} or all")
+        if name not in OPS + BITWISE_OPS:
+            raise ValueError(f"-o {text}: unknown op {name!r}; expected one of "
+                             f"{', '.join(OPS + BITWISE_OPS)} or all")
     return names
 
 
-def counts(coll: str, nbytes: int, itemsize: int, nranks: int) -> Optional[tuple[int, int]]:
-    """(total elements, elements per rank block) for a test size, or None if it is too small.
+def point_na(coll: str, tname: str, op: str) -> Optional[str]:
+    """Why no system can run this (collective, type, op) point, or None. A bitwise op on a
+    floating-point type is meaningless everywhere (MPI and Gloo would raise, not decline), so
+    the sweep shows such points as n/a without calling any system."""
+    if coll in HAS_REDOP and op in BITWISE_OPS and is_float(DTYPES[tname]):
+        return f"{op} is for integer types"
+    return None
 
-    For the per-rank-block collectives the total is rounded down to a multiple of nranks."""
+
+def check_plan(coll: str, dtypes: list[str], ops: list[str]) -> None:
+    """Refuse up front (ValueError) a reducing sweep in which linkwise can measure no point:
+    only types it cannot reduce (uint32, uint64), or only bitwise ops and no type they take.
+    A mix is allowed; the points it cannot run show n/a (each with its reason)."""
+    if coll not in HAS_REDOP:
+        return  # -o does not apply (redop none), every type moves
+    if not any(t in REDUCIBLE for t in dtypes):
+        raise ValueError(f"-d {','.join(dtypes)}: linkwise cannot reduce {' or '.join(dtypes)} "
+                         f"({coll} reduces); use one of {', '.join(REDUCIBLE)}")
+    if not any(op in OPS for op in ops) and not any(t in BITWISE_TYPES for t in dtypes):
+        raise ValueError(f"-o {','.join(ops)}: bitwise ops need an integer type "
+                         f"(-d {', '.join(BITWISE_TYPES)}); -d {','.join(dtypes)} has none")
+
+
+def counts(coll: str, nbytes: int, itemsize: int, nranks: int) -> tuple[int, int]:
+    """(total elements, elements per rank block) for a test size.
+
+    For the per-rank-block collectives the total is rounded down to a multiple of nranks; a
+    size below one element per rank gives (0, 0): the collective runs on empty buffers and
+    the row shows size 0, count 0, as in nccl-tests (never a dropped row)."""
     total = nbytes // itemsize
     if coll in PER_RANK_BLOCKS:
         block = total // nranks
-        if block == 0 and nbytes > 0:
-            return None
         return block * nranks, block
     return total, total
+
+
+def shown_count(coll: str, total: int, block: int) -> int:
+    """nccl-tests' count column: elements per rank for all_gather, reduce_scatter and
+    all_to_all (whose size column is the whole buffer, nranks blocks), else the total."""
+    return block if coll in PER_RANK_BLOCKS else total
 
 
 def input_values(coll: str, op: str, rank: int, n: int, dtype: np.dtype) -> np.ndarray:
@@ -145,6 +189,9 @@ def reduce_reference(stack: np.ndarray, op: str, dtype: np.dtype) -> np.ndarray:
     if op == "avg":
         s = stack.astype(np.float64).sum(axis=0) / stack.shape[0]
         return s.astype(dtype) if is_float(dtype) else np.floor(s).astype(dtype)
+    bitwise = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}.get(op)
+    if bitwise is not None:
+        return bitwise.reduce(stack, axis=0).astype(dtype)
     raise ValueError(op)
 
 

@@ -87,12 +87,29 @@ def torch_numpy(torch, t) -> np.ndarray:
     return t.numpy()
 
 
-def torch_reduce_ops(dist, avg: bool = False) -> dict:
+def torch_reduce_ops(dist, avg: bool = False, bitwise: bool = False) -> dict:
+    """The bench's op names -> torch ReduceOp, for those the backend has (Gloo: no AVG, has
+    BAND/BOR/BXOR; NCCL: AVG, no bitwise ops). An op left out shows n/a (bind_torch_dist)."""
     ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
            "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     if avg:
         ops["avg"] = dist.ReduceOp.AVG
+    if bitwise:
+        ops.update(band=dist.ReduceOp.BAND, bor=dist.ReduceOp.BOR, bxor=dist.ReduceOp.BXOR)
     return ops
+
+
+def init_torch_group(dist, backend: str, rank: int, size: int, port: int,
+                     addr: str = "127.0.0.1", **kw) -> None:
+    """torch.distributed's process group on a TCPStore that rank 0 serves on `port`.
+
+    The store is made here, not by init_method="tcp://...": under torchrun that rendezvous
+    reads TORCHELASTIC_USE_AGENT_STORE=True and makes every rank a client of a store it
+    expects torchrun's agent to serve (it serves only MASTER_PORT), so nobody served our port
+    and every rank hung. An explicit store never looks at that variable."""
+    from datetime import timedelta
+    store = dist.TCPStore(addr, port, size, is_master=(rank == 0), timeout=timedelta(seconds=300))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, **kw)
 
 
 def bind_torch_dist(dist, name: str, ops: dict, coll: str, inplace: bool, op: str, root: int,
@@ -143,10 +160,9 @@ class GlooBackend(Backend):
         import torch
         import torch.distributed as dist
         self.torch, self.dist = torch, dist
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
-                                world_size=size)
+        init_torch_group(dist, "gloo", rank, size, port, addr)
         self.rank, self.size = rank, size
-        self._ops = torch_reduce_ops(dist)
+        self._ops = torch_reduce_ops(dist, bitwise=True)
         # Element types Gloo's typed algorithms know (no uint16/32/64: "Invalid scalar type").
         self._dtypes = {np.dtype(t) for t in (np.int8, np.uint8, np.int32, np.int64,
                                               np.float16, np.float32, np.float64)}
@@ -215,7 +231,8 @@ class MpiBackend(Backend):
         from mpi4py import MPI
         self.MPI, self.c = MPI, MPI.COMM_WORLD
         self.rank, self.size = self.c.Get_rank(), self.c.Get_size()
-        self._ops = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
+        self._ops = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN,
+                     "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR}  # no MPI avg
 
     def barrier(self):
         self.c.Barrier()

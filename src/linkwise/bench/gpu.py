@@ -32,8 +32,10 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from ..cuda.arrays import OPS as GPU_OPS
 from .backends import Backend, LinkwiseBackend, Unsupported
-from .compare import bind_torch_dist, destroy_process_group, torch_numpy, torch_reduce_ops, torch_tensor
+from .compare import (bind_torch_dist, destroy_process_group, init_torch_group, torch_numpy,
+                      torch_reduce_ops, torch_tensor)
 
 GRAPH_REPLAYS = 10
 
@@ -175,6 +177,8 @@ class LinkwiseGpuBackend(GpuBackend):
         if not self.available(coll):
             raise Unsupported(f"{coll} on CUDA arrays is not in linkwise's GPU data plane")
         c, torch = self.comm, self.torch
+        if coll in ("all_reduce", "reduce_scatter") and op not in GPU_OPS:  # no bitwise ops
+            raise Unsupported(f"linkwise's GPU data plane has no {op}")  # it would raise ValueError
         x, out, s, r = self._pair(coll, send, recv, inplace)
         if coll == "sendrecv":
             if inplace:
@@ -209,8 +213,8 @@ class NcclBackend(GpuBackend):
         super().__init__(helper.rank, helper.size, helper, device, graph)
         import torch.distributed as dist
         self.dist = dist
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
-                                world_size=self.size, device_id=self.torch.device("cuda", device))
+        init_torch_group(dist, "nccl", self.rank, self.size, port,  # not tcp://: under torchrun
+                         device_id=self.torch.device("cuda", device))  # it hangs (compare.py)
         self._ops = torch_reduce_ops(dist, avg=True)
 
     def bind(self, coll, send, recv, inplace, op, root):

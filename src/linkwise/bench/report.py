@@ -7,6 +7,11 @@ A result document is a dict::
                               "rows": [median row, ...]},
                  "gloo": {"status": "skipped", "reason": "torch is not installed"}, ...}}
 
+Collective rows follow nccl-tests: ``size`` is the bytes of the whole buffer and ``count``
+the elements per rank for all_gather, reduce_scatter and all_to_all (size = count * nranks
+* element size), the elements of the buffer for the others. "Avg bus bandwidth" averages
+every busbw linkwise measured, out-of-place and in-place, as nccl-tests does.
+
 Ratios: for bandwidth, linkwise / other (above 1: linkwise is faster); for p2p latency,
 linkwise time / other time (below 1: linkwise is faster). For a collective,
 ``lw/x = linkwise busbw / x busbw`` equals ``x time / linkwise time`` for the same size.
@@ -147,12 +152,11 @@ def collective_table(doc: dict, out: TextIO) -> None:
             line += f" {theirs['time_us']:10.2f} {theirs['busbw']:9.2f}{tag or ' '}"
             line += f" {ratio:8.2f}" if ratio is not None else f" {'n/a':>8}"
         w(line + "\n")
-        for var, _ in VARIANTS:
+        for var, _ in VARIANTS:  # nccl-tests: both variants count, for #wrong and the average
             c = r.get(var, {})
             if "busbw" in c:
                 wrong_total += c.get("wrong") or 0
-        if "busbw" in r.get("oop", {}):
-            busbws.append(r["oop"]["busbw"])
+                busbws.append(c["busbw"])
     if others:
         w("# lw/x: linkwise busbw / x busbw for the same variant (= x time / linkwise time); "
           "* = compared in place (x has no out-of-place form)\n")
@@ -164,6 +168,10 @@ def collective_table(doc: dict, out: TextIO) -> None:
     for name, na_rows in shown.items():
         for why in _na_reasons(na_rows):
             w(f"# {name}: n/a where {why}\n")
+    merged = {(r["size"], r["type"]): r["merged_sizes"] for r in rows if r.get("merged_sizes")}
+    for (size, tname), more in merged.items():
+        w(f"# size {size} {tname}: also stands for the requested sizes "
+          f"{', '.join(map(str, more))} B (the same element count; no row of their own)\n")
     w(f"# Out of bounds values : {wrong_total} {'OK' if wrong_total == 0 else 'FAILED'}\n")
     if busbws:
         w(f"# Avg bus bandwidth    : {sum(busbws) / len(busbws):.4f}\n")
@@ -222,33 +230,44 @@ def write_json(doc: dict, path: str) -> None:
         f.write("\n")
 
 
-def plot(doc: dict, path: str) -> None:
+def _plot_lines(doc: dict) -> list[tuple]:
+    """(axis 0 = bandwidth / 1 = time, label, xs, ys) of every line to draw. Points of 0
+    bytes (or 0 GB/s) are left out: they have no place on log axes."""
+    lines: list[tuple] = []
+    p2p = doc["test"] == "p2p"
+    for name, s in doc["systems"].items():
+        rows = [r for r in s.get("rows") or [] if r["size"] > 0] if s.get("status") == "ok" else []
+        if not rows:
+            continue
+        if p2p:
+            for ax, key in ((0, "bw_GBps"), (1, "latency_us")):
+                pts = [(r["size"], r[key]) for r in rows if r.get(key, 0) > 0]
+                if pts:
+                    lines.append((ax, name) + tuple(zip(*pts)))
+            continue
+        for var, label in VARIANTS:
+            pts = [(r["size"], r[var]) for r in rows if r.get(var, {}).get("busbw", 0) > 0]
+            if pts:
+                lines.append((0, f"{name} ({label})", [p[0] for p in pts], [p[1]["busbw"] for p in pts]))
+                lines.append((1, f"{name} ({label})", [p[0] for p in pts], [p[1]["time_us"] for p in pts]))
+                break
+    return lines
+
+
+def plot(doc: dict, path: str) -> bool:
     """busbw and time against size (log-log), one line per system (out-of-place where it has
-    it, else in-place); for p2p, latency and bandwidth."""
+    it, else in-place); for p2p, latency and bandwidth. False (nothing written) when no point
+    can be drawn (every size 0 bytes)."""
+    lines = _plot_lines(doc)
+    if not lines:
+        return False
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))
     p2p = doc["test"] == "p2p"
-    for name, s in doc["systems"].items():
-        if s.get("status") != "ok" or not s.get("rows"):
-            continue
-        rows = s["rows"]
-        if p2p:
-            xs = [r["size"] for r in rows]
-            if "bw_GBps" in rows[0]:
-                ax_bw.plot(xs, [r["bw_GBps"] for r in rows], marker="o", label=name)
-            if "latency_us" in rows[0]:
-                ax_t.plot(xs, [r["latency_us"] for r in rows], marker="o", label=name)
-            continue
-        for var, label in VARIANTS:
-            pts = [(r["size"], r[var]) for r in rows if "time_us" in r.get(var, {}) and r["size"] > 0]
-            if pts:
-                ax_bw.plot([p[0] for p in pts], [p[1]["busbw"] for p in pts], marker="o",
-                           label=f"{name} ({label})")
-                ax_t.plot([p[0] for p in pts], [p[1]["time_us"] for p in pts], marker="o",
-                          label=f"{name} ({label})")
-                break
+    for ax, label, xs, ys in lines:
+        (ax_bw, ax_t)[ax].plot(xs, ys, marker="o", label=label)
     ax_bw.set_ylabel("bandwidth (GB/s)" if p2p else "busbw (GB/s)")
     ax_t.set_ylabel("one-way latency (us)" if p2p else "time (us)")
     for ax in (ax_bw, ax_t):
@@ -256,8 +275,12 @@ def plot(doc: dict, path: str) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("size (bytes)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_lines():  # an empty legend warns
+            ax.legend(fontsize=8)
     fig.suptitle(f"linkwise bench {doc['test']}, {doc['nranks']} ranks")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+    return True
