@@ -6,12 +6,13 @@ csrc/algo/coll.h and csrc/core/reduce.h, which bind_coll.cc casts them to.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Optional
 
 import numpy as np
 
-from . import _gpu_coll
+from . import _gpu_coll, config
 from ._request import CollectiveRequest  # noqa: F401 - used by collectives.py
 
 KINDS = {"all_reduce": 0, "broadcast": 1, "reduce": 2, "all_gather": 3, "reduce_scatter": 4,
@@ -181,3 +182,26 @@ def _raw(a: np.ndarray) -> np.ndarray:
     if a.dtype.kind == "V":  # bfloat16 (ml_dtypes) and other records; dtype.name is slow
         return a.view(np.uint16 if a.itemsize == 2 else np.uint8)
     return a
+
+
+def _skips_on_argument_error(method):
+    """Wraps a collective: when its arguments raise on this rank (ValueError, TypeError) before
+    it reached the native layer, this rank numbers its calls as if it had run (_skip_call). If
+    every rank refused it (the same arguments everywhere), they stay in step and go on; if only
+    this rank did, the others are in the call, and this rank's next call meets it under another
+    number, which raises on both sides (a mismatch, or the timeout where the protocols do not
+    meet) instead of pairing with it. A call that raised natively has already failed the
+    communicator (every later call raises), so the skip changes nothing there."""
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        seq = self._coll_seq
+        try:
+            return method(self, *args, **kwargs)
+        except (ValueError, TypeError):
+            # Refused before LINKWISE_CHECK's exchange (it takes a number): join it anyway.
+            if self._coll_seq == seq and _env_set(b"LINKWISE_CHECK") and config.get("LINKWISE_CHECK") \
+                    and self.__dict__.get("_native") is not None and self.size > 1:
+                check_refused(self)
+            self._skip_call()
+            raise
+    return guarded

@@ -27,7 +27,6 @@ rank when they do not.
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any, Optional
 
@@ -39,7 +38,8 @@ from ._coll_fast import exchange_fast
 from .plan.schedule import LARGE_PAIR_BCAST, default_schedule
 from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from here
     _ENV, _FAST_CODES, _FAST_CODES_BY_OP, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, CollectiveRequest, _as_array,
-    _dtype_label, _dtype_name, _env_set, fast_path_bf16, _host_out, _native_module, _raw, check_agree, check_refused)
+    _dtype_label, _dtype_name, _env_set, fast_path_bf16, _host_out, _native_module, _raw, _skips_on_argument_error,
+    check_agree)
 
 
 _BARRIER_CODE = _FAST_CODES[(np.dtype(np.uint8), "sum")]
@@ -64,29 +64,6 @@ def _check_tunables() -> None:
 def _gpu_dispatch(comm, kind: str, x: Any, **kw):
     _check_tunables()
     return _gpu_coll.dispatch(comm, kind, x, **kw)
-
-
-def _skips_on_argument_error(method):
-    """Wraps a collective: when its arguments raise on this rank (ValueError, TypeError) before
-    it reached the native layer, this rank numbers its calls as if it had run (_skip_call). If
-    every rank refused it (the same arguments everywhere), they stay in step and go on; if only
-    this rank did, the others are in the call, and this rank's next call meets it under another
-    number, which raises on both sides (a mismatch, or the timeout where the protocols do not
-    meet) instead of pairing with it. A call that raised natively has already failed the
-    communicator (every later call raises), so the skip changes nothing there."""
-    @functools.wraps(method)
-    def guarded(self, *args, **kwargs):
-        seq = self._coll_seq
-        try:
-            return method(self, *args, **kwargs)
-        except (ValueError, TypeError):
-            # Refused before LINKWISE_CHECK's exchange (it takes a number): join it anyway.
-            if self._coll_seq == seq and _env_set(b"LINKWISE_CHECK") and config.get("LINKWISE_CHECK") \
-                    and self.__dict__.get("_native") is not None and self.size > 1:
-                check_refused(self)
-            self._skip_call()
-            raise
-    return guarded
 
 
 # Collectives that run through the shared-memory executor's one-shot area when small.
@@ -424,15 +401,18 @@ class CollectivesMixin:
         return self._run("reduce", x, out if self.rank == root else None, dt, op, root, x.size, x.nbytes,
                          async_op, result)
 
+    def _fast_exchange(self, kind: int, x: Any, out: Any, async_op: bool, op: str = ""):
+        """The small all_gather / reduce_scatter / all_to_all latency path (_coll_fast), or None."""
+        fast = self._fast_shm
+        if fast is None or async_op or type(x) is not _ndarray:
+            return None
+        return exchange_fast(self, fast, kind, x, out, op)
+
     def all_gather(self, x: Any, out: Any = None, async_op: bool = False, stream: Any = None):
         """Concatenate every rank's x (rank order) into out (size * len(x) elements).
         CUDA arrays: on the GPU, on `stream`."""
-        fast = self._fast_shm
-        if fast is not None and not async_op and type(x) is _ndarray:
-            r = exchange_fast(self, fast, _ALL_GATHER, x, out)
-            if r is not None:
-                return r
-        return self._all_gather(x, out, async_op, stream)
+        r = self._fast_exchange(_ALL_GATHER, x, out, async_op)
+        return r if r is not None else self._all_gather(x, out, async_op, stream)
 
     @_skips_on_argument_error
     def _all_gather(self, x: Any, out: Any, async_op: bool, stream: Any):
@@ -446,12 +426,8 @@ class CollectivesMixin:
                        dtype: Optional[str] = None, stream: Any = None):
         """Combine x across ranks; rank r gets block r (x has size * len(out) elements).
         CUDA arrays: on the GPU, on `stream`."""
-        fast = self._fast_shm
-        if fast is not None and not async_op and dtype is None and type(x) is _ndarray:
-            r = exchange_fast(self, fast, _REDUCE_SCATTER, x, out, op)
-            if r is not None:
-                return r
-        return self._reduce_scatter(x, op, out, async_op, dtype, stream)
+        r = None if dtype is not None else self._fast_exchange(_REDUCE_SCATTER, x, out, async_op, op)
+        return r if r is not None else self._reduce_scatter(x, op, out, async_op, dtype, stream)
 
     @_skips_on_argument_error
     def _reduce_scatter(self, x: Any, op: str, out: Any, async_op: bool, dtype: Optional[str], stream: Any):
@@ -477,12 +453,8 @@ class CollectivesMixin:
     def all_to_all(self, x: Any, out: Any = None, async_op: bool = False, stream: Any = None):
         """Rank r's block j (x split into size equal blocks) goes to rank j's block r.
         CUDA arrays: on the GPU, on `stream`."""
-        fast = self._fast_shm
-        if fast is not None and not async_op and type(x) is _ndarray:
-            r = exchange_fast(self, fast, _ALL_TO_ALL, x, out)
-            if r is not None:
-                return r
-        return self._all_to_all(x, out, async_op, stream)
+        r = self._fast_exchange(_ALL_TO_ALL, x, out, async_op)
+        return r if r is not None else self._all_to_all(x, out, async_op, stream)
 
     @_skips_on_argument_error
     def _all_to_all(self, x: Any, out: Any, async_op: bool, stream: Any):
