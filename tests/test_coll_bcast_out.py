@@ -72,3 +72,27 @@ def test_cma_broadcast_out(n):
 def test_ring_broadcast_out(n):
     got = run_ranks(n, _body, False, env=RING_ENV, timeout=240)
     assert all(c == got[0] for c in got)
+
+
+def _large_out_of_place(comm, count):
+    """Point-to-point broadcast of 1 MiB and more out of place: the root sends from x while a
+    helper thread copies x into out (dispatch.cc); every rank's out gets the root's data, the
+    root's x stays as it was."""
+    got = []
+    for root in range(comm.size):
+        ref = data(root, count, "float32", "sum", salt=5)
+        x = ref.copy() if comm.rank == root else np.full(count, 9, np.float32)
+        out = np.full(count, 5, np.float32)
+        comm.broadcast(x, root=root, out=out)
+        check_equal(out, ref, f"large broadcast out= root {root}")
+        if comm.rank == root:
+            check_equal(x, ref, "root's x untouched")
+        got.append(float(out[count // 2]))
+    return got
+
+
+@pytest.mark.parametrize("n,env", [(2, {}), (3, {"LINKWISE_TRANSPORT": "tcp"}), (3, {"LINKWISE_ALGO": "chain"})],
+                         ids=["shm-pair", "tcp", "chain"])
+def test_large_out_of_place_broadcast_point_to_point(n, env):
+    got = run_ranks(n, _large_out_of_place, 2_500_001, env=env, timeout=240)
+    assert all(g == got[0] for g in got)

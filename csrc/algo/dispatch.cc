@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "algo/coll.h"
@@ -11,6 +12,10 @@
 namespace linkwise {
 
 namespace {
+
+// Out-of-place broadcasts from this size on overlap the root's copy into out with the
+// sends (a thread costs tens of microseconds: far below the copy of a megabyte or more).
+constexpr size_t kRootCopyOverlapMin = size_t{1} << 20;
 
 void need(bool ok, const std::string& what) {
   if (!ok) throw Error(ErrorKind::Invalid, what);
@@ -67,10 +72,28 @@ void run_collective(Engine& engine, const CollParams& p, const void* send, size_
       else ring_all_reduce(c, recv, count);
       return;
     }
-    case CollKind::Broadcast:
+    case CollKind::Broadcast: {
+      const char* s = static_cast<const char*>(send);
+      char* r = static_cast<char*>(recv);
+      if (me == p.root && n > 1 && s && r && s != r && send_bytes >= kRootCopyOverlapMin &&
+          (s + send_bytes <= r || r + recv_bytes <= s)) {
+        // A large out-of-place broadcast: the root sends from x (tree_broadcast only reads a
+        // root's buffer) while a helper thread copies x into out, instead of copying first
+        // (2 ranks, 8 MiB on the 2-core VM: 2.7 ms out of place against 0.6 in place).
+        std::thread copier([=] { std::memcpy(r, s, send_bytes); });
+        try {
+          tree_broadcast(c, const_cast<char*>(s), recv_bytes);
+        } catch (...) {
+          copier.join();
+          throw;
+        }
+        copier.join();
+        return;
+      }
       if (me == p.root) copy(recv, send, send_bytes);
       tree_broadcast(c, recv, recv_bytes);
       return;
+    }
     case CollKind::Reduce:
       tree_reduce(c, send, recv, send_bytes / es);
       return;
