@@ -47,11 +47,9 @@ void ShmColl::cma_all_reduce(const void* in, void* out, size_t count, DType t, R
   cma_busy_ = 1;          // from here on peers may copy from / into my buffers
   x_src_.resize(n_);
   x_dst_.resize(n_);
-  const PeerWords x_in = [this](int q) -> std::atomic<uint32_t>& { return slot(q)->h().x_in.v; };
-  const PeerWords x_done = [this](int q) -> std::atomic<uint32_t>& { return slot(q)->h().x_done.v; };
   for (int q = 0; q < n_; ++q) {
     if (q != rank_) {
-      wait_ge(q, slot(q)->h().x_in.v, r, "all_reduce", &x_in);
+      wait_ge(q, slot(q)->h().x_in.v, r, "all_reduce", true);
       check_line(q, slot(q)->h().x_in.stamp, true);
     }
     x_src_[q] = slot(q)->h().x_src;
@@ -74,7 +72,7 @@ void ShmColl::cma_all_reduce(const void* in, void* out, size_t count, DType t, R
   });
   publish(me.x_done.v, r);  // every rank's output has my segment; I no longer read inputs
   for (int q = 0; q < n_; ++q)
-    if (q != rank_) wait_ge(q, slot(q)->h().x_done.v, r, "all_reduce", &x_done);
+    if (q != rank_) wait_ge(q, slot(q)->h().x_done.v, r, "all_reduce", true);
   cma_busy_ = 0;
 }
 

@@ -151,7 +151,7 @@ void ShmColl::peer_died(int peer, const char* what) const {
 }
 
 void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, const char* what,
-                      const PeerWords* every) {
+                      bool every_peer) {
   if (reached(word.load(std::memory_order_acquire), target)) return;
   const auto t0 = Clock::now();
   while (seconds_since(t0) * 1e6 < spin_us_) {
@@ -193,11 +193,14 @@ void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, co
                     culprit);
       }
       if (peer_gone(peer) && !reached(word.load(std::memory_order_acquire), target)) peer_died(peer, what);
-      if (every)
-        for (int q = 0; q < n_; ++q)
-          if (q != rank_ && q != peer && !reached((*every)(q).load(std::memory_order_acquire), target) &&
-              peer_gone(q))
+      if (every_peer) {  // every slot has the same layout: q's copy of `word` is at the same offset
+        const size_t at = static_cast<size_t>(reinterpret_cast<char*>(&word) - reinterpret_cast<char*>(slot(peer)));
+        for (int q = 0; q < n_; ++q) {
+          auto& theirs = *reinterpret_cast<std::atomic<uint32_t>*>(reinterpret_cast<char*>(slot(q)) + at);
+          if (q != rank_ && q != peer && !reached(theirs.load(std::memory_order_acquire), target) && peer_gone(q))
             peer_died(q, what);
+        }
+      }
       if (seconds_since(t0) > timeout_)
         throw Error(ErrorKind::Timeout, "rank " + std::to_string(rank_) + ": shared-memory " + what +
                                             " waited more than " + seconds_text(timeout_) + " for rank " +
@@ -256,10 +259,9 @@ void ShmColl::one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedO
 }
 
 void ShmColl::one_shot_wait(uint32_t r, const char* what) {
-  const PeerWords b_in = [this](int q) -> std::atomic<uint32_t>& { return slot(q)->h().b_in.v; };
   for (int q = 0; q < n_; ++q) {
     if (q == rank_) continue;
-    wait_ge(q, slot(q)->h().b_in.v, r, what, &b_in);
+    wait_ge(q, slot(q)->h().b_in.v, r, what, true);
     check_line(q, slot(q)->h().b_in.stamp[r & 1], true);
   }
 }
@@ -355,8 +357,6 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
   char* my_res = me->two_res() + lane * area;
   auto& a_in = me->h().a_in[lane].v;
   auto& a_res = me->h().a_res[lane].v;
-  const PeerWords a_in_of = [this, lane](int q) -> std::atomic<uint32_t>& { return slot(q)->h().a_in[lane].v; };
-  const PeerWords a_res_of = [this, lane](int q) -> std::atomic<uint32_t>& { return slot(q)->h().a_res[lane].v; };
   for (size_t base = 0; base < count; base += piece) {
     const size_t cnt = std::min(piece, count - base);
     const uint32_t r = ++two_round_[lane];
@@ -369,7 +369,7 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
     publish(a_in, r);
     for (int q = 0; q < n_; ++q) {
       if (q == rank_) continue;
-      wait_ge(q, slot(q)->h().a_in[lane].v, r, "all_reduce", &a_in_of);
+      wait_ge(q, slot(q)->h().a_in[lane].v, r, "all_reduce", true);
       check_line(q, slot(q)->h().a_in[lane].stamp, true);
     }
     // My segment, combined in rank order, a sub-block at a time so the copy-out hits cache.
@@ -394,7 +394,7 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
     publish(a_res, r);
     for (int q = 0; q < n_; ++q) {
       if (q == rank_) continue;
-      wait_ge(q, slot(q)->h().a_res[lane].v, r, "all_reduce", &a_res_of);
+      wait_ge(q, slot(q)->h().a_res[lane].v, r, "all_reduce", true);
       const size_t qo = part_off(cnt, n_, q), ql = part_off(cnt, n_, q + 1) - qo;
       copy_out(dst + (base + qo) * es, slot(q)->two_res() + lane * area + qo * es, ql * es, stream);
     }

@@ -187,25 +187,24 @@ class ShmColl {
   // Small all_gather, reduce_scatter and all_to_all (shm_exchange.cc): in_bytes = x's bytes,
   // at most kOneMax (the caller checks; larger ones go point-to-point). Each rank reads
   // in_bytes (n x in_bytes for all_gather), not the one-shot all-reduce's n x, so the whole
-  // area is used whatever one_shot_max() is. One one-shot
-  // round, in the one-shot all-reduce's area and round count: copy x in, b_in = r, wait for
-  // every peer's round r, then read what this rank needs from every rank's copy (all_gather:
-  // all of it, rank order; all_to_all: block `rank` of each; reduce_scatter: block `rank` of
-  // each, combined in rank order). out may be x (in place): x was copied in first. out holds
-  // n * in_bytes (all_gather), in_bytes / n (reduce_scatter) or in_bytes (all_to_all); t and
-  // op matter for reduce_scatter only.
+  // area is used whatever one_shot_max() is. One one-shot round, in the one-shot
+  // all-reduce's area and round count: copy x in, b_in = r, wait for every peer's round r,
+  // then read what this rank needs from every rank's copy (all_gather: all of it, rank
+  // order; all_to_all: block `rank` of each; reduce_scatter: block `rank` of each, combined
+  // in rank order). out may be x (in place): x was copied in first. out holds n * in_bytes
+  // (all_gather), in_bytes / n (reduce_scatter) or in_bytes (all_to_all); t and op matter
+  // for reduce_scatter only.
   void exchange(CallKind kind, const void* in, size_t in_bytes, void* out, DType t, RedOp op, double timeout);
 
  private:
   Slot* slot(int r) const;
-  // The same counter of every peer (a round every rank must reach), for wait_ge.
-  using PeerWords = std::function<std::atomic<uint32_t>&(int q)>;
-  // Waits until peer's word reaches target. Raises PeerError when that peer died or failed
-  // first, TimeoutError after timeout_. With `every` (a round every peer must reach), also
-  // PeerError when another peer died before reaching it: the peer waited for may be alive
-  // but busy elsewhere (say, in a receive from this rank), and the round can never complete.
-  void wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, const char* what,
-               const PeerWords* every = nullptr);
+  // Waits until peer's word (a counter in peer's slot) reaches target. Raises PeerError when
+  // that peer died or failed first, TimeoutError after timeout_. With every_peer (a round
+  // every rank must reach), also PeerError when another peer died before its own copy of
+  // that counter (the same place in its slot) reached target: the peer waited for may be
+  // alive but busy elsewhere (say, in a receive from this rank), and the round can never
+  // complete.
+  void wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, const char* what, bool every_peer = false);
   [[noreturn]] void peer_died(int peer, const char* what) const;
   void publish(std::atomic<uint32_t>& word, uint32_t value);
   bool peer_gone(int peer);

@@ -25,6 +25,7 @@
 #include <exception>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "algo/coll.h"
 #include "algo/shm_coll.h"
@@ -78,6 +79,7 @@ struct CollJob {
   bool skip = false;               // shm->skip_call() only (a call refused on this rank)
   std::shared_ptr<PyShmColl> shm;  // from shared_from_this(); set: run p.kind (AllReduce/Broadcast) through shared memory
   HeldBuffer x, out;
+  std::vector<char> staged;  // a copy of x that send points to, when out partly overlaps x
   const void* send = nullptr;
   size_t send_bytes = 0;
   void* recv = nullptr;
@@ -203,16 +205,18 @@ class CollRequest {
 
 void run_shm(CollJob& j);
 
-// The shared-memory all-reduce reads x while it writes out (the peers' too, at once), so out
-// must be x itself or apart from it: a partial overlap gave wrong sums from ~30000 elements.
-// (Its broadcast handles an overlapping out: test_coll_bcast_out.py.)
-void refuse_partial_overlap(const HeldBuffer& x, const HeldBuffer& out, const char* op) {
-  const char* a = static_cast<const char*>(x.ptr());
-  const char* b = static_cast<const char*>(out.ptr());
-  if (a != b && a < b + out.bytes() && b < a + x.bytes())
-    throw nb::value_error((std::string(op) + ": out overlaps x without being x; pass out=x (in place) or "
-                                             "arrays that do not share memory")
-                              .c_str());
+// The shared-memory all-reduce reads x while it writes out (the peers' too, at once), so an
+// out that partly overlaps x (not x itself) would corrupt inputs still to be read (wrong sums
+// from ~30000 elements). Such an x is read from a copy instead, staged here (`staged` keeps
+// it), as the message-based algorithms copy x into out first. Returns the input to use.
+// (The executor's broadcast handles an overlapping out itself: test_coll_bcast_out.py.)
+const void* unoverlapped_input(const void* x, size_t x_bytes, const void* out, size_t out_bytes,
+                               std::vector<char>& staged) {
+  const char* a = static_cast<const char*>(x);
+  const char* b = static_cast<const char*>(out);
+  if (a == b || a >= b + out_bytes || b >= a + x_bytes) return x;
+  staged.assign(a, a + x_bytes);
+  return staged.data();
 }
 
 // The executor's kind for a small all_gather / reduce_scatter / all_to_all, after checking
@@ -365,6 +369,8 @@ void bind_coll(nb::module_& m) {
              const bool in_place = out.is(x);
              acquire_buffer(x, in_place, "all_reduce", hx, true);
              void* o = const_cast<void*>(hx.ptr());
+             const void* in = hx.ptr();
+             std::vector<char> staged;  // x, when out partly overlaps it
              if (!in_place) {
                acquire_buffer(out, true, "all_reduce", ho, true);
                if (ho.bytes() != hx.bytes() || ho.dtype() != hx.dtype()) {
@@ -375,7 +381,7 @@ void bind_coll(nb::module_& m) {
                                            .c_str());
                }
                o = ho.ptr();
-               refuse_partial_overlap(hx, ho, "all_reduce");
+               in = unoverlapped_input(in, hx.bytes(), o, ho.bytes(), staged);
              }
              const DType t = static_cast<DType>(code >> 3);
              const size_t count = hx.bytes() / dtype_size(t);
@@ -385,11 +391,11 @@ void bind_coll(nb::module_& m) {
              // were already there (a bounded spin), else the wait goes on without the GIL, so
              // other threads run meanwhile.
              int started = -1;
-             s.guarded([&] { started = s.shm_.all_reduce_start(hx.ptr(), o, count, t, rop, timeout); });
+             s.guarded([&] { started = s.shm_.all_reduce_start(in, o, count, t, rop, timeout); });
              if (started == 1) return;
              nb::gil_scoped_release nogil;
              if (started == 0) s.guarded([&] { s.shm_.all_reduce_finish(o, count, t, rop); });
-             else s.guarded([&] { s.shm_.all_reduce(hx.ptr(), o, count, t, rop, timeout); });
+             else s.guarded([&] { s.shm_.all_reduce(in, o, count, t, rop, timeout); });
            },
            nb::arg("x"), nb::arg("out"), nb::arg("code"), nb::arg("timeout"))
       .def("broadcast",
@@ -463,7 +469,7 @@ void bind_coll(nb::module_& m) {
                                   std::move(children), timeout);
              hold(x, out, job->x, job->out, job->send, job->send_bytes, job->recv, job->recv_bytes);
              if (shm && job->send && job->recv && job->p.kind == CollKind::AllReduce)
-               refuse_partial_overlap(job->x, job->out, "all_reduce");
+               job->send = unoverlapped_input(job->send, job->send_bytes, job->recv, job->recv_bytes, job->staged);
              auto req = std::make_unique<CollRequest>(w.comm(), job, x, out);
              w.submit(job);
              return req;

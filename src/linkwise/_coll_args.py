@@ -67,13 +67,20 @@ def check_refused(comm) -> None:
     take part in the check exchange anyway, with a row no call has, so the ranks that did
     enter the call raise at once instead of waiting for this rank until the timeout. Errors
     of the exchange itself are left to the caller's next call (it raises the refusal)."""
-    mine = np.array([_REFUSED, 0, 0, -1, 0, 0], dtype=np.int64)
-    everyone = np.empty(comm.size * mine.size, dtype=np.int64)
     try:
-        _native_module().coll(comm._native, KINDS["all_gather"], mine, everyone, _U8, 0, 0,
-                              comm._next_seq(), 1, 1 << 20, [], -1, [], comm.timeout)
+        _check_rows(comm, [_REFUSED, 0, 0, -1, 0, 0])
     except Exception:  # noqa: BLE001 - the refusal is what the caller reports
         pass
+
+
+def _check_rows(comm, row: list) -> np.ndarray:
+    """The check exchange: every rank's row (a host all_gather under the next collective
+    number), as a (ranks x len(row)) array."""
+    mine = np.array(row, dtype=np.int64)
+    everyone = np.empty(comm.size * mine.size, dtype=np.int64)
+    _native_module().coll(comm._native, KINDS["all_gather"], mine, everyone, _U8, 0, 0,
+                          comm._next_seq(), 1, 1 << 20, [], -1, [], comm.timeout)
+    return everyone.reshape(comm.size, mine.size)
 
 
 def check_agree(comm, kind: str, count: int, dtype: str, op: str, root: int, device: str) -> None:
@@ -88,11 +95,7 @@ def check_agree(comm, kind: str, count: int, dtype: str, op: str, root: int, dev
     except TypeError:  # a name NumPy does not know (e.g. a torch float8): compare by bytes only
         dcode = 99
     dev = 1 if device == "cuda" else 0
-    mine = np.array([KINDS[kind], count, dcode, OPS.get(op, -1), root, dev], dtype=np.int64)
-    everyone = np.empty(comm.size * mine.size, dtype=np.int64)
-    _native_module().coll(comm._native, KINDS["all_gather"], mine, everyone, _U8, 0, 0,
-                          comm._next_seq(), 1, 1 << 20, [], -1, [], comm.timeout)
-    rows = everyone.reshape(comm.size, mine.size)
+    rows = _check_rows(comm, [KINDS[kind], count, dcode, OPS.get(op, -1), root, dev])
     if (rows == rows[0]).all():
         return
     names = {v: k for k, v in KINDS.items()}
