@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "algo/coll.h"
+#include "core/copy.h"
 
 namespace linkwise {
 
@@ -26,7 +27,7 @@ void pairwise_all_to_all(CollCtx& c, const void* in, void* out, size_t bb) {
   const int n = c.size(), me = c.rank();
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
-  if (bb) std::memcpy(dst + me * bb, src + me * bb, bb);
+  if (bb) copy_bytes(dst + me * bb, src + me * bb, bb);
   // Blocks of 0 bytes still go out (empty messages): a rank called with 0 elements against
   // others' data then meets their messages (another size: an error) instead of returning.
   if (n == 1) return;
@@ -56,7 +57,7 @@ void linear_gather(CollCtx& c, const void* in, void* out, size_t bb) {
     std::vector<std::shared_ptr<Request>> reqs;
     for (int r = 0; r < n; ++r)
       if (r != root) reqs.push_back(c.irecv(r, dst + r * bb, bb, 0));
-    if (bb && dst + me * bb != in) std::memcpy(dst + me * bb, in, bb);
+    if (bb && dst + me * bb != in) copy_bytes(dst + me * bb, in, bb);
     c.wait_all(reqs);
   });
 }

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "algo/coll.h"
+#include "core/copy.h"
 
 namespace linkwise {
 
@@ -145,7 +146,7 @@ void ring_reduce_scatter(CollCtx& c, void* work, size_t block_count, void* out) 
   }
   ring_run(c, R, static_cast<char*>(work), off, len, es, true, false, 1);
   const char* mine = static_cast<const char*>(work) + static_cast<size_t>(c.rank()) * block_count * es;
-  if (out != mine && block_count) std::memcpy(out, mine, block_count * es);
+  if (out != mine && block_count) copy_bytes(out, mine, block_count * es);
   if (p.op == RedOp::Avg) avg_finish(out, block_count, p.dtype, R.n);
 }
 

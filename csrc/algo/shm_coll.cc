@@ -19,6 +19,7 @@
 #include "algo/fork_join.h"
 #include "algo/shm_coll_slot.h"
 #include "algo/shm_kernels.h"
+#include "core/copy.h"
 #include "core/status.h"
 #include "core/wait.h"
 #include "transport/shm/cma.h"
@@ -59,7 +60,7 @@ void copy_out(void* dst, const void* src, size_t n, bool stream) {
     return;
   }
 #endif
-  std::memcpy(dst, src, n);
+  copy_bytes(dst, src, n);
 }
 
 size_t ShmColl::segment_bytes(int n) { return static_cast<size_t>(n) * Slot::bytes(); }
@@ -246,7 +247,7 @@ void ShmColl::one_shot(const void* in, void* out, size_t count, DType t, RedOp o
 uint32_t ShmColl::one_shot_post(const void* in, size_t bytes) {
   const uint32_t r = ++one_round_;
   Slot* me = slot(rank_);
-  std::memcpy(me->one(r), in, bytes);
+  copy_bytes(me->one(r), in, bytes);
   stamp(me->h().b_in.stamp[r & 1]);
   publish(me->h().b_in.v, r);
   return r;
@@ -363,7 +364,7 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
     for (int j = 0; j < n_; ++j) {
       if (j == rank_) continue;
       const size_t off = part_off(cnt, n_, j), len = part_off(cnt, n_, j + 1) - off;
-      std::memcpy(my_in + off * es, src + (base + off) * es, len * es);
+      copy_bytes(my_in + off * es, src + (base + off) * es, len * es);
     }
     stamp(me->h().a_in[lane].stamp);
     publish(a_in, r);
@@ -459,7 +460,7 @@ void ShmColl::ring_lane(int lane, int lanes, char* b, size_t bytes, int root, bo
         for (int q = 0; q < n_; ++q)
           if (q != root) wait_ge(q, slot(q)->h().c_done[lane].v, need, "broadcast");
       }
-      std::memcpy(area, b + off, len);
+      copy_bytes(area, b + off, len);
       rs->h().c_stamp[lane].piece[i % kBcSlots].store(piece_stamp(), std::memory_order_relaxed);
       publish(rs->h().c_done[lane].v, static_cast<uint32_t>(i + 1));
       publish(rs->h().c_in[lane].v, static_cast<uint32_t>(i + 1));

@@ -6,6 +6,7 @@
 
 #include "algo/shm_coll.h"
 #include "algo/shm_coll_slot.h"
+#include "core/copy.h"
 #include "core/reduce.h"
 #include "core/status.h"
 
@@ -37,12 +38,12 @@ void ShmColl::exchange(CallKind kind, const void* in, size_t in_bytes, void* out
     one_shot_wait(r, kind_name(kind));
     char* o = static_cast<char*>(out);
     if (kind == kAllGather) {
-      for (int q = 0; q < n_; ++q) std::memcpy(o + q * in_bytes, slot(q)->one(r), in_bytes);
+      for (int q = 0; q < n_; ++q) copy_bytes(o + q * in_bytes, slot(q)->one(r), in_bytes);
       return;
     }
     const size_t block = in_bytes / n_;
     if (kind == kAllToAll) {
-      for (int q = 0; q < n_; ++q) std::memcpy(o + q * block, slot(q)->one(r) + rank_ * block, block);
+      for (int q = 0; q < n_; ++q) copy_bytes(o + q * block, slot(q)->one(r) + rank_ * block, block);
       return;
     }
     one_shot_combine(r, out, block / dtype_size(t), t, op, rank_ * block);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "algo/coll.h"
+#include "core/copy.h"
 
 namespace linkwise {
 
@@ -44,7 +45,7 @@ void tree_reduce(CollCtx& c, const void* in, void* out, size_t count) {
   const bool root = p.parent < 0;
   const size_t nch = p.children.size();
   if (nch == 0 && root) {  // a single rank
-    if (out != in) std::memcpy(out, in, bytes);
+    if (out != in) copy_bytes(out, in, bytes);
     if (p.op == RedOp::Avg) avg_finish(out, count, p.dtype, c.size());
     return;
   }
@@ -137,7 +138,7 @@ void direct_all_reduce(CollCtx& c, void* buf, size_t count) {
     auto val = [&](int i) { return i == me ? static_cast<char*>(buf) : slots + i * bytes; };
     char* acc = me == 0 ? static_cast<char*>(buf) : slots;
     for (int i = 1; i < n; ++i) reduce_into(acc, val(i), count, p.dtype, p.op);
-    if (acc != buf) std::memcpy(buf, acc, bytes);
+    if (acc != buf) copy_bytes(buf, acc, bytes);
     if (p.op == RedOp::Avg) avg_finish(buf, count, p.dtype, n);
   } catch (...) {
     c.abort_after_failure();

@@ -1,7 +1,9 @@
 // linkwise._native: the data plane as seen from Python.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 
 #include "bindings/bindings.h"
+#include "core/copy.h"
 #include "core/status.h"
 
 namespace nb = nanobind;
@@ -41,6 +43,11 @@ NB_MODULE(_native, m) {
   linkwise::bind_cuda(m);
 #endif
   linkwise::bind_coll(m);
+  m.def("copy_detours", []() {
+    const auto c = linkwise::copy_detours();
+    return std::make_pair(c.vector_copies, c.cma_bounces);
+  }, "(vector-loop copies, bounced CMA transfers) so far in this process: copies whose "
+     "destination lay 1-31 bytes past the source modulo 4 KiB (core/copy.h)");
   m.def("build_info", []() {
     nb::dict d;
 #ifdef LINKWISE_HAVE_CUDA

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <functional>
 
+#include "core/copy.h"
 #include "core/wait.h"
 
 namespace linkwise {
@@ -26,7 +27,7 @@ class LoopbackLink : public PeerLink {
   void flush() override {}
   size_t read_some(void* dst, size_t n) override {
     size_t take = std::min(n, buf_.size() - pos_);
-    std::memcpy(dst, buf_.data() + pos_, take);
+    copy_bytes(dst, buf_.data() + pos_, take);
     pos_ += take;
     if (pos_ == buf_.size()) {
       buf_.clear();

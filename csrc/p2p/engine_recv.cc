@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/copy.h"
 #include "p2p/engine_internal.h"
 
 namespace linkwise {
@@ -56,7 +57,7 @@ bool Engine::match_unexpected_locked(Peer& p, const std::shared_ptr<Request>& re
       deliver_deferred_locked(p, *it, req.get());
       p.unexpected.erase(it);
     } else if (it->complete) {
-      if (it->hdr.size) std::memcpy(req->buf, it->data.get(), it->hdr.size);
+      if (it->hdr.size) copy_bytes(req->buf, it->data.get(), it->hdr.size);
       size_t n = it->hdr.size;
       p.unexpected.erase(it);
       complete_locked(*req, n);
@@ -165,7 +166,7 @@ void Engine::finish_incoming(Peer& p) {
   it->got = n;
   if (it->bound) {
     std::shared_ptr<Request> req = std::move(it->bound);
-    if (n) std::memcpy(req->buf, it->data.get(), n);
+    if (n) copy_bytes(req->buf, it->data.get(), n);
     p.unexpected.erase(it);
     complete_locked(*req, n);
   }

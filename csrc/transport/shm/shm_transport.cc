@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "core/copy.h"
 #include "core/status.h"
 #include "core/wait.h"
 #include "transport/shm/cma.h"
@@ -145,8 +146,8 @@ class ShmLink : public PeerLink {
     if (take == 0) return 0;
     size_t pos = static_cast<size_t>(out_tail_ & (cap - 1));
     size_t first = take < cap - pos ? take : cap - pos;
-    std::memcpy(out_data_ + pos, data, first);
-    if (take > first) std::memcpy(out_data_, static_cast<const char*>(data) + first, take - first);
+    copy_bytes(out_data_ + pos, data, first);
+    if (take > first) copy_bytes(out_data_, static_cast<const char*>(data) + first, take - first);
     out_tail_ += take;
     return take;
   }
@@ -166,8 +167,8 @@ class ShmLink : public PeerLink {
     if (take == 0) return 0;
     size_t pos = static_cast<size_t>(in_head_ & (cap - 1));
     size_t first = take < cap - pos ? take : cap - pos;
-    std::memcpy(dst, in_data_ + pos, first);
-    if (take > first) std::memcpy(static_cast<char*>(dst) + first, in_data_, take - first);
+    copy_bytes(dst, in_data_ + pos, first);
+    if (take > first) copy_bytes(static_cast<char*>(dst) + first, in_data_, take - first);
     in_head_ += take;
     in_->head.store(in_head_, std::memory_order_release);
     ring_doorbell(peer_.header);  // the writer may be asleep waiting for space

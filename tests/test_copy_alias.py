@@ -1,0 +1,132 @@
+"""Copies whose destination lies 1-31 bytes past the source modulo 4 KiB (core/copy.h): the
+string copy (glibc's memcpy, the kernel's process_vm_readv/writev) runs several times slower
+there, so copy_bytes takes a vector loop and CMA transfers go through a bounce buffer. The
+data must arrive intact on those detours: point-to-point over the shared-memory ring and over
+CMA, and the collectives of the shared-memory executor, with buffers placed at chosen offsets
+within a page on each rank. Each case also checks that the detour ran (_native.copy_detours),
+so a change of placement cannot leave them untested."""
+import numpy as np
+import pytest
+
+from coll_ref import check_equal, data, reduce_ref
+from multirank import run_ranks
+
+
+def placed(count: int, dtype, offset: int) -> np.ndarray:
+    """A zeroed array of count elements whose data starts `offset` bytes into a page."""
+    dt = np.dtype(dtype)
+    raw = np.zeros(count * dt.itemsize + 8192, np.uint8)
+    start = (offset - raw.ctypes.data) % 4096
+    return raw[start:start + count * dt.itemsize].view(dt)
+
+
+def _detours():
+    from linkwise import _native
+    return _native.copy_detours()
+
+
+def test_placed_arrays_start_where_asked():
+    for off in (0, 16, 4095):
+        a = placed(10, np.uint8, off)
+        assert a.ctypes.data % 4096 == off and a.size == 10
+
+
+# Sizes in bytes: under the ring, a few pages, over one 128 KiB bounce block and not a
+# multiple of it, and over the 1 MiB ring (the send wraps it).
+P2P_SIZES = [1000, 4099, 70_001, 131_075, 300_007, (1 << 20) + 3]
+
+
+def _p2p_body(comm, recv_offset, sweep):
+    before = _detours()
+    for nbytes in P2P_SIZES + [3001] * sweep:
+        if sweep:
+            recv_offset = (recv_offset + 4) % 4096  # each message lands elsewhere in the ring
+        want = data(0, nbytes, "uint8", "sum", salt=nbytes) * 37 + 1
+        if comm.rank == 0:
+            buf = placed(nbytes, np.uint8, 0)
+            buf[:] = want
+            comm.send(buf, 1)
+            back = placed(nbytes, np.uint8, recv_offset)
+            comm.recv(back, 1)
+            check_equal(back, want[::-1].copy(), f"echo of {nbytes} bytes")
+        else:
+            buf = placed(nbytes, np.uint8, recv_offset)
+            comm.recv(buf, 0)
+            check_equal(buf, want, f"{nbytes} bytes into offset {recv_offset}")
+            out = placed(nbytes, np.uint8, 0)
+            out[:] = buf[::-1]
+            comm.send(out, 0)
+    after = _detours()
+    return after[0] - before[0], after[1] - before[1]
+
+
+@pytest.mark.parametrize("recv_offset", [16, 5])
+def test_p2p_single_copy_survives_aliasing_placement(recv_offset):
+    # From 64 KiB messages go single-copy (CMA) by default.
+    res = run_ranks(2, _p2p_body, recv_offset, 0)
+    assert sum(r[1] for r in res) > 0, f"no CMA transfer went through the bounce buffer: {res}"
+
+
+def test_p2p_ring_survives_aliasing_placement():
+    # Everything through the ring, and a sweep of receive offsets: where a message's data sits
+    # in the ring depends on the messages before it, so the sweep is what makes some copies
+    # alias (deterministically: the same program lays out the ring the same way every run).
+    res = run_ranks(2, _p2p_body, 0, 512, env={"LINKWISE_SHM_RNDV_THRESHOLD": "1G"})
+    assert sum(r[0] for r in res) > 0, f"no ring copy took the vector loop: {res}"
+    assert sum(r[1] for r in res) == 0
+
+
+def _coll_body(comm, counts):
+    """Collectives with odd ranks' buffers 16 bytes into a page and even ranks' at 0."""
+    off = 16 if comm.rank % 2 else 0
+    before = _detours()
+    for count in counts:
+        for root in range(comm.size):
+            want = data(root, count, "float32", "sum", salt=5)
+            x = placed(count, np.float32, off)
+            if comm.rank == root:
+                x[:] = want
+            comm.broadcast(x, root=root)
+            check_equal(x, want, f"broadcast in place {count} root {root}")
+            out = placed(count, np.float32, off)
+            src = placed(count, np.float32, 0)
+            if comm.rank == root:
+                src[:] = want
+            comm.broadcast(src, root=root, out=out)
+            check_equal(out, want, f"broadcast out of place {count} root {root}")
+        inputs = [data(r, count, "float32", "sum", salt=9) for r in range(comm.size)]
+        want = reduce_ref(inputs, "sum", "float32")
+        x = placed(count, np.float32, 0)
+        x[:] = inputs[comm.rank]
+        out = placed(count, np.float32, off)
+        comm.all_reduce(x, out=out)
+        check_equal(out, want, f"all_reduce out of place {count}")
+        comm.all_reduce(x)
+        check_equal(x, want, f"all_reduce in place {count}")
+        block = min(count, 2001)  # the executor's exchange takes x up to 32 KiB
+        mine = data(comm.rank, block, "float32", "sum", salt=13)
+        gathered = placed(block * comm.size, np.float32, off)
+        comm.all_gather(mine, out=gathered)
+        check_equal(gathered, np.concatenate([data(r, block, "float32", "sum", salt=13)
+                                              for r in range(comm.size)]), f"all_gather {block}")
+    after = _detours()
+    return after[0] - before[0], after[1] - before[1]
+
+
+# float32 counts: a few pages, and over 1 MiB (several CMA pieces and bounce blocks).
+COLL_COUNTS = [3001, 300_007]
+# Every broadcast and all_reduce through CMA (the single-copy paths), in 64 KiB pieces.
+CMA_ENV = {"LINKWISE_COLL_CMA_BCAST_MIN": "1", "LINKWISE_COLL_CMA_MIN": "1",
+           "LINKWISE_COLL_CMA_PIECE": "64K"}
+RING_ENV = {"LINKWISE_SHM_CMA": "0"}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("env", [CMA_ENV, RING_ENV], ids=["cma", "ring"])
+def test_collectives_data_survive_aliasing_placement(n, env):
+    res = run_ranks(n, _coll_body, COLL_COUNTS, env=env)
+    vector = sum(r[0] for r in res)
+    bounced = sum(r[1] for r in res)
+    if env is CMA_ENV:
+        assert bounced > 0, f"no CMA transfer went through the bounce buffer: {res}"
+    assert vector > 0, f"no copy took the vector loop: {res}"
