@@ -314,3 +314,31 @@ def _many_pending_async(comm):
 
 def test_many_pending_async_collectives_need_no_file_each():
     assert run_ranks(2, _many_pending_async, timeout=120) == [True, True]
+
+
+def _block_shape_body(comm, rows_per_rank, cols):
+    """reduce_scatter and scatter of a (size * k, m) array return (k, m) blocks; a first axis
+    that does not divide gives flat blocks. Values against NumPy."""
+    n, r = comm.size, comm.rank
+    shapes = [(n * rows_per_rank, cols), (n * rows_per_rank, 2, cols), (n * rows_per_rank + 1, n)]
+    for shape in shapes:
+        count = int(np.prod(shape))
+        inputs = [data(q, count, "float32", "sum", salt=4).reshape(shape) for q in range(n)]
+        block = count // n
+        want_shape = (shape[0] // n,) + shape[1:] if shape[0] % n == 0 else (block,)
+        got = comm.reduce_scatter(inputs[r])
+        assert got.shape == want_shape, (shape, got.shape)
+        full = reduce_ref([a.reshape(-1) for a in inputs], "sum", "float32")
+        check_equal(got.reshape(-1), full[r * block:(r + 1) * block], f"reduce_scatter {shape}")
+        got = comm.scatter(inputs[0] if r == 0 else None, root=0, out=None if r == 0 else np.empty(want_shape, np.float32))
+        assert got.shape == want_shape, (shape, got.shape)
+        check_equal(got.reshape(-1), inputs[0].reshape(-1)[r * block:(r + 1) * block], f"scatter {shape}")
+    return True
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 700])  # the shared-memory exchange (small) and messages
+def test_reduce_scatter_and_scatter_blocks_keep_trailing_axes(n, rows):
+    assert all(run_ranks(n, _block_shape_body, rows, 5))
+    if n == 2:
+        assert all(run_ranks(n, _block_shape_body, rows, 5, env={"LINKWISE_ALGO": "ring"}))

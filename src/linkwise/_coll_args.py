@@ -131,6 +131,18 @@ def _native_module():
     return _NATIVE
 
 
+def block_shape(shape: tuple, size: int) -> tuple:
+    """Shape of one rank's block of an array of `shape` split into `size` blocks (reduce_scatter,
+    scatter): along the first axis when it divides, else flat. So x of shape (size * k, m)
+    gives (k, m), as all_gather of (k, m) gives (size * k, m)."""
+    if shape and shape[0] % size == 0:
+        return (shape[0] // size,) + tuple(shape[1:])
+    count = 1
+    for d in shape:
+        count *= d
+    return (count // size,)
+
+
 def _as_array(x: Any, what: str, name: str = "x") -> np.ndarray:
     """x as a C-contiguous NumPy array sharing its memory (no copy), else ValueError/TypeError;
     `name` is the argument's name in the message."""

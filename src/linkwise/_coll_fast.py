@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._coll_args import _ENV, _FAST_CODES_BY_OP, KINDS
+from ._coll_args import _ENV, _FAST_CODES_BY_OP, KINDS, block_shape
 from ._shm_exec import ONE_SHOT_CAP
 
 _ndarray = np.ndarray
@@ -42,7 +42,7 @@ def exchange_fast(comm, fast, kind: int, x: np.ndarray, out, op: str = ""):
             if code < 0:
                 return None
             if out is None:
-                out = np.empty(x.size // n, dtype=x.dtype)
+                out = np.empty(block_shape(x.shape, n), dtype=x.dtype)
             elif type(out) is not _ndarray or out.dtype != x.dtype or out.size * n != x.size:
                 return None
         elif out is None:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from . import _gpu_coll
-from ._coll_args import _as_array, _dtype_label
+from ._coll_args import _as_array, _dtype_label, block_shape
 from .collectives import _skips_on_argument_error
 
 
@@ -49,7 +49,7 @@ class GatherScatterMixin:
         if out is None:
             if xa is None:
                 raise ValueError("scatter: pass out= (an array of len(x) // size elements) on ranks without x")
-            out = result = np.empty(xa.size // self.size, dtype=xa.dtype)
+            out = result = np.empty(block_shape(xa.shape, self.size), dtype=xa.dtype)
         else:
             result, out = out, _as_array(out, "scatter")
             if xa is not None and (out.dtype != xa.dtype or out.size * self.size != xa.size):

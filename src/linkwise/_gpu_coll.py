@@ -101,7 +101,8 @@ def _run(comm, op: str, x: Any, *, out: Any, red: str, root: int, dtype: Optiona
             raise ValueError(f"reduce_scatter: x has {n} elements, not a multiple of the "
                              f"communicator size {comm.size}")
         if out is None:
-            out = _empty(x, (n // comm.size,))
+            from ._coll_args import block_shape
+            out = _empty(x, block_shape(tuple(shape), comm.size))
         return g.reduce_scatter(x, out, op=red, stream=stream)
     if op == "all_to_all":
         if out is None or out is x:

@@ -39,7 +39,7 @@ from .plan.schedule import LARGE_PAIR_BCAST, default_schedule
 from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from here
     _ENV, _FAST_CODES, _FAST_CODES_BY_OP, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, CollectiveRequest, _as_array,
     _dtype_label, _dtype_name, _env_set, fast_path_bf16, _host_out, _native_module, _raw, _skips_on_argument_error,
-    check_agree)
+    block_shape, check_agree)
 
 
 _BARRIER_CODE = _FAST_CODES[(np.dtype(np.uint8), "sum")]
@@ -441,7 +441,7 @@ class CollectivesMixin:
             raise ValueError(f"reduce_scatter: x has {x.size} elements, not a multiple of the "
                              f"communicator size {self.size}")
         if out is None:
-            out = result = np.empty(x.size // self.size, dtype=x.dtype)
+            out = result = np.empty(block_shape(x.shape, self.size), dtype=x.dtype)
         else:
             result, out = out, _host_out(out, "reduce_scatter")
             if out.dtype != x.dtype or out.size * self.size != x.size:
