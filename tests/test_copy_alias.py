@@ -4,7 +4,9 @@ there, so copy_bytes takes a vector loop and CMA transfers go through a bounce b
 data must arrive intact on those detours: point-to-point over the shared-memory ring and over
 CMA, and the collectives of the shared-memory executor, with buffers placed at chosen offsets
 within a page on each rank. Each case also checks that the detour ran (_native.copy_detours),
-so a change of placement cannot leave them untested."""
+so a change of placement cannot leave them untested. The detours are on by default on AMD CPUs
+only (where the slow copy was measured); the tests force them on (LINKWISE_COPY_DETOUR=on) so
+that they run on any CPU, and check that "off" takes none."""
 import numpy as np
 import pytest
 
@@ -30,6 +32,8 @@ def test_placed_arrays_start_where_asked():
         a = placed(10, np.uint8, off)
         assert a.ctypes.data % 4096 == off and a.size == 10
 
+
+ON = {"LINKWISE_COPY_DETOUR": "on"}
 
 # Sizes in bytes: under the ring, a few pages, over one 128 KiB bounce block and not a
 # multiple of it, and over the 1 MiB ring (the send wraps it).
@@ -63,7 +67,7 @@ def _p2p_body(comm, recv_offset, sweep):
 @pytest.mark.parametrize("recv_offset", [16, 5])
 def test_p2p_single_copy_survives_aliasing_placement(recv_offset):
     # From 64 KiB messages go single-copy (CMA) by default.
-    res = run_ranks(2, _p2p_body, recv_offset, 0)
+    res = run_ranks(2, _p2p_body, recv_offset, 0, env=ON)
     assert sum(r[1] for r in res) > 0, f"no CMA transfer went through the bounce buffer: {res}"
 
 
@@ -71,7 +75,7 @@ def test_p2p_ring_survives_aliasing_placement():
     # Everything through the ring, and a sweep of receive offsets: where a message's data sits
     # in the ring depends on the messages before it, so the sweep is what makes some copies
     # alias (deterministically: the same program lays out the ring the same way every run).
-    res = run_ranks(2, _p2p_body, 0, 512, env={"LINKWISE_SHM_RNDV_THRESHOLD": "1G"})
+    res = run_ranks(2, _p2p_body, 0, 512, env={"LINKWISE_SHM_RNDV_THRESHOLD": "1G", **ON})
     assert sum(r[0] for r in res) > 0, f"no ring copy took the vector loop: {res}"
     assert sum(r[1] for r in res) == 0
 
@@ -124,9 +128,31 @@ RING_ENV = {"LINKWISE_SHM_CMA": "0"}
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("env", [CMA_ENV, RING_ENV], ids=["cma", "ring"])
 def test_collectives_data_survive_aliasing_placement(n, env):
-    res = run_ranks(n, _coll_body, COLL_COUNTS, env=env)
+    res = run_ranks(n, _coll_body, COLL_COUNTS, env={**env, **ON})
     vector = sum(r[0] for r in res)
     bounced = sum(r[1] for r in res)
     if env is CMA_ENV:
         assert bounced > 0, f"no CMA transfer went through the bounce buffer: {res}"
     assert vector > 0, f"no copy took the vector loop: {res}"
+
+
+def test_detours_off_take_none_and_move_the_same_data():
+    res = run_ranks(2, _coll_body, COLL_COUNTS, env={**CMA_ENV, "LINKWISE_COPY_DETOUR": "off"})
+    assert res == [(0, 0), (0, 0)]
+    res = run_ranks(2, _p2p_body, 16, 0, env={"LINKWISE_COPY_DETOUR": "0"})
+    assert res == [(0, 0), (0, 0)]
+
+
+def test_detour_default_follows_the_cpu():
+    from linkwise import _native
+    with open("/proc/cpuinfo") as f:
+        amd = "AuthenticAMD" in f.read()
+    try:
+        _native.set_copy_detour(-1)
+        assert _native.copy_detour_on() is amd
+        _native.set_copy_detour(0)
+        assert _native.copy_detour_on() is False
+        _native.set_copy_detour(1)
+        assert _native.copy_detour_on() is True
+    finally:
+        _native.set_copy_detour(-1)

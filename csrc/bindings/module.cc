@@ -48,6 +48,9 @@ NB_MODULE(_native, m) {
     return std::make_pair(c.vector_copies, c.cma_bounces);
   }, "(vector-loop copies, bounced CMA transfers) so far in this process: copies whose "
      "destination lay 1-31 bytes past the source modulo 4 KiB (core/copy.h)");
+  m.def("set_copy_detour", &linkwise::set_copy_detour, nb::arg("mode"),
+        "aliasing copies take the detours of core/copy.h: -1 by CPU (AMD), 0 never, 1 always");
+  m.def("copy_detour_on", &linkwise::copy_detour_on);
   m.def("build_info", []() {
     nb::dict d;
 #ifdef LINKWISE_HAVE_CUDA

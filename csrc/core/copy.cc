@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstring>
 #if defined(__SSE2__)
+#include <cpuid.h>
 #include <emmintrin.h>
 #endif
 
@@ -10,7 +11,23 @@ namespace linkwise {
 
 namespace {
 std::atomic<uint64_t> vector_copies{0}, cma_bounces{0};
+
+bool amd_cpu() {
+#if defined(__SSE2__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
+  return ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
+#else
+  return false;
+#endif
+}
+
+std::atomic<bool> detour{amd_cpu()};
 }  // namespace
+
+void set_copy_detour(int mode) { detour.store(mode < 0 ? amd_cpu() : mode > 0, std::memory_order_relaxed); }
+
+bool copy_detour_on() { return detour.load(std::memory_order_relaxed); }
 
 CopyDetours copy_detours() {
   return {vector_copies.load(std::memory_order_relaxed), cma_bounces.load(std::memory_order_relaxed)};
@@ -20,7 +37,8 @@ void count_cma_bounce() { cma_bounces.fetch_add(1, std::memory_order_relaxed); }
 
 void copy_bytes(void* dst, const void* src, size_t n) {
 #if defined(__SSE2__)
-  if (n >= 1024 && copy_aliases(reinterpret_cast<uintptr_t>(dst), reinterpret_cast<uintptr_t>(src))) {
+  if (n >= 1024 && copy_aliases(reinterpret_cast<uintptr_t>(dst), reinterpret_cast<uintptr_t>(src)) &&
+      copy_detour_on()) {
     vector_copies.fetch_add(1, std::memory_order_relaxed);
     char* d = static_cast<char*>(dst);
     const char* s = static_cast<const char*>(src);

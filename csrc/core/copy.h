@@ -6,7 +6,9 @@
 // destination lies a few bytes past the source modulo 4 KiB: each load then aliases a store
 // just issued. Measured on the 2-core VM's AMD EPYC (bench/copy_alias.cc; 8 MiB in 256 KiB
 // copies): memcpy 0.45 ms at distance 0 and 4.6 ms at distance 16; process_vm_readv 1.4 ms and
-// 5.9 ms. Distances 4-28 were slow there, 32 and more were not. Fresh NumPy
+// 5.9 ms. Distances 4-28 were slow there, 32 and more were not. The GPU machines' Intel Xeon
+// showed no such penalty at any distance, so the detours are on for AMD CPUs only by default
+// (set_copy_detour overrides: LINKWISE_COPY_DETOUR). Fresh NumPy
 // arrays of 128 KiB and more sit at 16 bytes past a page, so copying into one from a
 // page-aligned ring slot, or between arrays placed alike on two ranks, hits it routinely
 // (docs/benchmarks.md, fourteenth session).
@@ -27,8 +29,14 @@ inline bool copy_aliases(uintptr_t dst, uintptr_t src) {
   return d != 0 && d < 32;
 }
 
-// memcpy(dst, src, n) for non-overlapping buffers; an aliasing copy of 1 KiB or more runs as
-// a vector loop instead of the string copy.
+// Whether aliasing copies take the detours: -1 = by CPU (AMD: yes), 0 = never, 1 = always.
+// Process-wide; set before the transfers it should affect (a relaxed flag: a copy running
+// while it changes takes either way, both correct).
+void set_copy_detour(int mode);
+bool copy_detour_on();
+
+// memcpy(dst, src, n) for non-overlapping buffers; where the detours are on, an aliasing copy
+// of 1 KiB or more runs as a vector loop instead of the string copy.
 void copy_bytes(void* dst, const void* src, size_t n);
 
 // How many copies took the detours so far in this process (copy_bytes' vector loop, the CMA

@@ -100,6 +100,8 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         # CPUs this rank may count as its own (spinning, helper threads; see cpus_per_rank).
         self._cpus_per_rank = _setup.cpus_per_rank(
             cards, rank, max(local_size, config.get("LINKWISE_LOCAL_SIZE") or 1))
+        detour = config.get("LINKWISE_COPY_DETOUR")
+        _native().set_copy_detour(-1 if detour == "auto" else int(detour in ("on", "1")))
         self._native = _native().NativeComm(rank, size, _default_spin_us(self._cpus_per_rank),
                                             config.get("LINKWISE_SHM_RNDV_THRESHOLD"))
         self.transports: dict[int, str] = {}

@@ -93,6 +93,9 @@ declare("LINKWISE_SHM_RNDV_THRESHOLD", 64 << 10, _size,
         "messages at least this large go single-copy (process_vm_readv) instead of through the ring")
 declare("LINKWISE_SPIN_US", -1.0, float,
         "microseconds a waiting rank spins before it sleeps; -1 picks by cores per local rank")
+declare("LINKWISE_COPY_DETOUR", "auto", _choice("auto", "on", "off", "1", "0"),
+        "copies whose destination lies 1-31 bytes past the source within a 4 KiB page avoid the "
+        "CPU's string copy (slow there on AMD EPYC, docs/benchmarks.md); auto = on for AMD CPUs")
 declare("LINKWISE_DEBUG", False, _bool, "log bootstrap and transport setup to stderr")
 # Set by `linkwise launch` (or by hand); read by linkwise.bootstrap.detect.
 declare("LINKWISE_RANK", None, int, "this process's rank (set by `linkwise launch`)")

@@ -86,7 +86,7 @@ bool cma_probe(int64_t pid, const void* addr, uint64_t expect) {
 
 void cma_read(int64_t pid, int peer_rank, void* local, uint64_t remote, size_t n) {
   char* out = static_cast<char*>(local);
-  if (n < kBounceMin || !copy_aliases(reinterpret_cast<uintptr_t>(out), remote))
+  if (n < kBounceMin || !copy_aliases(reinterpret_cast<uintptr_t>(out), remote) || !copy_detour_on())
     return read_direct(pid, peer_rank, out, remote, n);
   count_cma_bounce();
   for (size_t off = 0; off < n; off += kBounceBlock) {
@@ -99,7 +99,7 @@ void cma_read(int64_t pid, int peer_rank, void* local, uint64_t remote, size_t n
 
 void cma_write(int64_t pid, int peer_rank, uint64_t remote, const void* local, size_t n) {
   const char* in = static_cast<const char*>(local);
-  if (n < kBounceMin || !copy_aliases(remote, reinterpret_cast<uintptr_t>(in)))
+  if (n < kBounceMin || !copy_aliases(remote, reinterpret_cast<uintptr_t>(in)) || !copy_detour_on())
     return write_direct(pid, peer_rank, remote, in, n);
   count_cma_bounce();
   for (size_t off = 0; off < n; off += kBounceBlock) {
