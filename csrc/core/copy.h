@@ -2,19 +2,20 @@
 // slots, a peer's memory), safe from one pathological case of x86 string copies.
 //
 // Why: `rep movsb` (what glibc's memcpy uses for mid-sized copies on CPUs with fast strings, and
-// what the kernel uses in process_vm_readv/writev) runs several times slower when the
-// destination lies a few bytes past the source modulo 4 KiB: each load then aliases a store
-// just issued. Measured on the 2-core VM's AMD EPYC (bench/copy_alias.cc; 8 MiB in 256 KiB
-// copies): memcpy 0.45 ms at distance 0 and 4.6 ms at distance 16; process_vm_readv 1.4 ms and
-// 5.9 ms. Distances 4-28 were slow there, 32 and more were not. The GPU machines' Intel Xeon
-// showed no such penalty at any distance, so the detours are on for AMD CPUs only by default
-// (set_copy_detour overrides: LINKWISE_COPY_DETOUR). Fresh NumPy
-// arrays of 128 KiB and more sit at 16 bytes past a page, so copying into one from a
-// page-aligned ring slot, or between arrays placed alike on two ranks, hits it routinely
-// (docs/benchmarks.md, fourteenth session).
+// what the kernel uses in process_vm_readv/writev) runs several times slower on some CPUs when
+// the destination lies a few bytes past the source modulo 4 KiB: each load then aliases a
+// store just issued. Measured on the 2-core VM's AMD EPYC (bench/copy_alias.cc; 8 MiB in
+// 256 KiB copies): memcpy 0.45 ms at distance 0 and 4.6 ms at distance 16, process_vm_readv
+// 1.4 ms and 5.9 ms; distances 4-28 were slow, 32 and more were not. Fresh NumPy arrays of
+// 128 KiB and more sit 16 bytes into a page, so copying into one from a page-aligned ring slot,
+// or between arrays placed alike on two ranks, hits it routinely (docs/benchmarks.md,
+// fourteenth session). The GPU machines' Intel Xeon showed no penalty at any distance, so the
+// detours are on for AMD CPUs only unless set_copy_detour says otherwise
+// (LINKWISE_COPY_DETOUR).
 //
-// Threading: no shared state; copy_bytes is a plain function, the CMA bounce buffers (cma.cc)
-// are per thread.
+// Threading: every function may be called from any thread. Process-wide state: the detour flag
+// and two statistics counters (relaxed atomics); the CMA bounce buffers (cma.cc) are per
+// thread.
 #pragma once
 
 #include <cstddef>
