@@ -2,8 +2,6 @@
 // one-shot round each (see ShmColl::exchange in algo/shm_coll.h). Through point-to-point
 // messages these cost one message per peer and the engine's matching (~8-14 us for 2 ranks
 // on the 2-core VM); here a copy in, one counter and the reads.
-#include <cstring>
-
 #include "algo/shm_coll.h"
 #include "algo/shm_coll_slot.h"
 #include "core/copy.h"

@@ -179,7 +179,7 @@ void Engine::finish_incoming(Peer& p) {
 // communicator aborted.
 bool Engine::deliver_deferred_locked(Peer& p, Unexpected& u, Request* req) {
   const size_t n = u.hdr.size;
-  u.deferred = false;  // from here on the caller owns u's fate (fail_peer_locked drops deferred ones)
+  u.deferred = false;  // from here on the caller owns u's fate (fail_peer_locked marks only deferred ones failed)
   try {
     if (req) {
       if (n) p.link->pull(req->buf, u.hdr.addr, n, u.hdr.seq);

@@ -131,10 +131,16 @@ def _native_module():
     return _NATIVE
 
 
+def gathered_shape(shape: tuple, size: int) -> tuple:
+    """Shape of `size` arrays of `shape` stacked along the first axis (all_gather, gather): (k, m)
+    gives (size * k, m); a 0-d array counts as one element."""
+    return (size * (shape[0] if shape else 1),) + tuple(shape[1:])
+
+
 def block_shape(shape: tuple, size: int) -> tuple:
     """Shape of one rank's block of an array of `shape` split into `size` blocks (reduce_scatter,
     scatter): along the first axis when it divides, else flat. So x of shape (size * k, m)
-    gives (k, m), as all_gather of (k, m) gives (size * k, m)."""
+    gives (k, m), undoing gathered_shape."""
     if shape and shape[0] % size == 0:
         return (shape[0] // size,) + tuple(shape[1:])
     count = 1

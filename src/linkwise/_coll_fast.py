@@ -1,7 +1,7 @@
 """The latency paths of small all_gather, reduce_scatter and all_to_all: straight to the
 shared-memory executor's one-shot exchange (ShmColl::exchange) for plain NumPy arrays of at
 most 32 KiB, blocking, with no LINKWISE_ALGO or LINKWISE_CHECK set. The general path
-(CollectivesMixin, then _run) costs ~6 us of Python a call on the 2-core VM against ~1.8 us
+(CollectivesMixin, then _run) costs ~6 us of Python a call on the 2-core VM against ~1-2 us
 for the exchange itself; here a handful of tests decide.
 
 exchange_fast() returns None where it declines (anything else goes the general path, which
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._coll_args import _ENV, _FAST_CODES_BY_OP, KINDS, block_shape
+from ._coll_args import _ENV, _FAST_CODES_BY_OP, KINDS, block_shape, gathered_shape
 from ._shm_exec import ONE_SHOT_CAP
 
 _ndarray = np.ndarray
@@ -31,7 +31,7 @@ def exchange_fast(comm, fast, kind: int, x: np.ndarray, out, op: str = ""):
     code = 0
     if kind == ALL_GATHER:
         if out is None:
-            out = np.empty((n * (x.shape[0] if x.ndim else 1),) + x.shape[1:], dtype=x.dtype)
+            out = np.empty(gathered_shape(x.shape, n), dtype=x.dtype)
         elif type(out) is not _ndarray or out.dtype != x.dtype or out.size != n * x.size:
             return None
     else:

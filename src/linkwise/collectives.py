@@ -39,7 +39,7 @@ from .plan.schedule import LARGE_PAIR_BCAST, default_schedule
 from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from here
     _ENV, _FAST_CODES, _FAST_CODES_BY_OP, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, CollectiveRequest, _as_array,
     _dtype_label, _dtype_name, _env_set, fast_path_bf16, _host_out, _native_module, _raw, _skips_on_argument_error,
-    block_shape, check_agree)
+    block_shape, check_agree, gathered_shape)
 
 
 _BARRIER_CODE = _FAST_CODES[(np.dtype(np.uint8), "sum")]
@@ -270,7 +270,7 @@ class CollectivesMixin:
         """(result, out array) of a collective that concatenates every rank's x: out allocated
         (size blocks along x's first axis) or checked (dtype, size, writable)."""
         if out is None:
-            result = arr = np.empty((self.size * (x.shape[0] if x.ndim else 1),) + x.shape[1:], dtype=x.dtype)
+            result = arr = np.empty(gathered_shape(x.shape, self.size), dtype=x.dtype)
         else:
             result, arr = out, _host_out(out, what)
             self._same(x, arr, what, self.size)
