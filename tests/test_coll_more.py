@@ -298,6 +298,22 @@ def test_mixed_blocking_and_async(shm_clean):
     assert run_ranks(3, _mixed_forms_body, timeout=60) == [True] * 3
 
 
+def _nothing_pending_after_wait(comm):
+    """Once wait() returns, the job no longer counts as pending: close() after it must not
+    stop the executor under peers still in that call (it did, now and then, when the worker
+    woke the waiter before it counted the job done)."""
+    x = np.ones(7, np.int64)
+    seen = 0
+    for _ in range(3000):
+        comm.all_reduce(x, async_op=True).wait()
+        seen += comm._coll_worker.pending
+    return seen
+
+
+def test_no_job_pending_after_wait():
+    assert run_ranks(2, _nothing_pending_after_wait, timeout=60) == [0, 0]
+
+
 def _many_pending_async(comm):
     """600 pending async all_reduces under a limit of 256 open files: each used to hold an
     eventfd from submission (made now only when awaited), so the 256th failed with EMFILE."""

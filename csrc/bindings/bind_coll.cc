@@ -284,8 +284,11 @@ class CollWorker {
       } catch (...) {
         err = std::current_exception();
       }
-      job->finish(err);
+      // Not pending once it ran, before its waiter wakes: a thread returning from wait()
+      // must see 0 here, or close() would stop the executor under peers still in this call
+      // and a blocking call would queue behind a job that is already done.
       pending_.fetch_sub(1);
+      job->finish(err);
     }
   }
   std::shared_ptr<NativeComm> comm_;
