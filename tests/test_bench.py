@@ -187,9 +187,10 @@ def test_report_says_why_cells_are_na():
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
-def test_mpirun_is_not_started_inside_the_ranks_binding():
-    """A bound rank (linkwise launch --bind cpu) starts mpirun with every CPU it may get, so the
-    MPI side of --compare is not squeezed onto that rank's cores; its own mask comes back."""
+def test_mpirun_is_not_started_inside_the_ranks_binding(monkeypatch):
+    """A bound rank (linkwise launch --bind cpu) starts mpirun on the launcher's CPUs, so the
+    MPI side of --compare is not squeezed onto that rank's cores; its own mask comes back.
+    Unbound (no LINKWISE_LAUNCH_CPUS), mpirun keeps the process's mask, an outer taskset's."""
     import threading
     from linkwise.bench import spawn
     allowed = os.sched_getaffinity(0)
@@ -202,12 +203,22 @@ def test_mpirun_is_not_started_inside_the_ranks_binding():
             seen["cmd"] = compare.mpirun_command(len(allowed))
         seen["after"] = os.sched_getaffinity(0)
 
-    t = threading.Thread(target=bound_rank)
-    t.start()
-    t.join()
+    def run():
+        t = threading.Thread(target=bound_rank)
+        t.start()
+        t.join()
+
+    monkeypatch.setenv("LINKWISE_LAUNCH_CPUS", ",".join(map(str, sorted(allowed))))
+    run()
     assert seen["inside"] == allowed
     assert "--oversubscribe" not in seen["cmd"]
     assert seen["after"] == {min(allowed)}
+    monkeypatch.delenv("LINKWISE_LAUNCH_CPUS")
+    run()
+    assert seen["inside"] == seen["after"] == {min(allowed)}
+    monkeypatch.setenv("LINKWISE_LAUNCH_CPUS", "0,x")
+    with pytest.raises(ValueError, match="LINKWISE_LAUNCH_CPUS"):
+        spawn._all_cpus()
 
 
 def test_machine_line_names_the_machines_cores(monkeypatch):

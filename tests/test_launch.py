@@ -210,15 +210,21 @@ def test_cleanup_shm_only_matches_job(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
 def test_bind_cpu_sets_disjoint_affinity(tmp_path):
-    body = "print('cpus', sorted(os.sched_getaffinity(0)))\n"
+    body = ("print('cpus', sorted(os.sched_getaffinity(0)))\n"
+            "print('given', repr(os.environ.get('LINKWISE_LAUNCH_CPUS')))\n")
+    mine = set(os.sched_getaffinity(0))
     p, _ = run_launch(tmp_path, body, "-n", "2", "--bind", "cpu")
     assert p.returncode == 0, p.stderr
-    sets = [set(eval(ln.split("cpus ", 1)[1])) for ln in p.stdout.splitlines()]
+    sets = [set(eval(ln.split("cpus ", 1)[1])) for ln in p.stdout.splitlines() if "cpus " in ln]
     assert len(sets) == 2 and not sets[0] & sets[1]
-    assert sets[0] | sets[1] == set(os.sched_getaffinity(0))
+    assert sets[0] | sets[1] == mine
+    # a bound rank learns the launcher's CPUs (for the helpers it starts, bench's mpirun)
+    given = [eval(ln.split("given ", 1)[1]) for ln in p.stdout.splitlines() if "given " in ln]
+    assert [set(map(int, g.split(","))) for g in given] == [mine, mine]
     p, _ = run_launch(tmp_path, body, "-n", "2")
-    sets = [set(eval(ln.split("cpus ", 1)[1])) for ln in p.stdout.splitlines()]
-    assert sets == [set(os.sched_getaffinity(0))] * 2  # --bind none leaves affinity alone
+    sets = [set(eval(ln.split("cpus ", 1)[1])) for ln in p.stdout.splitlines() if "cpus " in ln]
+    assert sets == [mine] * 2  # --bind none leaves affinity alone
+    assert p.stdout.count("given None") == 2
 
 
 def test_cpu_slices():

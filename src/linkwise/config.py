@@ -110,6 +110,9 @@ declare("LINKWISE_MASTER_PORT_SPARE", None, int,
         "how many ports above the store's port rank 0 may move to when that one is taken (the "
         "others find it by a job token); default 8 for a derived port, 0 for a given one")
 declare("LINKWISE_JOB_ID", "", str, "job identifier; names shared-memory segments /dev/shm/linkwise-<id>-*")
+declare("LINKWISE_LAUNCH_CPUS", "", str,
+        "CPUs given to `linkwise launch` (comma list; set by it for ranks it binds): where a bound "
+        "rank starts helper processes such as the benchmark's mpirun")
 declare("LINKWISE_DEVICE", None, int, "GPU index this rank uses (set by `linkwise launch --bind auto`)")
 declare("LINKWISE_TOPO_FILE", "", str,
         "a topology JSON (linkwise topo --save) used instead of discovering this machine")

@@ -263,12 +263,17 @@ def thread_affinity(cpus):
 def _spawn(cmd, n, base, bind, out: _Output, procs: list) -> int:
     """Start the n ranks into procs; 0, or 2 after a message if one cannot start."""
     bindings = _bindings(bind, n, out.say)
+    # A bound rank starts its helpers (the benchmark's mpirun) on the CPUs given to this
+    # launcher, not on its own slice nor on CPUs an outer taskset or cpuset left out.
+    launcher_cpus = ",".join(map(str, sorted(os.sched_getaffinity(0)))) if hasattr(os, "sched_getaffinity") else ""
     # Each rank inherits its binding from this (the spawning) thread. The output threads are
     # started afterwards, so that they keep the full affinity.
     try:
         for k in range(n):
             cpus, extra = bindings[k]
             env = dict(base, LINKWISE_RANK=str(k), LINKWISE_LOCAL_RANK=str(k), **extra)
+            if cpus and launcher_cpus:
+                env["LINKWISE_LAUNCH_CPUS"] = launcher_cpus
             with thread_affinity(cpus):
                 procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,

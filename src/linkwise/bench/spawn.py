@@ -23,6 +23,7 @@ import tempfile
 import time
 
 from . import compare
+from .. import config
 from ..launch import thread_affinity
 
 
@@ -106,10 +107,16 @@ def launch_ranks(nranks: int, args_json: str, systems: list[str], timeout: float
 
 
 def _all_cpus():
-    """Every CPU this process may get, for mpirun: started from a rank bound to its cores
-    (linkwise launch --bind cpu), it would otherwise inherit that binding, squeeze its ranks
-    onto those cores and be told to oversubscribe."""
-    return thread_affinity(range(os.cpu_count() or 1))
+    """The CPUs for mpirun: those `linkwise launch --bind` was given (LINKWISE_LAUNCH_CPUS) when
+    this rank is bound to a slice of them, so that mpirun neither inherits the slice (squeezing
+    its ranks onto it, told to oversubscribe) nor gets more than linkwise's ranks had; else this
+    process's own (an outer taskset applies to both systems alike)."""
+    given = config.get("LINKWISE_LAUNCH_CPUS")
+    try:
+        cpus = {int(c) for c in given.split(",") if c.strip()}
+    except ValueError:
+        raise ValueError(f"LINKWISE_LAUNCH_CPUS={given!r}: expected CPU numbers separated by commas") from None
+    return thread_affinity(cpus)  # empty: unchanged
 
 
 def launch_mpi(nranks: int, args_json: str, timeout: float, extra: str = "") -> dict:
