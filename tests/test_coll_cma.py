@@ -161,8 +161,13 @@ def test_default_thresholds(monkeypatch):
     monkeypatch.setenv("LINKWISE_SHM_CMA", "0")
     assert _cma_settings(4.0, 16)[:3] == (False, 64 << 10, 1 << 20)
     monkeypatch.delenv("LINKWISE_COLL_THREADS")
-    # Threads: 3/4 of the rank's CPUs (linkwise._setup.cpus_per_rank), at least 1, at most 8 (16 ranks on 64 cores: 3; 8 ranks: 6; 4 ranks: 8)
-    assert [_cma_settings(c, 2)[6] for c in (0.5, 1.0, 2.0, 2.9, 4.0, 8.0, 15.5, 64.0)] == [1, 1, 1, 2, 3, 6, 8, 8]
+    # Threads: 3/4 of the rank's CPUs (linkwise._setup.cpus_per_rank), 2 from 2 CPUs, at least 1, at most 8
+    # (16 ranks on 64 cores: 3; 8 ranks: 6; 4 ranks: 8; 16 ranks on 32 cores: 2)
+    cpus = (0.5, 1.0, 1.9, 2.0, 2.5, 2.9, 4.0, 8.0, 15.5, 64.0)
+    assert [_cma_settings(c, 2)[6] for c in cpus] == [1, 1, 1, 2, 2, 2, 3, 6, 8, 8]
+    # with one thread the single-copy all_reduce stays off; from 2 it starts at 8 MiB
+    monkeypatch.delenv("LINKWISE_COLL_CMA_MIN")
+    assert [_cma_settings(c, 4)[1] for c in (1.9, 2.0)] == [_NEVER, 8 << 20]
     # One-shot all_reduce up to 16 KiB / ranks with a core per rank; 32 KiB (the executor's
     # area) with 2 ranks or ranks sharing cores; the variable wins over both.
     assert [_cma_settings(1.0, n)[-1] for n in (2, 3, 4, 8, 16, 512)] == [32768, 5461, 4096, 2048, 1024, 64]

@@ -19,9 +19,13 @@ NEVER = (1 << 63) - 1
 # waits for (docs/benchmarks.md, ninth session). So the default leaves cores free: at most 8,
 # and at most 3/4 of the CPUs a rank may count as its own (THREAD_SHARE). On three VMs of the
 # eleventh session, 16 ranks with 4 threads each (all 64 cores) ran the 1-4 MiB all_reduce
-# about 2x slower than with 2 or 3, and 8 ranks with 8 each 2-3x slower than with 4.
+# about 2x slower than with 2 or 3, and 8 ranks with 8 each 2-3x slower than with 4. A rank
+# with 2 CPUs still gets 2 (THREADS_AT_TWO_CPUS): on the 32-core host (fifteenth session,
+# alternated) 16 ranks with 2 threads each ran the 1-16 MiB all_reduce 1.2-2.4x faster than
+# with 1, and 4 ranks on 8 CPUs 1.2-2.3x, although every core was busy.
 DEFAULT_MAX_THREADS = 8
 THREAD_SHARE = 0.75
+THREADS_AT_TWO_CPUS = 2
 ONE_SHOT_CAP = 32 << 10    # the executor's one-shot area (ShmColl::kOneMax)
 _ONE_SHOT_READS = 16 << 10  # one-shot while ranks x bytes stay within this (see cma_settings)
 
@@ -31,7 +35,8 @@ def cma_settings(cpus_per_rank: float, size: int) -> tuple:
     all_reduce min, broadcast min, chunk, piece, lane min, threads, one-shot max). Threads
     default to 3/4 of the CPUs this rank may count as its own (``_setup.cpus_per_rank``: its
     share of the host's), at most DEFAULT_MAX_THREADS, so a many-core host moves a big message
-    with several cores per rank and keeps a quarter free; 1 when cores are scarce.
+    with several cores per rank and keeps a quarter free; 2 with 2 to 8/3 CPUs (faster than 1
+    there, measured); 1 when cores are scarce.
     With several threads, the copy-through-shared-memory two-shot all_reduce and ring
     broadcast run a message of at least 2 × lane min bytes as up to `threads` independent
     lanes (rank 0's threads decide the count). Default thresholds (docs/benchmarks.md):
@@ -51,7 +56,8 @@ def cma_settings(cpus_per_rank: float, size: int) -> tuple:
     The executor takes rank 0's sizes, so every rank picks the same protocol."""
     threads = config.get("LINKWISE_COLL_THREADS")
     if threads <= 0:
-        threads = max(1, min(DEFAULT_MAX_THREADS, int(cpus_per_rank * THREAD_SHARE)))
+        share = max(int(cpus_per_rank * THREAD_SHARE), min(THREADS_AT_TWO_CPUS, int(cpus_per_rank)))
+        threads = max(1, min(DEFAULT_MAX_THREADS, share))
     ar_min = config.get("LINKWISE_COLL_CMA_MIN") or (8 << 20 if threads > 1 else NEVER)
     bc_min = config.get("LINKWISE_COLL_CMA_BCAST_MIN") or (8 << 20 if size <= 4 else NEVER)
     one_max = config.get("LINKWISE_COLL_ONE_SHOT_MAX") or (

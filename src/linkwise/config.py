@@ -143,9 +143,9 @@ declare("LINKWISE_COLL_ONE_SHOT_MAX", 0, _size,
         "input), larger two-shot; 0 = 16K / ranks with a core per rank, 32K with 2 ranks or shared "
         "cores; at most 32K")
 declare("LINKWISE_COLL_THREADS", 0, int,
-        "threads per rank for single-copy collectives and lanes; 0 = the CPUs this rank counts "
-        "as its own (the CPUs its host's ranks may use together / ranks, at most its own affinity), "
-        "at most 8 (set it to up to 16 for more lanes)")
+        "threads per rank for single-copy collectives and lanes; 0 = 3/4 of the CPUs this rank "
+        "counts as its own (the CPUs its host's ranks may use together / ranks, at most its own "
+        "affinity), 2 with 2-2.7 of them, at least 1, at most 8 (set it to up to 16 for more lanes)")
 # GPU data plane (linkwise.cuda), read when a communicator's GpuComm is built.
 declare("LINKWISE_P2P_DISABLE", False, _bool,
         "never map peers' GPU memory: stage every GPU transfer through pinned host memory")
