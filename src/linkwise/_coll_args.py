@@ -7,6 +7,7 @@ csrc/algo/coll.h and csrc/core/reduce.h, which bind_coll.cc casts them to.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Any, Optional
 
@@ -143,10 +144,7 @@ def block_shape(shape: tuple, size: int) -> tuple:
     gives (k, m), undoing gathered_shape."""
     if shape and shape[0] % size == 0:
         return (shape[0] // size,) + tuple(shape[1:])
-    count = 1
-    for d in shape:
-        count *= d
-    return (count // size,)
+    return (math.prod(shape) // size,)
 
 
 def _as_array(x: Any, what: str, name: str = "x") -> np.ndarray:

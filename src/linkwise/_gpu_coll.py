@@ -101,7 +101,7 @@ def _run(comm, op: str, x: Any, *, out: Any, red: str, root: int, dtype: Optiona
             raise ValueError(f"reduce_scatter: x has {n} elements, not a multiple of the "
                              f"communicator size {comm.size}")
         if out is None:
-            from ._coll_args import block_shape
+            from ._coll_args import block_shape  # here: _coll_args imports this module
             out = _empty(x, block_shape(tuple(shape), comm.size))
         return g.reduce_scatter(x, out, op=red, stream=stream)
     if op == "all_to_all":

@@ -21,8 +21,9 @@ NEVER = (1 << 63) - 1
 # eleventh session, 16 ranks with 4 threads each (all 64 cores) ran the 1-4 MiB all_reduce
 # about 2x slower than with 2 or 3, and 8 ranks with 8 each 2-3x slower than with 4. A rank
 # with 2 CPUs still gets 2 (THREADS_AT_TWO_CPUS): on the 32-core host (fifteenth session,
-# alternated) 16 ranks with 2 threads each ran the 1-16 MiB all_reduce 1.2-2.4x faster than
-# with 1, and 4 ranks on 8 CPUs 1.2-2.3x, although every core was busy.
+# alternated) 16 ranks with 2 threads each ran the 1-16 MiB all_reduce faster than with 1 in
+# most rounds (up to 2.4x; one round 2.5x slower, every core busy), and 4 ranks on 8 CPUs
+# 1.2-2.3x faster in every round.
 DEFAULT_MAX_THREADS = 8
 THREAD_SHARE = 0.75
 THREADS_AT_TWO_CPUS = 2
