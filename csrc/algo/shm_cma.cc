@@ -49,7 +49,7 @@ void ShmColl::cma_all_reduce(const void* in, void* out, size_t count, DType t, R
   x_dst_.resize(n_);
   for (int q = 0; q < n_; ++q) {
     if (q != rank_) {
-      wait_ge(q, slot(q)->h().x_in.v, r, "all_reduce", true);
+      wait_ge(q, slot(q)->h().x_in.v, r, ar_what_, true);
       check_line(q, slot(q)->h().x_in.stamp, true);
     }
     x_src_[q] = slot(q)->h().x_src;
@@ -72,12 +72,13 @@ void ShmColl::cma_all_reduce(const void* in, void* out, size_t count, DType t, R
   });
   publish(me.x_done.v, r);  // every rank's output has my segment; I no longer read inputs
   for (int q = 0; q < n_; ++q)
-    if (q != rank_) wait_ge(q, slot(q)->h().x_done.v, r, "all_reduce", true);
+    if (q != rank_) wait_ge(q, slot(q)->h().x_done.v, r, ar_what_, true);
   cma_busy_ = 0;
 }
 
 // Elements [o, o+m) of my segment: read every rank's input (mine directly), combine in rank
-// order into scratch `a`, then write `a` to my output and to every peer's output.
+// order into scratch `a`, then write `a` to my output and to every peer's output (a reduce:
+// only to the root's; the others published no output, x_dst 0).
 void ShmColl::cma_chunk(size_t o, size_t m, DType t, RedOp op, bool stream, int thread) {
   const size_t es = dtype_size(t), nb = m * es, ob = o * es;
   char* a = scratch_[thread];
@@ -90,12 +91,12 @@ void ShmColl::cma_chunk(size_t o, size_t m, DType t, RedOp op, bool stream, int 
   };
   // v(0) lands in a (the result's buffer: an exact alias), every later one in b; my own
   // output is written after my input was read, so in place is fine.
-  combine_store(n_, a, reinterpret_cast<char*>(x_dst_[rank_]) + ob, [&](int q) { return get(q, q == 0 ? a : b); },
-                m, t, op, stream);
-  if (stream) stream_fence();
+  char* own = x_dst_[rank_] ? reinterpret_cast<char*>(x_dst_[rank_]) + ob : nullptr;
+  combine_store(n_, a, own, [&](int q) { return get(q, q == 0 ? a : b); }, m, t, op, stream);
+  if (stream && own) stream_fence();
   for (int k = 1; k < n_; ++k) {
     const int q = (rank_ + k) % n_;
-    cma_write(pids_[q], q, x_dst_[q] + ob, a, nb);
+    if (x_dst_[q]) cma_write(pids_[q], q, x_dst_[q] + ob, a, nb);
   }
 }
 

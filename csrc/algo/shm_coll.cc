@@ -228,6 +228,20 @@ void ShmColl::all_reduce(const void* in, void* out, size_t count, DType t, RedOp
   timeout_ = timeout;
   const size_t bytes = count * dtype_size(t);
   begin_call(kAllReduce, bytes, t, op, 0);
+  ar_what_ = "all_reduce";
+  reduce_call(in, out, count, t, op);
+}
+
+void ShmColl::reduce(const void* in, void* out, size_t count, DType t, RedOp op, int root, double timeout) {
+  timeout_ = timeout;
+  LW_CHECK(root >= 0 && root < n_ && (rank_ != root || out || count == 0), "reduce: a root in range, with an output");
+  begin_call(kReduce, count * dtype_size(t), t, op, root);
+  ar_what_ = "reduce";
+  reduce_call(in, rank_ == root ? out : nullptr, count, t, op);
+}
+
+void ShmColl::reduce_call(const void* in, void* out, size_t count, DType t, RedOp op) {
+  const size_t bytes = count * dtype_size(t);
   try {
     if (cma_ && bytes >= opt_.ar_min) cma_all_reduce(in, out, count, t, op);
     else if (one_shot_fits(bytes)) one_shot(in, out, count, t, op);
@@ -245,6 +259,7 @@ void ShmColl::one_shot(const void* in, void* out, size_t count, DType t, RedOp o
 
 // One-shot round r: my input into half r&1 of my area, then b_in = r.
 uint32_t ShmColl::one_shot_post(const void* in, size_t bytes) {
+  if (owed_round_) settle_owed();
   const uint32_t r = ++one_round_;
   Slot* me = slot(rank_);
   copy_bytes(me->one(r), in, bytes);
@@ -254,9 +269,35 @@ uint32_t ShmColl::one_shot_post(const void* in, size_t bytes) {
 }
 
 // Waits for every peer's round r, then combines all inputs in rank order into out.
+// A reduce's non-root (out == nullptr) reads nothing: it returns at once, and its next
+// one-shot post first waits for this round (settle_owed), as the wait here would have.
 void ShmColl::one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedOp op) {
-  one_shot_wait(r, "all_reduce");
+  if (!out) {
+    owed_round_ = r;
+    owed_call_ = call_;
+    owed_desc_ = desc_;
+    return;
+  }
+  one_shot_wait(r, ar_what_);
   one_shot_combine(r, out, count, t, op);
+}
+
+// Half r&1 is rewritten in round r+2 only once every peer posted r+1, which a reader does
+// after it finished reading round r: so before this rank posts the round after an owed one,
+// it waits for every peer's owed round, and checks their stamps against that call (a
+// mismatch there raises now, naming the reduce).
+void ShmColl::settle_owed() {
+  const uint32_t r = owed_round_, call = call_;
+  const uint64_t desc = desc_;
+  owed_round_ = 0;
+  call_ = owed_call_, desc_ = owed_desc_;  // the owed call's, for check_line and its message
+  try {
+    one_shot_wait(r, "reduce");
+  } catch (...) {
+    call_ = call, desc_ = desc;
+    throw;
+  }
+  call_ = call, desc_ = desc;
 }
 
 void ShmColl::one_shot_wait(uint32_t r, const char* what) {
@@ -280,9 +321,11 @@ void ShmColl::one_shot_combine(uint32_t r, void* out, size_t count, DType t, Red
 
 int ShmColl::all_reduce_start(const void* in, void* out, size_t count, DType t, RedOp op, double timeout) {
   const size_t bytes = count * dtype_size(t);
-  if ((cma_ && bytes >= opt_.ar_min) || !one_shot_fits(bytes) || stopped()) return -1;  // all_reduce raises
+  // all_reduce raises, or (an owed round) may wait for peers, which this must not
+  if ((cma_ && bytes >= opt_.ar_min) || !one_shot_fits(bytes) || stopped() || owed_round_) return -1;
   timeout_ = timeout;
   begin_call(kAllReduce, bytes, t, op, 0);
+  ar_what_ = "all_reduce";
   const uint32_t r = one_shot_post(in, bytes);
   // Spin a little for the peers (no sleeping, no errors: the caller may hold a lock).
   const double bound = std::min(spin_us_, kStartSpinUs);
@@ -343,11 +386,13 @@ void ShmColl::two_shot(const void* in, void* out, size_t count, DType t, RedOp o
   const bool stream = count * es >= kStreamMin && in != out;
   run_lanes(lanes, [&](int l) {
     const size_t first = part_off(count, lanes, l), cnt = part_off(count, lanes, l + 1) - first;
-    two_shot_lane(l, lanes, src + first * es, dst + first * es, cnt, t, op, stream);
+    two_shot_lane(l, lanes, src + first * es, dst ? dst + first * es : nullptr, cnt, t, op, stream);
   });
 }
 
 // One lane's stripe (in/out point at its first element), in rounds of 1/lanes of the areas.
+// out == nullptr (a reduce's non-root): my segment is reduced into res only, and nothing is
+// copied out; the waits stay (my `in` is rewritten next round only after every a_res).
 void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, size_t count, DType t, RedOp op,
                             bool stream) {
   const size_t es = dtype_size(t);
@@ -370,7 +415,7 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
     publish(a_in, r);
     for (int q = 0; q < n_; ++q) {
       if (q == rank_) continue;
-      wait_ge(q, slot(q)->h().a_in[lane].v, r, "all_reduce", true);
+      wait_ge(q, slot(q)->h().a_in[lane].v, r, ar_what_, true);
       check_line(q, slot(q)->h().a_in[lane].stamp, true);
     }
     // My segment, combined in rank order, a sub-block at a time so the copy-out hits cache.
@@ -385,17 +430,20 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
     const bool many = one_pass(n_);
     for (size_t s = 0; s < len; s += sub) {
       const size_t o = off + s, m = std::min(sub, len - s);
+      char* res = my_res + o * es;
+      char* to = dst ? dst + (base + o) * es : nullptr;
       if (many) {
         for (int q = 0; q < n_; ++q) ins[q] = val(q, o);
-        if (reduce_many_store(my_res + o * es, dst + (base + o) * es, ins, n_, m, t, op, stream)) continue;
+        if (reduce_many_store(res, to ? to : res, ins, n_, m, t, op, stream && to)) continue;  // res == out: once
       }
-      combine_store(n_, my_res + o * es, dst + (base + o) * es, [&](int q) { return val(q, o); }, m, t, op, stream);
+      combine_store(n_, res, to, [&](int q) { return val(q, o); }, m, t, op, stream);
     }
     if (stream) stream_fence();
     publish(a_res, r);
     for (int q = 0; q < n_; ++q) {
       if (q == rank_) continue;
-      wait_ge(q, slot(q)->h().a_res[lane].v, r, "all_reduce", true);
+      wait_ge(q, slot(q)->h().a_res[lane].v, r, ar_what_, true);
+      if (!dst) continue;
       const size_t qo = part_off(cnt, n_, q), ql = part_off(cnt, n_, q + 1) - qo;
       copy_out(dst + (base + qo) * es, slot(q)->two_res() + lane * area + qo * es, ql * es, stream);
     }

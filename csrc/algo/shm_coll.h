@@ -166,6 +166,14 @@ class ShmColl {
   const std::string& segment_name() const { return seg_.name(); }  // what the others open
 
   void all_reduce(const void* in, void* out, size_t count, DType t, RedOp op, double timeout);
+  // The all-reduce's protocols with the result kept on root only: root passes its out (which
+  // may be in, as for all_reduce), every other rank out == nullptr and its in is only read.
+  // Each rank still reduces its own part (two-shot, CMA: nobody's bandwidth idles); the
+  // non-roots skip the copy-out (two-shot) or the writes into their own buffers (CMA) but
+  // keep every wait, so the areas' reuse rules above still hold. One-shot, a non-root posts
+  // its input and returns: its next one-shot round first waits for this one (settle_owed),
+  // so a mismatch or a dead peer may reach it one call later, as with a buffered MPI send.
+  void reduce(const void* in, void* out, size_t count, DType t, RedOp op, int root, double timeout);
   // Root's src (ignored elsewhere) lands in every rank's buf; src == buf is in place. Out of
   // place the root copies src to its own buf itself while the others receive (the CMA path:
   // readers pull from src meanwhile); src and buf must be the same or not overlap.
@@ -181,8 +189,9 @@ class ShmColl {
   static constexpr double kStartSpinUs = 10.0;
 
   struct Slot;
-  // In call descriptors (shm_coll_check.cc); the last three run through exchange().
-  enum CallKind { kAllReduce = 0, kBroadcast = 1, kAllGather = 2, kReduceScatter = 3, kAllToAll = 4 };
+  // In call descriptors (shm_coll_check.cc); all_gather, reduce_scatter and all_to_all run
+  // through exchange().
+  enum CallKind { kAllReduce = 0, kBroadcast = 1, kAllGather = 2, kReduceScatter = 3, kAllToAll = 4, kReduce = 5 };
 
   // Small all_gather, reduce_scatter and all_to_all (shm_exchange.cc): in_bytes = x's bytes,
   // at most kOneMax (the caller checks; larger ones go point-to-point). Each rank reads
@@ -208,10 +217,13 @@ class ShmColl {
   [[noreturn]] void peer_died(int peer, const char* what) const;
   void publish(std::atomic<uint32_t>& word, uint32_t value);
   bool peer_gone(int peer);
+  // The all-reduce / reduce paths after begin_call; out == nullptr: this rank keeps no result.
+  void reduce_call(const void* in, void* out, size_t count, DType t, RedOp op);
   void one_shot(const void* in, void* out, size_t count, DType t, RedOp op);
   uint32_t one_shot_post(const void* in, size_t bytes);
   void one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedOp op);
   void one_shot_wait(uint32_t r, const char* what);  // every peer's round r posted (and its stamp checked)
+  void settle_owed();  // before the next one-shot post: the wait a reduce's non-root skipped
   // Combines count elements at byte offset off of every rank's round-r input, in rank order.
   void one_shot_combine(uint32_t r, void* out, size_t count, DType t, RedOp op, size_t off = 0);
   int lanes_for(size_t bytes) const;
@@ -258,6 +270,11 @@ class ShmColl {
   uint32_t one_round_ = 0, x_round_ = 0, y_round_ = 0;
   uint32_t call_ = 0;  // calls so far (the same on every rank); see begin_call
   uint64_t desc_ = 0;  // this call's descriptor
+  const char* ar_what_ = "all_reduce";  // the all-reduce protocols' call ("reduce" too), for errors
+  // A one-shot round posted by a reduce's non-root, which returned without waiting for its
+  // peers (0: none), with that call's number and descriptor: settle_owed() waits for it.
+  uint32_t owed_round_ = 0, owed_call_ = 0;
+  uint64_t owed_desc_ = 0;
   uint32_t two_round_[kMaxLanes] = {};  // per lane
   uint64_t piece_[kMaxLanes] = {};      // broadcast pieces so far per lane (counters carry it modulo 2^32)
   int lanes_ = 1;                       // agreed lane count (rank 0's threads, at most kMaxLanes)

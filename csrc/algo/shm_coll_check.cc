@@ -11,7 +11,8 @@ namespace linkwise {
 namespace {
 
 // A call's arguments in 64 bits: kind (4), dtype (4), op (4), root (12, modulo 4096), bytes
-// (40: up to 1 TiB, modulo beyond). Broadcasts carry no dtype or op (15 each).
+// (40: up to 1 TiB, modulo beyond). Broadcasts carry no dtype or op (15 each); only
+// broadcasts and reduces carry a root.
 uint64_t pack(int kind, size_t bytes, int dtype, int op, int root) {
   return static_cast<uint64_t>(kind & 15) | static_cast<uint64_t>(dtype & 15) << 4 |
          static_cast<uint64_t>(op & 15) << 8 | static_cast<uint64_t>(root & 4095) << 12 |
@@ -25,10 +26,12 @@ std::string describe(uint64_t d) {
   if (kind == ShmColl::kAllGather) return "all_gather of " + bytes;
   if (kind == ShmColl::kAllToAll) return "all_to_all of " + bytes;
   const bool known = dtype < static_cast<int>(DType::kCount) && op < static_cast<int>(RedOp::kCount);
-  return std::string(kind == ShmColl::kReduceScatter ? "reduce_scatter" : "all_reduce") + " of " + bytes +
+  const char* name = kind == ShmColl::kReduceScatter ? "reduce_scatter" : kind == ShmColl::kReduce ? "reduce" : "all_reduce";
+  return std::string(name) + " of " + bytes +
          (known ? std::string(" of ") + dtype_str(static_cast<DType>(dtype)) + " (" +
                       redop_str(static_cast<RedOp>(op)) + ")"
-                : std::string());
+                : std::string()) +
+         (kind == ShmColl::kReduce ? " to root " + std::to_string(root) : std::string());
 }
 
 }  // namespace
@@ -51,7 +54,7 @@ void ShmColl::begin_call(CallKind kind, size_t bytes, DType t, RedOp op, int roo
                     " (see the first error there); make a new communicator to go on");
   }
   desc_ = kind == kBroadcast ? pack(kind, bytes, 15, 15, root)
-                             : pack(kind, bytes, static_cast<int>(t), static_cast<int>(op), 0);
+                             : pack(kind, bytes, static_cast<int>(t), static_cast<int>(op), kind == kReduce ? root : 0);
   auto& call = slot(rank_)->h().call;
   call.desc.store(desc_, std::memory_order_relaxed);
   call.seq.store(++call_, std::memory_order_release);

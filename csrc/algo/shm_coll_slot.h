@@ -56,11 +56,17 @@ void copy_out(void* dst, const void* src, size_t n, bool stream);
 // Combines v(0), ..., v(n-1) (element pointers, fetched once each, in rank order) into res
 // and writes the result to out as well: the last combination in one pass when a fused kernel
 // exists (algo/shm_kernels.h; then the caller fences streamed stores), else reduce3 + copy_out.
-// `res` may be the buffer v(0) returned (exact alias).
+// `res` may be the buffer v(0) returned (exact alias). out == nullptr: into res only.
 template <class V>
 void combine_store(int n, char* res, char* out, V&& v, size_t m, DType t, RedOp op, bool stream) {
   const char* first = v(0);
   const char* second = v(1);
+  if (!out) {
+    reduce3(res, first, second, m, t, op);
+    for (int q = 2; q < n; ++q) reduce_into(res, v(q), m, t, op);
+    if (op == RedOp::Avg) avg_finish(res, m, t, n);
+    return;
+  }
   if (n == 2) {
     if (reduce_store2(res, out, first, second, m, t, op, stream)) return;
     reduce3(res, first, second, m, t, op);

@@ -31,45 +31,13 @@
 #include "algo/shm_coll.h"
 #include "bindings/bindings.h"
 #include "bindings/native_comm.h"
+#include "bindings/shm_coll_py.h"
 
 namespace nb = nanobind;
 
 namespace linkwise {
 
 namespace {
-
-// The shared-memory fast path of one communicator (see algo/shm_coll.h). A failure aborts
-// the communicator's engine too, as a failed p2p collective does. Made by make_shared (as
-// NativeComm), so shared_from_this() is owned from C++ alone (no Python reference inside): the
-// async worker may drop the last reference without the GIL, also at interpreter shutdown.
-class PyShmColl : public std::enable_shared_from_this<PyShmColl> {
- public:
-  PyShmColl(std::shared_ptr<NativeComm> comm, const std::string& name, bool create, double spin_us)
-      : comm_(std::move(comm)),
-        shm_(name, create, comm_->engine().rank(), comm_->engine().size(), spin_us) {
-    // A point-to-point collective that fails (here or, by notice, on a peer) stops this
-    // executor too: a peer may be waiting here for a call this rank will never make.
-    comm_->engine().set_failure_hook([this](int blame) {
-      if (blame >= 0) shm_.stop_for_peer(blame);
-      else shm_.stop();
-    });
-  }
-  ~PyShmColl() { comm_->engine().set_failure_hook(nullptr); }  // the engine outlives us (comm_)
-  template <class F>
-  void guarded(F&& f) {
-    try {
-      f();
-    } catch (const Error& e) {
-      // The point-to-point collectives stop too, here and (by notice) on the peers, so none
-      // waits for this rank until the timeout. The failure hook only re-marks this executor.
-      comm_->engine().abort_and_notify("a shared-memory collective failed on this rank",
-                                       e.kind() == ErrorKind::Peer ? e.peer() : -1);
-      throw;
-    }
-  }
-  std::shared_ptr<NativeComm> comm_;
-  ShmColl shm_;
-};
 
 // Threading: built and submitted under the GIL; then the worker runs it and may hold the last
 // reference. So nothing here may need the GIL to be destroyed: the buffers are released by
@@ -141,21 +109,6 @@ CollParams make_params(int kind, int dtype, int op, int root, uint64_t seq, int 
   return p;
 }
 
-// Acquires x (read) and out (write); either may be None. Returns (send, bytes, recv, bytes).
-void hold(nb::handle x, nb::handle out, HeldBuffer& hx, HeldBuffer& ho, const void*& s, size_t& sb, void*& r,
-          size_t& rb) {
-  if (!x.is_none()) {
-    acquire_buffer(x, false, "collective input", hx, true);
-    s = hx.ptr();
-    sb = hx.bytes();
-  }
-  if (!out.is_none()) {
-    acquire_buffer(out, true, "collective output", ho, true);
-    r = ho.ptr();
-    rb = ho.bytes();
-  }
-}
-
 class CollRequest {
  public:
   CollRequest(std::shared_ptr<NativeComm> comm, std::shared_ptr<CollJob> job, nb::object x, nb::object out)
@@ -204,41 +157,6 @@ class CollRequest {
 };
 
 void run_shm(CollJob& j);
-
-// The shared-memory all-reduce reads x while it writes out (the peers' too, at once), so an
-// out that partly overlaps x (not x itself) would corrupt inputs still to be read (wrong sums
-// from ~30000 elements). Such an x is read from a copy instead, staged here (`staged` keeps
-// it), as the message-based algorithms copy x into out first. Returns the input to use.
-// (The executor's broadcast handles an overlapping out itself: test_coll_bcast_out.py.)
-const void* unoverlapped_input(const void* x, size_t x_bytes, const void* out, size_t out_bytes,
-                               std::vector<char>& staged) {
-  const char* a = static_cast<const char*>(x);
-  const char* b = static_cast<const char*>(out);
-  if (a == b || a >= b + out_bytes || b >= a + x_bytes) return x;
-  staged.assign(a, a + x_bytes);
-  return staged.data();
-}
-
-// The executor's kind for a small all_gather / reduce_scatter / all_to_all, after checking
-// that out has the size that kind needs for in_bytes of x (ValueError, as the general path).
-ShmColl::CallKind exchange_kind(CollKind kind, size_t in_bytes, size_t out_bytes, const ShmColl& shm) {
-  const size_t n = static_cast<size_t>(shm.size());
-  switch (kind) {
-    case CollKind::AllGather:
-      if (out_bytes != in_bytes * n) throw Error(ErrorKind::Invalid, "all_gather: out must have size * len(x) elements");
-      return ShmColl::kAllGather;
-    case CollKind::ReduceScatter:
-      if (out_bytes * n != in_bytes) throw Error(ErrorKind::Invalid, "reduce_scatter: x must have size * len(out) elements");
-      return ShmColl::kReduceScatter;
-    case CollKind::AllToAll:
-      if (out_bytes != in_bytes || in_bytes % n)
-        throw Error(ErrorKind::Invalid, "all_to_all: x and out need the same size, a multiple of the communicator size");
-      return ShmColl::kAllToAll;
-    default:
-      throw Error(ErrorKind::Invalid, "the shared-memory executor runs all_reduce, broadcast, all_gather, "
-                                      "reduce_scatter and all_to_all only");
-  }
-}
 
 class CollWorker {
  public:
@@ -310,6 +228,9 @@ void run_shm(CollJob& j) {
       j.shm->shm_.broadcast(j.send ? j.send : j.recv, j.recv, j.recv_bytes, j.p.root, j.p.timeout);
     else if (j.p.kind == CollKind::AllReduce)
       j.shm->shm_.all_reduce(j.send, j.recv, j.send_bytes / dtype_size(j.p.dtype), j.p.dtype, j.p.op, j.p.timeout);
+    else if (j.p.kind == CollKind::Reduce)  // recv: the root's output, null elsewhere
+      j.shm->shm_.reduce(j.send, j.recv, j.send_bytes / dtype_size(j.p.dtype), j.p.dtype, j.p.op, j.p.root,
+                         j.p.timeout);
     else
       j.shm->shm_.exchange(exchange_kind(j.p.kind, j.send_bytes, j.recv_bytes, j.shm->shm_), j.send, j.send_bytes,
                            j.recv, j.p.dtype, j.p.op, j.p.timeout);
@@ -319,121 +240,6 @@ void run_shm(CollJob& j) {
 }  // namespace
 
 void bind_coll(nb::module_& m) {
-  nb::class_<PyShmColl>(m, "ShmColl", "Shared-memory collectives of a single-host communicator.")
-      .def(nb::new_([](NativeComm& c, const std::string& name, bool create, double spin_us) {
-             return std::make_shared<PyShmColl>(c.shared_from_this(), name, create, spin_us);
-           }),
-           nb::arg("native"), nb::arg("name"), nb::arg("create"), nb::arg("spin_us"))
-      .def("connect",
-           [](PyShmColl& s, double timeout, bool cma, size_t ar_min, size_t bc_min, size_t chunk, size_t piece,
-              size_t lane_min, int threads, size_t one_max) {
-             ShmCollOptions o;
-             o.enable = cma;
-             o.ar_min = ar_min;
-             o.bc_min = bc_min;
-             o.chunk = chunk;
-             o.piece = piece;
-             o.lane_min = lane_min;
-             o.threads = threads;
-             o.one_max = one_max;
-             nb::gil_scoped_release nogil;  // waits for every rank (a barrier through the segment)
-             s.guarded([&] { s.shm_.connect(o, timeout); });
-           },
-           nb::arg("timeout"), nb::arg("cma"), nb::arg("ar_min"), nb::arg("bc_min"), nb::arg("chunk"),
-           nb::arg("piece"), nb::arg("lane_min"), nb::arg("threads"), nb::arg("one_max"),
-           "Learn the peers, probe single-copy (CMA) access, agree on its use with every rank.")
-      .def_prop_ro("cma", [](PyShmColl& s) { return s.shm_.cma(); },
-                   "True when large all_reduce/broadcast copy directly between ranks' buffers (CMA).")
-      .def_prop_ro("cma_bcast_min", [](PyShmColl& s) { return s.shm_.cma_bcast_min(); },
-                   "Broadcasts of at least this many bytes take the CMA path (agreed by all ranks).")
-      .def_prop_ro("cma_calls",
-                   [](PyShmColl& s) { return std::make_pair(s.shm_.cma_all_reduces(), s.shm_.cma_broadcasts()); },
-                   "(all_reduces, broadcasts) that took the CMA path so far.")
-      .def_prop_ro("lane_calls",
-                   [](PyShmColl& s) { return std::make_pair(s.shm_.lane_all_reduces(), s.shm_.lane_broadcasts()); },
-                   "(all_reduces, broadcasts) that ran on several lanes (helper threads) so far.")
-      .def_prop_ro("one_shot_max", [](PyShmColl& s) { return s.shm_.one_shot_max(); },
-                   "Largest all_reduce (bytes) that runs one-shot (rank 0's setting, agreed by all ranks).")
-      .def_prop_ro("max_lanes", [](PyShmColl& s) { return s.shm_.max_lanes(); },
-                   "Most lanes a message is cut into (rank 0's threads, at most 16; agreed by all ranks).")
-      .def("unlink", [](PyShmColl& s) { s.shm_.unlink(); })
-      .def("skip_call", [](PyShmColl& s) { s.shm_.skip_call(); },
-           "a collective refused its arguments on this rank: number the calls as if it had run")
-      .def("stop", [](PyShmColl& s) { s.shm_.stop(); },
-           "after another collective of the communicator failed here: peers waiting in this "
-           "executor give up, and every later call on every rank raises")
-      .def_prop_ro("segment_name", [](PyShmColl& s) { return s.shm_.segment_name(); })
-      .def("all_reduce",
-           [](PyShmColl& s, nb::handle x, nb::handle out, int code, double timeout) {
-             // code = dtype * 8 + op, validated by the caller for x's dtype; out may be x (in
-             // place). Every check of out (same dtype and size as x, writable, contiguous)
-             // happens here, with the messages of the general path.
-             HeldBuffer hx, ho;
-             const bool in_place = out.is(x);
-             acquire_buffer(x, in_place, "all_reduce", hx, true);
-             void* o = const_cast<void*>(hx.ptr());
-             const void* in = hx.ptr();
-             std::vector<char> staged;  // x, when out partly overlaps it
-             if (!in_place) {
-               acquire_buffer(out, true, "all_reduce", ho, true);
-               if (ho.bytes() != hx.bytes() || ho.dtype() != hx.dtype()) {
-                 const size_t xs = hx.view.itemsize, os = ho.view.itemsize;
-                 throw nb::value_error(("all_reduce: out must be a " + dtype_name(hx.dtype()) + " array of " +
-                                        std::to_string(hx.bytes() / (xs ? xs : 1)) + " elements, got " +
-                                        dtype_name(ho.dtype()) + " with " + std::to_string(ho.bytes() / (os ? os : 1)))
-                                           .c_str());
-               }
-               o = ho.ptr();
-               in = unoverlapped_input(in, hx.bytes(), o, ho.bytes(), staged);
-             }
-             const DType t = static_cast<DType>(code >> 3);
-             const size_t count = hx.bytes() / dtype_size(t);
-             const RedOp rop = static_cast<RedOp>(code & 7);
-             // Small messages start with the GIL held (releasing and retaking it cost ~0.1 us
-             // of a ~2 us call in a same-build A/B, docs/benchmarks.md): done when the peers
-             // were already there (a bounded spin), else the wait goes on without the GIL, so
-             // other threads run meanwhile.
-             int started = -1;
-             s.guarded([&] { started = s.shm_.all_reduce_start(in, o, count, t, rop, timeout); });
-             if (started == 1) return;
-             nb::gil_scoped_release nogil;
-             if (started == 0) s.guarded([&] { s.shm_.all_reduce_finish(o, count, t, rop); });
-             else s.guarded([&] { s.shm_.all_reduce(in, o, count, t, rop, timeout); });
-           },
-           nb::arg("x"), nb::arg("out"), nb::arg("code"), nb::arg("timeout"))
-      .def("broadcast",
-           [](PyShmColl& s, nb::handle buf, int root, double timeout, nb::handle src) {
-             // src: the root's source (None: buf itself, in place), as many bytes as buf.
-             HeldBuffer hb, hs;
-             acquire_buffer(buf, true, "broadcast", hb, true);
-             const void* from = hb.ptr();
-             if (!src.is_none() && !src.is(buf)) {
-               acquire_buffer(src, false, "broadcast", hs, true);
-               if (hs.bytes() != hb.bytes()) throw nb::value_error("broadcast: out must have as many bytes as x");
-               from = hs.ptr();
-             }
-             nb::gil_scoped_release nogil;
-             s.guarded([&] { s.shm_.broadcast(from, hb.ptr(), hb.bytes(), root, timeout); });
-           },
-           nb::arg("buf"), nb::arg("root"), nb::arg("timeout"), nb::arg("src").none() = nb::none())
-      .def("exchange",
-           [](PyShmColl& s, int kind, nb::handle x, nb::handle out, int code, double timeout) {
-             // kind: a CollKind code (all_gather, reduce_scatter, all_to_all); code = dtype * 8
-             // + op (reduce_scatter; validated by the caller for x's dtype). out may be x.
-             HeldBuffer hx, ho;
-             const void* send = nullptr;
-             size_t sb = 0, rb = 0;
-             void* recv = nullptr;
-             hold(x, out, hx, ho, send, sb, recv, rb);
-             const ShmColl::CallKind k = exchange_kind(static_cast<CollKind>(kind), sb, rb, s.shm_);
-             nb::gil_scoped_release nogil;
-             s.guarded([&] {
-               s.shm_.exchange(k, send, sb, recv, static_cast<DType>(code >> 3), static_cast<RedOp>(code & 7), timeout);
-             });
-           },
-           nb::arg("kind"), nb::arg("x"), nb::arg("out"), nb::arg("code"), nb::arg("timeout"),
-           "A small all_gather, reduce_scatter or all_to_all (x of at most 32 KiB, ShmColl::kOneMax).");
-
   m.def("coll",
         [](NativeComm& c, int kind, nb::handle x, nb::handle out, int dtype, int op, int root, uint64_t seq, int algo,
            size_t chunk, std::vector<int> order, int parent, std::vector<int> children, double timeout) {
@@ -471,7 +277,8 @@ void bind_coll(nb::module_& m) {
              job->p = make_params(kind, dtype, op, root, seq, algo, chunk, std::move(order), parent,
                                   std::move(children), timeout);
              hold(x, out, job->x, job->out, job->send, job->send_bytes, job->recv, job->recv_bytes);
-             if (shm && job->send && job->recv && job->p.kind == CollKind::AllReduce)
+             if (shm && job->send && job->recv &&
+                 (job->p.kind == CollKind::AllReduce || job->p.kind == CollKind::Reduce))
                job->send = unoverlapped_input(job->send, job->send_bytes, job->recv, job->recv_bytes, job->staged);
              auto req = std::make_unique<CollRequest>(w.comm(), job, x, out);
              w.submit(job);

@@ -9,5 +9,6 @@ void bind_p2p(nanobind::module_& m);
 #ifdef LINKWISE_HAVE_CUDA
 void bind_cuda(nanobind::module_& m);
 #endif
+void bind_shm_coll(nanobind::module_& m);
 void bind_coll(nanobind::module_& m);
 }  // namespace linkwise

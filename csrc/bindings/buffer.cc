@@ -73,4 +73,18 @@ void acquire_buffer(nb::handle obj, bool writable, const char* op, HeldBuffer& o
   }
 }
 
+void hold(nanobind::handle x, nanobind::handle out, HeldBuffer& hx, HeldBuffer& ho, const void*& s, size_t& sb, void*& r,
+          size_t& rb) {
+  if (!x.is_none()) {
+    acquire_buffer(x, false, "collective input", hx, true);
+    s = hx.ptr();
+    sb = hx.bytes();
+  }
+  if (!out.is_none()) {
+    acquire_buffer(out, true, "collective output", ho, true);
+    r = ho.ptr();
+    rb = ho.bytes();
+  }
+}
+
 }  // namespace linkwise

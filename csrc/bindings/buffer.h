@@ -33,4 +33,9 @@ struct HeldBuffer {
 // a Fortran-order array is refused on every path, not accepted by the latency paths alone.
 void acquire_buffer(nanobind::handle obj, bool writable, const char* op, HeldBuffer& out, bool c_order = false);
 
+// The collectives' pair: acquires x (read) and out (write), C-contiguous; either may be None
+// (left as it was). Sets send/send_bytes and recv/recv_bytes from what it acquired.
+void hold(nanobind::handle x, nanobind::handle out, HeldBuffer& hx, HeldBuffer& ho, const void*& send,
+          size_t& send_bytes, void*& recv, size_t& recv_bytes);
+
 }  // namespace linkwise

@@ -42,6 +42,7 @@ NB_MODULE(_native, m) {
 #ifdef LINKWISE_HAVE_CUDA
   linkwise::bind_cuda(m);
 #endif
+  linkwise::bind_shm_coll(m);  // before bind_coll: CollWorker.submit takes a ShmColl
   linkwise::bind_coll(m);
   m.def("copy_detours", []() {
     const auto c = linkwise::copy_detours();

@@ -21,7 +21,7 @@ Tunables (read per call): LINKWISE_ALGO forces an algorithm, LINKWISE_CHUNK_SIZE
 pipelining chunk (a value of either that does not parse makes every collective raise
 ValueError, even those it would not change; except that a LINKWISE_CHUNK_SIZE set in the
 environment only after the shared-memory latency path was taken, which no chunk size changes,
-is not looked at by that path's small all_reduce, broadcast and barrier), LINKWISE_CHECK=1
+is not looked at by that path's small all_reduce, reduce, broadcast and barrier), LINKWISE_CHECK=1
 verifies that all ranks agree on kind/size/dtype/op/root first and raises ValueError on every
 rank when they do not.
 """
@@ -34,7 +34,7 @@ import numpy as np
 
 from . import _gpu_coll, _shm_exec, config
 from ._coll_fast import ALL_GATHER as _ALL_GATHER, ALL_TO_ALL as _ALL_TO_ALL, REDUCE_SCATTER as _REDUCE_SCATTER
-from ._coll_fast import exchange_fast
+from ._coll_fast import exchange_fast, reduce_fast
 from .plan.schedule import LARGE_PAIR_BCAST, default_schedule
 from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from here
     _ENV, _FAST_CODES, _FAST_CODES_BY_OP, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, CollectiveRequest, _as_array,
@@ -73,7 +73,7 @@ _EXCHANGES = ("all_gather", "reduce_scatter", "all_to_all")
 class CollectivesMixin:
     """Mixed into Communicator; uses self._native, self.rank, self.size, self.timeout."""
 
-    # The shared-memory executor while the latency paths (all_reduce, broadcast) may use it: set
+    # The shared-memory executor while the latency paths (all_reduce, reduce, broadcast) may use it: set
     # when attached, cleared for good once async collectives exist (they need issue order).
     _fast_shm = None
     # Large two-rank broadcasts go point-to-point (one single-copy message) unless the
@@ -131,10 +131,12 @@ class CollectivesMixin:
         shm = self._shm_for(kind, nbytes)
         if shm is not None:
             _check_tunables()  # the other branch parses them in _schedule
-            xr, outr = _raw(x), _raw(out)
+            xr, outr = _raw(x), (None if out is None else _raw(out))  # out: None on a reduce's non-root
             if inline:
                 if kind == "all_reduce":
                     shm.all_reduce(xr, outr, DTYPES[dtype] * 8 + OPS[op], self.timeout)
+                elif kind == "reduce":  # outr: None except on the root
+                    shm.reduce(xr, outr, DTYPES[dtype] * 8 + OPS[op], root, self.timeout)
                 elif kind == "broadcast":  # out of place, the root copies x into out natively
                     shm.broadcast(outr, root, self.timeout, xr)
                 else:
@@ -195,8 +197,8 @@ class CollectivesMixin:
     def _shm_for(self, kind: str, nbytes: int):
         """The shared-memory executor for this call, or None for the point-to-point algorithms.
 
-        Used for all_reduce and broadcast when every peer is on this host (shared-memory links)
-        and LINKWISE_ALGO does not force a point-to-point algorithm ("direct" = one-shot
+        Used for all_reduce, reduce and broadcast when every peer is on this host (shared-memory
+        links) and LINKWISE_ALGO does not force a point-to-point algorithm ("direct" = one-shot
         through shared memory for all_reduce), and for all_gather, reduce_scatter and
         all_to_all whose x has at most 32 KiB (one round through the segment; nbytes is x's
         bytes). The same on every rank, so all ranks reach the first such call together and
@@ -206,7 +208,7 @@ class CollectivesMixin:
         if kind in _EXCHANGES:
             if nbytes > _shm_exec.ONE_SHOT_CAP:
                 return None
-        elif kind not in ("all_reduce", "broadcast"):
+        elif kind not in ("all_reduce", "reduce", "broadcast"):
             return None
         if kind == "broadcast" and self.size == 2 and nbytes >= LARGE_PAIR_BCAST and self._pair_bcast_p2p:
             return None  # without CMA in the executor: one single-copy message beats two copies
@@ -379,10 +381,18 @@ class CollectivesMixin:
         self._writable(out, "broadcast")
         return self._run("broadcast", x, out, _dtype_label(x.dtype), "", root, x.size, x.nbytes, async_op, result)
 
-    @_skips_on_argument_error
     def reduce(self, x: Any, root: int = 0, op: str = "sum", out: Any = None, async_op: bool = False,
                dtype: Optional[str] = None):
         """Combine x across ranks onto root (into x, or out, on root; other ranks' x is untouched)."""
+        fast = self._fast_shm
+        if fast is not None and not async_op and dtype is None:
+            r = reduce_fast(self, fast, x, root, op, out)
+            if r is not None:
+                return r
+        return self._reduce(x, root, op, out, async_op, dtype)
+
+    @_skips_on_argument_error
+    def _reduce(self, x: Any, root: Any, op: Any, out: Any, async_op: bool, dtype: Optional[str]):
         root = self._root(root, "reduce")
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
             raise _gpu_coll.unsupported("reduce", "use all_reduce (every rank gets the result) or copy x to the host")

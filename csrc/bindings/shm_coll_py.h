@@ -1,0 +1,61 @@
+// The shared-memory executor as the Python bindings hold it: bind_shm_coll.cc binds it as
+// linkwise._native.ShmColl, bind_coll.cc's async worker runs its calls in issue order.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "algo/coll.h"
+#include "algo/shm_coll.h"
+#include "bindings/native_comm.h"
+
+namespace linkwise {
+
+// The shared-memory fast path of one communicator (see algo/shm_coll.h). A failure aborts
+// the communicator's engine too, as a failed p2p collective does. Made by make_shared (as
+// NativeComm), so shared_from_this() is owned from C++ alone (no Python reference inside): the
+// async worker may drop the last reference without the GIL, also at interpreter shutdown.
+class PyShmColl : public std::enable_shared_from_this<PyShmColl> {
+ public:
+  PyShmColl(std::shared_ptr<NativeComm> comm, const std::string& name, bool create, double spin_us)
+      : comm_(std::move(comm)),
+        shm_(name, create, comm_->engine().rank(), comm_->engine().size(), spin_us) {
+    // A point-to-point collective that fails (here or, by notice, on a peer) stops this
+    // executor too: a peer may be waiting here for a call this rank will never make.
+    comm_->engine().set_failure_hook([this](int blame) {
+      if (blame >= 0) shm_.stop_for_peer(blame);
+      else shm_.stop();
+    });
+  }
+  ~PyShmColl() { comm_->engine().set_failure_hook(nullptr); }  // the engine outlives us (comm_)
+  template <class F>
+  void guarded(F&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      // The point-to-point collectives stop too, here and (by notice) on the peers, so none
+      // waits for this rank until the timeout. The failure hook only re-marks this executor.
+      comm_->engine().abort_and_notify("a shared-memory collective failed on this rank",
+                                       e.kind() == ErrorKind::Peer ? e.peer() : -1);
+      throw;
+    }
+  }
+  std::shared_ptr<NativeComm> comm_;
+  ShmColl shm_;
+};
+
+// The shared-memory all-reduce and reduce read x while they write out (the peers' too, at
+// once), so an out that partly overlaps x (not x itself) would corrupt inputs still to be
+// read. Returns x, or a copy of it staged in `staged` when out partly overlaps it.
+const void* unoverlapped_input(const void* x, size_t x_bytes, const void* out, size_t out_bytes,
+                               std::vector<char>& staged);
+
+// The executor's kind for a small all_gather / reduce_scatter / all_to_all, after checking
+// that out has the size that kind needs for in_bytes of x (ValueError, as the general path).
+ShmColl::CallKind exchange_kind(CollKind kind, size_t in_bytes, size_t out_bytes, const ShmColl& shm);
+
+}  // namespace linkwise
