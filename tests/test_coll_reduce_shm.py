@@ -131,7 +131,9 @@ def _mismatch(comm, case, count):
 @pytest.mark.parametrize("count", [100, 20_011])
 def test_mismatched_calls_raise(case, count):
     out = run_ranks(3, _mismatch, case, count, env={"LINKWISE_TIMEOUT": "20"}, timeout=90)
-    assert any(first == "ValueError" for first, _ in out), out
+    # Named somewhere: in the call, or (a one-shot non-root that returned and then found the
+    # mismatch first, stopping the others) in that rank's next call.
+    assert any("ValueError" in pair for pair in out), out
     assert all(first in ("ValueError", "stopped", "ok") for first, _ in out), out
     # Nobody goes on out of step. A one-shot non-root returns once its input is posted, so it
     # may learn of the mismatch in its next call: from the stopped executor, or from its own
