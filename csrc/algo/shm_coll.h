@@ -1,5 +1,6 @@
 // Shared-memory collectives for communicators whose ranks all share one host: all-reduce
-// (one-shot for small messages, two-shot for large) and a pipelined broadcast, moving data
+// (one-shot for small messages, two-shot for large; reduce is the same with the result on
+// the root only, see reduce()) and a pipelined broadcast, moving data
 // through one segment mapped by every rank instead of through point-to-point messages; and,
 // for large messages where the kernel allows it, single-copy all-reduce and broadcast
 // straight between the ranks' own buffers (CMA, shm_cma.cc), optionally several threads per
