@@ -228,7 +228,6 @@ void ShmColl::all_reduce(const void* in, void* out, size_t count, DType t, RedOp
   timeout_ = timeout;
   const size_t bytes = count * dtype_size(t);
   begin_call(kAllReduce, bytes, t, op, 0);
-  ar_what_ = "all_reduce";
   reduce_call(in, out, count, t, op);
 }
 
@@ -236,7 +235,6 @@ void ShmColl::reduce(const void* in, void* out, size_t count, DType t, RedOp op,
   timeout_ = timeout;
   LW_CHECK(root >= 0 && root < n_ && (rank_ != root || out || count == 0), "reduce: a root in range, with an output");
   begin_call(kReduce, count * dtype_size(t), t, op, root);
-  ar_what_ = "reduce";
   reduce_call(in, rank_ == root ? out : nullptr, count, t, op);
 }
 
@@ -278,7 +276,7 @@ void ShmColl::one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedO
     owed_desc_ = desc_;
     return;
   }
-  one_shot_wait(r, ar_what_);
+  one_shot_wait(r, ar_what());
   one_shot_combine(r, out, count, t, op);
 }
 
@@ -287,17 +285,16 @@ void ShmColl::one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedO
 // it waits for every peer's owed round, and checks their stamps against that call (a
 // mismatch there raises now, naming the reduce).
 void ShmColl::settle_owed() {
-  const uint32_t r = owed_round_, call = call_;
-  const uint64_t desc = desc_;
+  struct Restore {  // this call's number and descriptor come back however the wait ends
+    ShmColl& s;
+    uint32_t call;
+    uint64_t desc;
+    ~Restore() { s.call_ = call, s.desc_ = desc; }
+  } restore{*this, call_, desc_};
+  const uint32_t r = owed_round_;
   owed_round_ = 0;
   call_ = owed_call_, desc_ = owed_desc_;  // the owed call's, for check_line and its message
-  try {
-    one_shot_wait(r, "reduce");
-  } catch (...) {
-    call_ = call, desc_ = desc;
-    throw;
-  }
-  call_ = call, desc_ = desc;
+  one_shot_wait(r, "reduce");
 }
 
 void ShmColl::one_shot_wait(uint32_t r, const char* what) {
@@ -325,7 +322,6 @@ int ShmColl::all_reduce_start(const void* in, void* out, size_t count, DType t, 
   if ((cma_ && bytes >= opt_.ar_min) || !one_shot_fits(bytes) || stopped() || owed_round_) return -1;
   timeout_ = timeout;
   begin_call(kAllReduce, bytes, t, op, 0);
-  ar_what_ = "all_reduce";
   const uint32_t r = one_shot_post(in, bytes);
   // Spin a little for the peers (no sleeping, no errors: the caller may hold a lock).
   const double bound = std::min(spin_us_, kStartSpinUs);
@@ -415,7 +411,7 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
     publish(a_in, r);
     for (int q = 0; q < n_; ++q) {
       if (q == rank_) continue;
-      wait_ge(q, slot(q)->h().a_in[lane].v, r, ar_what_, true);
+      wait_ge(q, slot(q)->h().a_in[lane].v, r, ar_what(), true);
       check_line(q, slot(q)->h().a_in[lane].stamp, true);
     }
     // My segment, combined in rank order, a sub-block at a time so the copy-out hits cache.
@@ -442,7 +438,7 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
     publish(a_res, r);
     for (int q = 0; q < n_; ++q) {
       if (q == rank_) continue;
-      wait_ge(q, slot(q)->h().a_res[lane].v, r, ar_what_, true);
+      wait_ge(q, slot(q)->h().a_res[lane].v, r, ar_what(), true);
       if (!dst) continue;
       const size_t qo = part_off(cnt, n_, q), ql = part_off(cnt, n_, q + 1) - qo;
       copy_out(dst + (base + qo) * es, slot(q)->two_res() + lane * area + qo * es, ql * es, stream);

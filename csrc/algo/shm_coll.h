@@ -225,6 +225,8 @@ class ShmColl {
   void one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedOp op);
   void one_shot_wait(uint32_t r, const char* what);  // every peer's round r posted (and its stamp checked)
   void settle_owed();  // before the next one-shot post: the wait a reduce's non-root skipped
+  // The all-reduce protocols' current call, for errors: "reduce" or "all_reduce" (from desc_).
+  const char* ar_what() const { return (desc_ & 15) == kReduce ? "reduce" : "all_reduce"; }
   // Combines count elements at byte offset off of every rank's round-r input, in rank order.
   void one_shot_combine(uint32_t r, void* out, size_t count, DType t, RedOp op, size_t off = 0);
   int lanes_for(size_t bytes) const;
@@ -271,7 +273,6 @@ class ShmColl {
   uint32_t one_round_ = 0, x_round_ = 0, y_round_ = 0;
   uint32_t call_ = 0;  // calls so far (the same on every rank); see begin_call
   uint64_t desc_ = 0;  // this call's descriptor
-  const char* ar_what_ = "all_reduce";  // the all-reduce protocols' call ("reduce" too), for errors
   // A one-shot round posted by a reduce's non-root, which returned without waiting for its
   // peers (0: none), with that call's number and descriptor: settle_owed() waits for it.
   uint32_t owed_round_ = 0, owed_call_ = 0;

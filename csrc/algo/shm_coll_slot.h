@@ -61,24 +61,15 @@ template <class V>
 void combine_store(int n, char* res, char* out, V&& v, size_t m, DType t, RedOp op, bool stream) {
   const char* first = v(0);
   const char* second = v(1);
-  if (!out) {
-    reduce3(res, first, second, m, t, op);
-    for (int q = 2; q < n; ++q) reduce_into(res, v(q), m, t, op);
-    if (op == RedOp::Avg) avg_finish(res, m, t, n);
-    return;
-  }
-  if (n == 2) {
-    if (reduce_store2(res, out, first, second, m, t, op, stream)) return;
-    reduce3(res, first, second, m, t, op);
-  } else {
-    reduce3(res, first, second, m, t, op);
-    for (int q = 2; q < n - 1; ++q) reduce_into(res, v(q), m, t, op);
-    const char* last = v(n - 1);
-    if (reduce_store2(res, out, res, last, m, t, op, stream)) return;
-    reduce_into(res, last, m, t, op);
+  if (n == 2 && out && reduce_store2(res, out, first, second, m, t, op, stream)) return;
+  reduce3(res, first, second, m, t, op);
+  for (int q = 2; q < n; ++q) {
+    const char* next = v(q);
+    if (q == n - 1 && out && reduce_store2(res, out, res, next, m, t, op, stream)) return;
+    reduce_into(res, next, m, t, op);
   }
   if (op == RedOp::Avg) avg_finish(res, m, t, n);
-  copy_out(out, res, m * dtype_size(t), stream);
+  if (out) copy_out(out, res, m * dtype_size(t), stream);
 }
 
 // Every field is written by the slot's owner only, except y_work/y_done (see shm_coll.h).

@@ -42,11 +42,10 @@ ShmColl::CallKind exchange_kind(CollKind kind, size_t in_bytes, size_t out_bytes
         throw Error(ErrorKind::Invalid, "all_to_all: x and out need the same size, a multiple of the communicator size");
       return ShmColl::kAllToAll;
     default:
-      throw Error(ErrorKind::Invalid, "the shared-memory executor runs all_reduce, broadcast, all_gather, "
-                                      "reduce_scatter and all_to_all only");
+      throw Error(ErrorKind::Invalid, "the shared-memory exchange runs all_gather, reduce_scatter and "
+                                      "all_to_all only");
   }
 }
-
 
 void bind_shm_coll(nb::module_& m) {
   nb::class_<PyShmColl>(m, "ShmColl", "Shared-memory collectives of a single-host communicator.")
