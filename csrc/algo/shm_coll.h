@@ -16,6 +16,9 @@
 //     out → a_res=r → wait all a_res>=r → copy the others' segments from their res. A peer
 //     rewrites `in` only after everyone's a_res reached r (they finished reading it), and
 //     `res` only after everyone's a_in reached r+1 (they finished copying from it).
+//     A reduce_scatter larger than the one-shot area runs the same rounds on the next piece
+//     of every block at once: rank j combines block j's piece straight into its out, nothing
+//     is copied out, and a_res=r still tells the peers that their `in` was read.
 //   Lanes (two-shot and broadcast, with helper threads): a message of at least 2 × lane_min
 //     bytes is cut into L = min(lanes, bytes / lane_min) stripes (L agreed: the same on every
 //     rank), and lane l runs the protocol above on stripe l with its own counters
@@ -145,7 +148,8 @@ class ShmColl {
   // How many all-reduces / broadcasts took the CMA path (tests check that they ran).
   uint64_t cma_all_reduces() const { return cma_ar_calls_; }
   uint64_t cma_broadcasts() const { return cma_bc_calls_; }
-  // How many two-shot all-reduces / ring broadcasts ran on more than one lane.
+  // How many two-shot calls (all_reduce, reduce, large reduce_scatter) / ring broadcasts ran
+  // on more than one lane.
   uint64_t lane_all_reduces() const { return lane_ar_calls_; }
   uint64_t lane_broadcasts() const { return lane_bc_calls_; }
   int size() const { return n_; }
@@ -195,7 +199,9 @@ class ShmColl {
   enum CallKind { kAllReduce = 0, kBroadcast = 1, kAllGather = 2, kReduceScatter = 3, kAllToAll = 4, kReduce = 5 };
 
   // Small all_gather, reduce_scatter and all_to_all (shm_exchange.cc): in_bytes = x's bytes,
-  // at most kOneMax (the caller checks; larger ones go point-to-point). Each rank reads
+  // at most kOneMax (the caller checks; larger all_gather and all_to_all go point-to-point;
+  // a larger reduce_scatter runs the two-shot all-reduce's rounds with the copy-out left out,
+  // see reduce_scatter() below, and out may be x's block `rank` exactly). Each rank reads
   // in_bytes (n x in_bytes for all_gather), not the one-shot all-reduce's n x, so the whole
   // area is used whatever one_shot_max() is. One one-shot round, in the one-shot
   // all-reduce's area and round count: copy x in, b_in = r, wait for every peer's round r,
@@ -225,14 +231,23 @@ class ShmColl {
   void one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedOp op);
   void one_shot_wait(uint32_t r, const char* what);  // every peer's round r posted (and its stamp checked)
   void settle_owed();  // before the next one-shot post: the wait a reduce's non-root skipped
-  // The all-reduce protocols' current call, for errors: "reduce" or "all_reduce" (from desc_).
-  const char* ar_what() const { return (desc_ & 15) == kReduce ? "reduce" : "all_reduce"; }
+  // The two-shot protocol's current call, for errors: "reduce", "reduce_scatter" or "all_reduce" (from desc_).
+  const char* ar_what() const {
+    const uint64_t kind = desc_ & 15;
+    return kind == kReduce ? "reduce" : kind == kReduceScatter ? "reduce_scatter" : "all_reduce";
+  }
   // Combines count elements at byte offset off of every rank's round-r input, in rank order.
   void one_shot_combine(uint32_t r, void* out, size_t count, DType t, RedOp op, size_t off = 0);
   int lanes_for(size_t bytes) const;
   void run_lanes(int lanes, const std::function<void(int)>& lane);
   void two_shot(const void* in, void* out, size_t count, DType t, RedOp op);
-  void two_shot_lane(int lane, int lanes, const char* in, char* out, size_t count, DType t, RedOp op, bool stream);
+  void two_shot_lanes(const void* in, void* out, size_t count, size_t stride, DType t, RedOp op, bool stream);
+  void two_shot_lane(int lane, int lanes, const char* in, char* out, size_t count, size_t stride, DType t, RedOp op,
+                     bool stream);
+  // A reduce_scatter larger than the one-shot area (after begin_call): two-shot rounds that
+  // take a piece of every block (block elements each), each rank reducing its own block's
+  // piece into out; no copy-out. out may be exactly this rank's block of in.
+  void reduce_scatter(const void* in, void* out, size_t block, DType t, RedOp op);
   void cma_all_reduce(const void* in, void* out, size_t count, DType t, RedOp op);
   void cma_chunk(size_t o, size_t m, DType t, RedOp op, bool stream, int thread);
   void ring_broadcast(const char* src, char* buf, size_t bytes, int root);

@@ -80,7 +80,8 @@ void bind_shm_coll(nb::module_& m) {
                    "(all_reduces, broadcasts) that took the CMA path so far.")
       .def_prop_ro("lane_calls",
                    [](PyShmColl& s) { return std::make_pair(s.shm_.lane_all_reduces(), s.shm_.lane_broadcasts()); },
-                   "(all_reduces, broadcasts) that ran on several lanes (helper threads) so far.")
+                   "(two-shot all_reduces / reduces / reduce_scatters, broadcasts) that ran on several lanes "
+                   "(helper threads) so far.")
       .def_prop_ro("one_shot_max", [](PyShmColl& s) { return s.shm_.one_shot_max(); },
                    "Largest all_reduce (bytes) that runs one-shot (rank 0's setting, agreed by all ranks).")
       .def_prop_ro("max_lanes", [](PyShmColl& s) { return s.shm_.max_lanes(); },
@@ -185,7 +186,8 @@ void bind_shm_coll(nb::module_& m) {
              });
            },
            nb::arg("kind"), nb::arg("x"), nb::arg("out"), nb::arg("code"), nb::arg("timeout"),
-           "A small all_gather, reduce_scatter or all_to_all (x of at most 32 KiB, ShmColl::kOneMax).");
+           "A small all_gather or all_to_all (x of at most 32 KiB, ShmColl::kOneMax), or a reduce_scatter "
+           "of any size (larger ones in two-shot rounds).");
 
 }
 

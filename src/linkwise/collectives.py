@@ -66,7 +66,8 @@ def _gpu_dispatch(comm, kind: str, x: Any, **kw):
     return _gpu_coll.dispatch(comm, kind, x, **kw)
 
 
-# Collectives that run through the shared-memory executor's one-shot area when small.
+# Collectives that run through the shared-memory executor's one-shot area when small (and
+# reduce_scatter through its two-shot rounds when larger).
 _EXCHANGES = ("all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -199,14 +200,15 @@ class CollectivesMixin:
 
         Used for all_reduce, reduce and broadcast when every peer is on this host (shared-memory
         links) and LINKWISE_ALGO does not force a point-to-point algorithm ("direct" = one-shot
-        through shared memory for all_reduce), and for all_gather, reduce_scatter and
-        all_to_all whose x has at most 32 KiB (one round through the segment; nbytes is x's
-        bytes). The same on every rank, so all ranks reach the first such call together and
+        through shared memory for all_reduce), for reduce_scatter (one round through the
+        segment while x has at most 32 KiB, else the two-shot all_reduce's rounds without
+        their copy-out), and for all_gather and all_to_all whose x has at most 32 KiB (nbytes
+        is x's bytes). The same on every rank, so all ranks reach the first such call together and
         attach the segment there (a collective step)."""
         if self.size == 1:
             return None
         if kind in _EXCHANGES:
-            if nbytes > _shm_exec.ONE_SHOT_CAP:
+            if nbytes > _shm_exec.ONE_SHOT_CAP and kind != "reduce_scatter":
                 return None
         elif kind not in ("all_reduce", "reduce", "broadcast"):
             return None
