@@ -50,13 +50,16 @@ def _scatter_everywhere(comm, dtypes, blocks):
                 check_equal(spot, want, tag + " out overlapping another block", fl)
                 calls += 4
     assert comm._coll_seq == seq, "a reduce_scatter went point-to-point instead of through the executor"
-    return calls, comm._shm.lane_calls[0]
+    return calls, comm._shm.lane_calls[0], comm._shm.max_lanes
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_one_round(n):
     got = run_ranks(n, _scatter_everywhere, ["float32", "int8", "bfloat16"], ONE_ROUND, timeout=240)
-    assert got[0][0] > 0 and all(lanes == 0 for _, lanes in got), got  # one lane by default here
+    assert got[0][0] > 0, got
+    # One lane where the ranks have one helper thread each (2 CPUs a rank or fewer, as in CI);
+    # a larger host gives lanes by default.
+    assert all(lanes == 0 for _, lanes, most in got if most == 1), got
 
 
 def test_every_dtype_two_ranks():
@@ -75,7 +78,7 @@ def test_several_rounds_eight_ranks():
 @pytest.mark.parametrize("n", [2, 3])
 def test_lanes(n):
     got = run_ranks(n, _scatter_everywhere, ["float32", "int32"], [17_011, 100_003], env=LANES_ENV, timeout=240)
-    assert all(lanes > 0 for _, lanes in got), got
+    assert all(lanes > 0 for _, lanes, _ in got), got
 
 
 def _same_bits_as_all_reduce(comm, block):
