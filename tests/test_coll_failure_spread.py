@@ -138,14 +138,14 @@ def test_arguments_refused_on_every_rank_leave_the_communicator_usable(case):
 
 
 def _first_collective_fails_then_attach(comm):
-    """A gather (point-to-point: it never sets up the shared-memory executor) with another
-    size on the root fails there (ValueError) while the other ranks return; the root then
+    """A gather too large for the executor's one-shot area (point-to-point: it never sets up
+    the shared-memory executor) with another size on the root fails there (ValueError) while the other ranks return; the root then
     sleeps past the timeout before its next call. The others' next all_reduce sets up the
     shared-memory executor: it must raise at once (the root's notice), not wait at the setup
     barrier until the timeout (before: TimeoutError after it)."""
     import linkwise
     try:
-        comm.gather(np.ones(11 if comm.rank == 0 else 10, np.float32), root=0)
+        comm.gather(np.ones(11_000 if comm.rank == 0 else 10_000, np.float32), root=0)
     except ValueError:
         pass
     if comm.rank == 0:

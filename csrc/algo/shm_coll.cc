@@ -270,14 +270,15 @@ uint32_t ShmColl::one_shot_post(const void* in, size_t bytes) {
 // A reduce's non-root (out == nullptr) reads nothing: it returns at once, and its next
 // one-shot post first waits for this round (settle_owed), as the wait here would have.
 void ShmColl::one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedOp op) {
-  if (!out) {
-    owed_round_ = r;
-    owed_call_ = call_;
-    owed_desc_ = desc_;
-    return;
-  }
+  if (!out) return owe_round(r);
   one_shot_wait(r, ar_what());
   one_shot_combine(r, out, count, t, op);
+}
+
+void ShmColl::owe_round(uint32_t r) {
+  owed_round_ = r;
+  owed_call_ = call_;
+  owed_desc_ = desc_;
 }
 
 // Half r&1 is rewritten in round r+2 only once every peer posted r+1, which a reader does
@@ -294,7 +295,7 @@ void ShmColl::settle_owed() {
   const uint32_t r = owed_round_;
   owed_round_ = 0;
   call_ = owed_call_, desc_ = owed_desc_;  // the owed call's, for check_line and its message
-  one_shot_wait(r, "reduce");
+  one_shot_wait(r, call_name(desc_));
 }
 
 void ShmColl::one_shot_wait(uint32_t r, const char* what) {

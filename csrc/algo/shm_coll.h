@@ -196,7 +196,11 @@ class ShmColl {
   struct Slot;
   // In call descriptors (shm_coll_check.cc); all_gather, reduce_scatter and all_to_all run
   // through exchange().
-  enum CallKind { kAllReduce = 0, kBroadcast = 1, kAllGather = 2, kReduceScatter = 3, kAllToAll = 4, kReduce = 5 };
+  enum CallKind {
+    kAllReduce = 0, kBroadcast = 1, kAllGather = 2, kReduceScatter = 3, kAllToAll = 4, kReduce = 5, kGather = 6,
+    kScatter = 7
+  };
+  static const char* call_name(uint64_t desc);  // a descriptor's kind as a name (shm_coll_check.cc)
 
   // Small all_gather, reduce_scatter and all_to_all (shm_exchange.cc): in_bytes = x's bytes,
   // at most kOneMax (the caller checks; larger all_gather and all_to_all go point-to-point;
@@ -211,6 +215,16 @@ class ShmColl {
   // (all_gather), in_bytes / n (reduce_scatter) or in_bytes (all_to_all); t and op matter
   // for reduce_scatter only.
   void exchange(CallKind kind, const void* in, size_t in_bytes, void* out, DType t, RedOp op, double timeout);
+  // Small gather and scatter (shm_exchange.cc), one one-shot round each in the same area;
+  // bytes = one rank's block, n x bytes at most kOneMax. gather: every rank's in (bytes) lands
+  // at block q of root's out (n x bytes; nullptr elsewhere); the non-roots post and return.
+  // scatter: root's in (n x bytes; ignored elsewhere) block q lands in rank q's out (bytes);
+  // the root posts and returns, the others read their block once the root posted. A rank
+  // that returned without seeing every peer's post owes the round (owe_round), as a reduce's
+  // non-root does. gather's out must not overlap in other than as in's own block (the
+  // binding stages in otherwise); scatter's out may overlap in anywhere.
+  void gather(const void* in, size_t bytes, void* out, int root, double timeout);
+  void scatter(const void* in, void* out, size_t bytes, int root, double timeout);
 
  private:
   Slot* slot(int r) const;
@@ -231,11 +245,11 @@ class ShmColl {
   void one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedOp op);
   void one_shot_wait(uint32_t r, const char* what);  // every peer's round r posted (and its stamp checked)
   void settle_owed();  // before the next one-shot post: the wait a reduce's non-root skipped
-  // The two-shot protocol's current call, for errors: "reduce", "reduce_scatter" or "all_reduce" (from desc_).
-  const char* ar_what() const {
-    const uint64_t kind = desc_ & 15;
-    return kind == kReduce ? "reduce" : kind == kReduceScatter ? "reduce_scatter" : "all_reduce";
-  }
+  // The current call's name, for errors ("all_reduce", "gather", ...; from desc_).
+  const char* ar_what() const { return call_name(desc_); }
+  // A one-shot round this rank posted but did not wait for every peer's post of (a rooted
+  // call's root or non-root): the next one-shot post waits for it first (settle_owed).
+  void owe_round(uint32_t r);
   // Combines count elements at byte offset off of every rank's round-r input, in rank order.
   void one_shot_combine(uint32_t r, void* out, size_t count, DType t, RedOp op, size_t off = 0);
   int lanes_for(size_t bytes) const;

@@ -12,7 +12,7 @@ namespace {
 
 // A call's arguments in 64 bits: kind (4), dtype (4), op (4), root (12, modulo 4096), bytes
 // (40: up to 1 TiB, modulo beyond). Broadcasts carry no dtype or op (15 each); only
-// broadcasts and reduces carry a root.
+// broadcasts, reduces, gathers and scatters carry a root.
 uint64_t pack(int kind, size_t bytes, int dtype, int op, int root) {
   return static_cast<uint64_t>(kind & 15) | static_cast<uint64_t>(dtype & 15) << 4 |
          static_cast<uint64_t>(op & 15) << 8 | static_cast<uint64_t>(root & 4095) << 12 |
@@ -26,8 +26,9 @@ std::string describe(uint64_t d) {
   if (kind == ShmColl::kAllGather) return "all_gather of " + bytes;
   if (kind == ShmColl::kAllToAll) return "all_to_all of " + bytes;
   const bool known = dtype < static_cast<int>(DType::kCount) && op < static_cast<int>(RedOp::kCount);
-  const char* name = kind == ShmColl::kReduceScatter ? "reduce_scatter" : kind == ShmColl::kReduce ? "reduce" : "all_reduce";
-  return std::string(name) + " of " + bytes +
+  if (kind == ShmColl::kGather) return "gather of " + bytes + " a rank to root " + std::to_string(root);
+  if (kind == ShmColl::kScatter) return "scatter of " + bytes + " a rank from root " + std::to_string(root);
+  return std::string(ShmColl::call_name(d)) + " of " + bytes +
          (known ? std::string(" of ") + dtype_str(static_cast<DType>(dtype)) + " (" +
                       redop_str(static_cast<RedOp>(op)) + ")"
                 : std::string()) +
@@ -35,6 +36,13 @@ std::string describe(uint64_t d) {
 }
 
 }  // namespace
+
+const char* ShmColl::call_name(uint64_t desc) {
+  static const char* const kNames[] = {"all_reduce", "broadcast", "all_gather", "reduce_scatter",
+                                       "all_to_all", "reduce",    "gather",     "scatter"};
+  const uint64_t kind = desc & 15;
+  return kind < sizeof(kNames) / sizeof(kNames[0]) ? kNames[kind] : "collective";
+}
 
 bool ShmColl::stopped() const { return slot(0)->h().stopped.v.load(std::memory_order_relaxed) != 0; }
 
@@ -53,8 +61,9 @@ void ShmColl::begin_call(CallKind kind, size_t bytes, DType t, RedOp op, int roo
                     "after a collective failed on " + where +
                     " (see the first error there); make a new communicator to go on");
   }
+  const bool rooted = kind == kReduce || kind == kGather || kind == kScatter;
   desc_ = kind == kBroadcast ? pack(kind, bytes, 15, 15, root)
-                             : pack(kind, bytes, static_cast<int>(t), static_cast<int>(op), kind == kReduce ? root : 0);
+                             : pack(kind, bytes, static_cast<int>(t), static_cast<int>(op), rooted ? root : 0);
   auto& call = slot(rank_)->h().call;
   call.desc.store(desc_, std::memory_order_relaxed);
   call.seq.store(++call_, std::memory_order_release);

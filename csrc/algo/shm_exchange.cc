@@ -1,7 +1,8 @@
-// Small all_gather, reduce_scatter and all_to_all through the shared-memory segment: one
-// one-shot round each (larger reduce_scatters: two-shot rounds, shm_coll.cc) (see ShmColl::exchange in algo/shm_coll.h). Through point-to-point
-// messages these cost one message per peer and the engine's matching (~8-14 us for 2 ranks
-// on the 2-core VM); here a copy in, one counter and the reads.
+// Small all_gather, reduce_scatter, all_to_all, gather and scatter through the shared-memory
+// segment: one one-shot round each (see ShmColl::exchange, gather and scatter in
+// algo/shm_coll.h; larger reduce_scatters run two-shot rounds, shm_coll.cc). Through
+// point-to-point messages these cost one message per peer and the engine's matching (~8-14
+// us for 2 ranks on the 2-core VM); here a copy in, one counter and the reads.
 #include "algo/shm_coll.h"
 #include "algo/shm_coll_slot.h"
 #include "core/copy.h"
@@ -11,12 +12,10 @@
 namespace linkwise {
 
 namespace {
-const char* kind_name(ShmColl::CallKind kind) {
-  switch (kind) {
-    case ShmColl::kAllGather: return "all_gather";
-    case ShmColl::kReduceScatter: return "reduce_scatter";
-    default: return "all_to_all";
-  }
+void check_fits(const char* what, size_t bytes) {
+  if (bytes > ShmColl::kOneMax)
+    throw Error(ErrorKind::Invalid, std::string(what) + ": " + std::to_string(bytes) +
+                                        " bytes do not fit the shared-memory one-shot area");
 }
 }  // namespace
 
@@ -24,9 +23,7 @@ void ShmColl::exchange(CallKind kind, const void* in, size_t in_bytes, void* out
                        double timeout) {
   if (kind != kAllGather && kind != kReduceScatter && kind != kAllToAll)
     throw Error(ErrorKind::Invalid, "shared-memory exchange: not an all_gather, reduce_scatter or all_to_all");
-  if (in_bytes > kOneMax && kind != kReduceScatter)
-    throw Error(ErrorKind::Invalid, std::string(kind_name(kind)) + ": " + std::to_string(in_bytes) +
-                                        " bytes do not fit the shared-memory one-shot area");
+  if (kind != kReduceScatter) check_fits(call_name(kind), in_bytes);
   timeout_ = timeout;
   // The descriptor carries dtype and op only where they matter (reduce_scatter).
   begin_call(kind, in_bytes, kind == kReduceScatter ? t : DType::kCount, kind == kReduceScatter ? op : RedOp::kCount,
@@ -34,7 +31,7 @@ void ShmColl::exchange(CallKind kind, const void* in, size_t in_bytes, void* out
   try {
     if (in_bytes > kOneMax) return reduce_scatter(in, out, in_bytes / n_ / dtype_size(t), t, op);
     const uint32_t r = one_shot_post(in, in_bytes);
-    one_shot_wait(r, kind_name(kind));
+    one_shot_wait(r, call_name(kind));
     char* o = static_cast<char*>(out);
     if (kind == kAllGather) {
       for (int q = 0; q < n_; ++q) copy_bytes(o + q * in_bytes, slot(q)->one(r), in_bytes);
@@ -46,6 +43,46 @@ void ShmColl::exchange(CallKind kind, const void* in, size_t in_bytes, void* out
       return;
     }
     one_shot_combine(r, out, block / dtype_size(t), t, op, rank_ * block);
+  } catch (const Error& e) {
+    mark_failed(e);
+    throw;
+  }
+}
+
+void ShmColl::gather(const void* in, size_t bytes, void* out, int root, double timeout) {
+  check_fits("gather", bytes * n_);
+  LW_CHECK(root >= 0 && root < n_ && (rank_ != root || out || bytes == 0), "gather: a root in range, with an output");
+  timeout_ = timeout;
+  begin_call(kGather, bytes, DType::kCount, RedOp::kCount, root);
+  try {
+    if (rank_ != root) return owe_round(one_shot_post(in, bytes));  // nobody reads the root's area
+    const uint32_t r = one_shot_post(nullptr, 0);
+    one_shot_wait(r, "gather");
+    char* o = static_cast<char*>(out);
+    for (int q = 0; q < n_; ++q) {
+      const char* from = q == rank_ ? static_cast<const char*>(in) : slot(q)->one(r);
+      if (from != o + q * bytes) copy_bytes(o + q * bytes, from, bytes);
+    }
+  } catch (const Error& e) {
+    mark_failed(e);
+    throw;
+  }
+}
+
+void ShmColl::scatter(const void* in, void* out, size_t bytes, int root, double timeout) {
+  check_fits("scatter", bytes * n_);
+  LW_CHECK(root >= 0 && root < n_ && (rank_ != root || in || bytes == 0), "scatter: a root in range, with an input");
+  timeout_ = timeout;
+  begin_call(kScatter, bytes, DType::kCount, RedOp::kCount, root);
+  try {
+    // The root's own block, too, comes from its posted copy: out may overlap in anywhere.
+    const uint32_t r = one_shot_post(in, rank_ == root ? bytes * n_ : 0);  // a non-root's area: unread
+    if (rank_ != root) {
+      wait_ge(root, slot(root)->h().b_in.v, r, "scatter", true);
+      check_line(root, slot(root)->h().b_in.stamp[r & 1], true);
+    }
+    copy_bytes(out, slot(root)->one(r) + rank_ * bytes, bytes);
+    owe_round(r);  // the other peers' posts of this round: waited for before my next post
   } catch (const Error& e) {
     mark_failed(e);
     throw;

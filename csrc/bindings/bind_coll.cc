@@ -231,6 +231,10 @@ void run_shm(CollJob& j) {
     else if (j.p.kind == CollKind::Reduce)  // recv: the root's output, null elsewhere
       j.shm->shm_.reduce(j.send, j.recv, j.send_bytes / dtype_size(j.p.dtype), j.p.dtype, j.p.op, j.p.root,
                          j.p.timeout);
+    else if (j.p.kind == CollKind::Gather)  // recv: the root's output, null elsewhere
+      j.shm->shm_.gather(j.send, j.send_bytes, j.recv, j.p.root, j.p.timeout);
+    else if (j.p.kind == CollKind::Scatter)  // send: the root's input, null elsewhere
+      j.shm->shm_.scatter(j.send, j.recv, j.recv_bytes, j.p.root, j.p.timeout);
     else
       j.shm->shm_.exchange(exchange_kind(j.p.kind, j.send_bytes, j.recv_bytes, j.shm->shm_), j.send, j.send_bytes,
                            j.recv, j.p.dtype, j.p.op, j.p.timeout);
@@ -278,7 +282,8 @@ void bind_coll(nb::module_& m) {
                                   std::move(children), timeout);
              hold(x, out, job->x, job->out, job->send, job->send_bytes, job->recv, job->recv_bytes);
              if (shm && job->send && job->recv &&
-                 (job->p.kind == CollKind::AllReduce || job->p.kind == CollKind::Reduce))
+                 (job->p.kind == CollKind::AllReduce || job->p.kind == CollKind::Reduce ||
+                  job->p.kind == CollKind::Gather))
                job->send = unoverlapped_input(job->send, job->send_bytes, job->recv, job->recv_bytes, job->staged);
              auto req = std::make_unique<CollRequest>(w.comm(), job, x, out);
              w.submit(job);

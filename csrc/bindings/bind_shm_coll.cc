@@ -187,7 +187,38 @@ void bind_shm_coll(nb::module_& m) {
            },
            nb::arg("kind"), nb::arg("x"), nb::arg("out"), nb::arg("code"), nb::arg("timeout"),
            "A small all_gather or all_to_all (x of at most 32 KiB, ShmColl::kOneMax), or a reduce_scatter "
-           "of any size (larger ones in two-shot rounds).");
+           "of any size (larger ones in two-shot rounds).")
+      .def("gather",
+           [](PyShmColl& s, nb::handle x, nb::handle out, int root, double timeout) {
+             // out: root's (size * len(x) elements; the caller checked dtype and shape), None
+             // elsewhere; size * x's bytes at most 32 KiB (ShmColl::kOneMax).
+             HeldBuffer hx, ho;
+             const void* send = nullptr;
+             size_t sb = 0, rb = 0;
+             void* recv = nullptr;
+             hold(x, out, hx, ho, send, sb, recv, rb);
+             if (recv && rb != sb * s.shm_.size()) throw nb::value_error("gather: out must have size * len(x) elements");
+             std::vector<char> staged;  // x, when it overlaps out
+             if (recv) send = unoverlapped_input(send, sb, recv, rb, staged);
+             nb::gil_scoped_release nogil;
+             s.guarded([&] { s.shm_.gather(send, sb, recv, root, timeout); });
+           },
+           nb::arg("x"), nb::arg("out").none(), nb::arg("root"), nb::arg("timeout"),
+           "A small gather onto root (one one-shot round; the non-roots post and return).")
+      .def("scatter",
+           [](PyShmColl& s, nb::handle x, nb::handle out, int root, double timeout) {
+             // x: root's (size * len(out) elements), None elsewhere; out: this rank's block.
+             HeldBuffer hx, ho;
+             const void* send = nullptr;
+             size_t sb = 0, rb = 0;
+             void* recv = nullptr;
+             hold(x, out, hx, ho, send, sb, recv, rb);
+             if (send && sb != rb * s.shm_.size()) throw nb::value_error("scatter: x must have size * len(out) elements");
+             nb::gil_scoped_release nogil;
+             s.guarded([&] { s.shm_.scatter(send, recv, rb, root, timeout); });
+           },
+           nb::arg("x").none(), nb::arg("out"), nb::arg("root"), nb::arg("timeout"),
+           "A small scatter from root (one one-shot round; the root posts and returns).");
 
 }
 

@@ -1,7 +1,8 @@
 """The latency paths of small all_gather, reduce_scatter and all_to_all: straight to the
 shared-memory executor's one-shot exchange (ShmColl::exchange) for plain NumPy arrays of at
-most 32 KiB, blocking, with no LINKWISE_ALGO or LINKWISE_CHECK set; and of reduce (any size:
-ShmColl::reduce picks its protocol natively). The general path
+most 32 KiB, blocking, with no LINKWISE_ALGO or LINKWISE_CHECK set; of small gather and
+scatter (all blocks within 32 KiB; ShmColl::gather / scatter) likewise; and of reduce (any
+size: ShmColl::reduce picks its protocol natively). The general path
 (CollectivesMixin, then _run) costs ~6 us of Python a call on the 2-core VM against ~1-2 us
 for the exchange itself; here a handful of tests decide.
 
@@ -81,3 +82,54 @@ def reduce_fast(comm, fast, x, root, op, out):
         comm._skip_call()
         raise
     return x if out is None else out
+
+
+def _moved(a) -> bool:
+    return type(a) is _ndarray and a.dtype.kind in _MOVED
+
+
+DECLINED = object()  # gather_fast's "take the general path" (None is a non-root's result)
+
+
+def gather_fast(comm, fast, x, root, out):
+    """gather through `fast` (all blocks within the one-shot area): out on root, None
+    elsewhere; or DECLINED."""
+    n = comm.size
+    if (not _moved(x) or type(root) is not int or not 0 <= root < n or x.nbytes * n > ONE_SHOT_CAP
+            or b"LINKWISE_ALGO" in _ENV or b"LINKWISE_CHECK" in _ENV):
+        return DECLINED
+    if comm.rank != root:
+        if out is not None:
+            return DECLINED  # checked on the general path, as on the root
+    elif out is None:
+        out = np.empty(gathered_shape(x.shape, n), dtype=x.dtype)
+    elif type(out) is not _ndarray or out.dtype != x.dtype or out.size != n * x.size or not out.flags.writeable:
+        return DECLINED
+    try:
+        fast.gather(x, out, root, comm.timeout)
+    except (ValueError, TypeError):  # the buffer checks of the native call
+        comm._skip_call()
+        raise
+    return out
+
+
+def scatter_fast(comm, fast, x, root, out):
+    """scatter through `fast` (all blocks within the one-shot area), or None to decline."""
+    n = comm.size
+    if (type(root) is not int or not 0 <= root < n or b"LINKWISE_ALGO" in _ENV or b"LINKWISE_CHECK" in _ENV):
+        return None
+    if comm.rank == root:
+        if not _moved(x) or x.nbytes > ONE_SHOT_CAP or x.size % n:
+            return None
+        if out is None:
+            out = np.empty(block_shape(x.shape, n), dtype=x.dtype)
+        elif not _moved(out) or out.dtype != x.dtype or out.size * n != x.size or not out.flags.writeable:
+            return None
+    elif x is not None or not _moved(out) or out.nbytes * n > ONE_SHOT_CAP or not out.flags.writeable:
+        return None  # a non-root's x (its shape may size out) takes the general path
+    try:
+        fast.scatter(x if comm.rank == root else None, out, root, comm.timeout)
+    except (ValueError, TypeError):
+        comm._skip_call()
+        raise
+    return out

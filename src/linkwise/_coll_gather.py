@@ -1,6 +1,7 @@
-"""gather and scatter: the rooted collectives that move per-rank blocks (point-to-point
-algorithms only; no GPU path). Mixed into Communicator after CollectivesMixin, whose _run
-and checks they use.
+"""gather and scatter: the rooted collectives that move per-rank blocks (no GPU path). Small
+ones within a host (all size blocks within 32 KiB) take one round through the shared-memory
+executor; the rest the point-to-point algorithms. Mixed into Communicator after
+CollectivesMixin, whose _run and checks they use.
 """
 from __future__ import annotations
 
@@ -10,15 +11,24 @@ import numpy as np
 
 from . import _gpu_coll
 from ._coll_args import _as_array, _dtype_label, block_shape
+from ._coll_fast import DECLINED, gather_fast, scatter_fast
 from .collectives import _skips_on_argument_error
 
 
 class GatherScatterMixin:
-    """Uses CollectivesMixin's _root, _gathered_out, _same, _writable and _run."""
+    """Uses CollectivesMixin's _fast_shm, _root, _gathered_out, _same, _writable and _run."""
 
-    @_skips_on_argument_error
     def gather(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
         """Concatenate every rank's x onto root; returns out on root and None elsewhere."""
+        fast = self._fast_shm
+        if fast is not None and not async_op:
+            r = gather_fast(self, fast, x, root, out)
+            if r is not DECLINED:
+                return r
+        return self._gather(x, root, out, async_op)
+
+    @_skips_on_argument_error
+    def _gather(self, x: Any, root: Any, out: Any, async_op: bool):
         root = self._root(root, "gather")
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
             raise _gpu_coll.unsupported("gather", "use all_gather (every rank gets the result) or copy x to the host")
@@ -33,11 +43,19 @@ class GatherScatterMixin:
             out = result = None
         return self._run("gather", x, out, _dtype_label(x.dtype), "", root, x.size, x.nbytes, async_op, result)
 
-    @_skips_on_argument_error
     def scatter(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
         """Root's x, split into size blocks, goes block r to rank r (into out, returned).
 
         x matters on root only (other ranks may pass None together with out=)."""
+        fast = self._fast_shm
+        if fast is not None and not async_op:
+            r = scatter_fast(self, fast, x, root, out)
+            if r is not None:
+                return r
+        return self._scatter(x, root, out, async_op)
+
+    @_skips_on_argument_error
+    def _scatter(self, x: Any, root: Any, out: Any, async_op: bool):
         root = self._root(root, "scatter")
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
             raise _gpu_coll.unsupported("scatter", "broadcast the whole array and take your block, or copy x to the host")

@@ -69,6 +69,8 @@ def _gpu_dispatch(comm, kind: str, x: Any, **kw):
 # Collectives that run through the shared-memory executor's one-shot area when small (and
 # reduce_scatter through its two-shot rounds when larger).
 _EXCHANGES = ("all_gather", "reduce_scatter", "all_to_all")
+# Rooted block collectives that run through that area when all their blocks fit it.
+_ROOTED_BLOCKS = ("gather", "scatter")
 
 
 class CollectivesMixin:
@@ -132,7 +134,8 @@ class CollectivesMixin:
         shm = self._shm_for(kind, nbytes)
         if shm is not None:
             _check_tunables()  # the other branch parses them in _schedule
-            xr, outr = _raw(x), (None if out is None else _raw(out))  # out: None on a reduce's non-root
+            # out: None on a reduce's or gather's non-root; x: None on a scatter's non-root
+            xr, outr = (None if x is None else _raw(x)), (None if out is None else _raw(out))
             if inline:
                 if kind == "all_reduce":
                     shm.all_reduce(xr, outr, DTYPES[dtype] * 8 + OPS[op], self.timeout)
@@ -140,6 +143,10 @@ class CollectivesMixin:
                     shm.reduce(xr, outr, DTYPES[dtype] * 8 + OPS[op], root, self.timeout)
                 elif kind == "broadcast":  # out of place, the root copies x into out natively
                     shm.broadcast(outr, root, self.timeout, xr)
+                elif kind == "gather":  # outr: None except on the root
+                    shm.gather(xr, outr, root, self.timeout)
+                elif kind == "scatter":  # xr: None except on the root
+                    shm.scatter(xr, outr, root, self.timeout)
                 else:
                     shm.exchange(KINDS[kind], xr, outr, DTYPES.get(dtype, _U8) * 8 + OPS.get(op, 0), self.timeout)
                 return result
@@ -202,13 +209,17 @@ class CollectivesMixin:
         links) and LINKWISE_ALGO does not force a point-to-point algorithm ("direct" = one-shot
         through shared memory for all_reduce), for reduce_scatter (one round through the
         segment while x has at most 32 KiB, else the two-shot all_reduce's rounds without
-        their copy-out), and for all_gather and all_to_all whose x has at most 32 KiB (nbytes
-        is x's bytes). The same on every rank, so all ranks reach the first such call together and
+        their copy-out), for all_gather and all_to_all whose x has at most 32 KiB (nbytes
+        is x's bytes), and for gather and scatter whose size blocks have at most 32 KiB
+        (nbytes is one block's). The same on every rank, so all ranks reach the first such call together and
         attach the segment there (a collective step)."""
         if self.size == 1:
             return None
         if kind in _EXCHANGES:
             if nbytes > _shm_exec.ONE_SHOT_CAP and kind != "reduce_scatter":
+                return None
+        elif kind in _ROOTED_BLOCKS:
+            if nbytes * self.size > _shm_exec.ONE_SHOT_CAP:
                 return None
         elif kind not in ("all_reduce", "reduce", "broadcast"):
             return None
