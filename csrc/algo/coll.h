@@ -137,7 +137,7 @@ void rd_all_reduce(CollCtx& c, void* buf, size_t count);
 void direct_all_reduce(CollCtx& c, void* buf, size_t count);
 void tree_broadcast(CollCtx& c, void* buf, size_t bytes);
 void tree_reduce(CollCtx& c, const void* in, void* out, size_t count);
-void pairwise_all_to_all(CollCtx& c, const void* in, void* out, size_t block_bytes);
+void pairwise_all_to_all(CollCtx& c, const void* in, void* out, size_t block_bytes, bool copy_own = true);
 void linear_gather(CollCtx& c, const void* in, void* out, size_t block_bytes);
 void linear_scatter(CollCtx& c, const void* in, void* out, size_t block_bytes);
 void dissemination_barrier(CollCtx& c);

@@ -22,12 +22,13 @@ void guarded(CollCtx& c, F&& f) {
 }  // namespace
 
 // Pairwise exchange: in step s, send block (me+s) to rank me+s and receive block (me-s) from
-// rank me-s. `in` and `out` must not overlap (the caller copies for in-place calls).
-void pairwise_all_to_all(CollCtx& c, const void* in, void* out, size_t bb) {
+// rank me-s. `in` and `out` must not overlap (the caller copies for in-place calls); with
+// copy_own false, out's own block is left as it is (in place: it already holds it).
+void pairwise_all_to_all(CollCtx& c, const void* in, void* out, size_t bb, bool copy_own) {
   const int n = c.size(), me = c.rank();
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
-  if (bb) copy_bytes(dst + me * bb, src + me * bb, bb);
+  if (bb && copy_own) copy_bytes(dst + me * bb, src + me * bb, bb);
   // Blocks of 0 bytes still go out (empty messages): a rank called with 0 elements against
   // others' data then meets their messages (another size: an error) instead of returning.
   if (n == 1) return;
