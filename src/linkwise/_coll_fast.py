@@ -26,15 +26,15 @@ _MOVED = "biufc"  # dtype kinds moved as they are (bfloat16 and records take the
 
 def exchange_fast(comm, fast, kind: int, x: np.ndarray, out, op: str = ""):
     """Run kind on x (an ndarray) through `fast`, or return None to decline."""
-    if (x.nbytes > ONE_SHOT_CAP or x.dtype.kind not in _MOVED or b"LINKWISE_ALGO" in _ENV
-            or b"LINKWISE_CHECK" in _ENV):
+    dt = x.dtype
+    if x.nbytes > ONE_SHOT_CAP or dt.kind not in _MOVED or b"LINKWISE_ALGO" in _ENV or b"LINKWISE_CHECK" in _ENV:
         return None
     n = comm.size
     code = 0
     if kind == ALL_GATHER:
         if out is None:
-            out = np.empty(gathered_shape(x.shape, n), dtype=x.dtype)
-        elif type(out) is not _ndarray or out.dtype != x.dtype or out.size != n * x.size:
+            out = np.empty(gathered_shape(x.shape, n), dtype=dt)
+        elif type(out) is not _ndarray or out.dtype != dt or out.size != n * x.size:
             return None
     else:
         if x.size % n:

@@ -424,18 +424,15 @@ class CollectivesMixin:
         return self._run("reduce", x, out if self.rank == root else None, dt, op, root, x.size, x.nbytes,
                          async_op, result)
 
-    def _fast_exchange(self, kind: int, x: Any, out: Any, async_op: bool, op: str = ""):
-        """The small all_gather / reduce_scatter / all_to_all latency path (_coll_fast), or None."""
-        fast = self._fast_shm
-        if fast is None or async_op or type(x) is not _ndarray:
-            return None
-        return exchange_fast(self, fast, kind, x, out, op)
-
     def all_gather(self, x: Any, out: Any = None, async_op: bool = False, stream: Any = None):
         """Concatenate every rank's x (rank order) into out (size * len(x) elements).
         CUDA arrays: on the GPU, on `stream`."""
-        r = self._fast_exchange(_ALL_GATHER, x, out, async_op)
-        return r if r is not None else self._all_gather(x, out, async_op, stream)
+        fast = self._fast_shm  # the latency path (_coll_fast.exchange_fast), or None
+        if fast is not None and type(x) is _ndarray and not async_op:
+            r = exchange_fast(self, fast, _ALL_GATHER, x, out)
+            if r is not None:
+                return r
+        return self._all_gather(x, out, async_op, stream)
 
     @_skips_on_argument_error
     def _all_gather(self, x: Any, out: Any, async_op: bool, stream: Any):
@@ -449,8 +446,12 @@ class CollectivesMixin:
                        dtype: Optional[str] = None, stream: Any = None):
         """Combine x across ranks; rank r gets block r (x has size * len(out) elements).
         CUDA arrays: on the GPU, on `stream`."""
-        r = None if dtype is not None else self._fast_exchange(_REDUCE_SCATTER, x, out, async_op, op)
-        return r if r is not None else self._reduce_scatter(x, op, out, async_op, dtype, stream)
+        fast = self._fast_shm
+        if fast is not None and type(x) is _ndarray and not async_op and dtype is None:
+            r = exchange_fast(self, fast, _REDUCE_SCATTER, x, out, op)
+            if r is not None:
+                return r
+        return self._reduce_scatter(x, op, out, async_op, dtype, stream)
 
     @_skips_on_argument_error
     def _reduce_scatter(self, x: Any, op: str, out: Any, async_op: bool, dtype: Optional[str], stream: Any):
@@ -476,8 +477,12 @@ class CollectivesMixin:
     def all_to_all(self, x: Any, out: Any = None, async_op: bool = False, stream: Any = None):
         """Rank r's block j (x split into size equal blocks) goes to rank j's block r.
         CUDA arrays: on the GPU, on `stream`."""
-        r = self._fast_exchange(_ALL_TO_ALL, x, out, async_op)
-        return r if r is not None else self._all_to_all(x, out, async_op, stream)
+        fast = self._fast_shm
+        if fast is not None and type(x) is _ndarray and not async_op:
+            r = exchange_fast(self, fast, _ALL_TO_ALL, x, out)
+            if r is not None:
+                return r
+        return self._all_to_all(x, out, async_op, stream)
 
     @_skips_on_argument_error
     def _all_to_all(self, x: Any, out: Any, async_op: bool, stream: Any):
