@@ -126,3 +126,17 @@ def check_bitwise_sum(comm, n: int) -> list:
         want = want + np.random.default_rng(r).standard_normal(n).astype(np.float32)
     np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
     return out.view(np.uint32)[::997].tolist()
+
+
+def call_outcome(call) -> str:
+    """Runs call(): "ok"; "ValueError" for a mismatch named as such ("differs between ranks"),
+    "ValueError: <text>" for any other; "stopped" for CommAbortedError or PeerError (the
+    executor stopped after a failure elsewhere, or a peer failed first)."""
+    import linkwise
+    try:
+        call()
+        return "ok"
+    except ValueError as exc:
+        return "ValueError" if "differs between ranks" in str(exc) else f"ValueError: {exc}"
+    except (linkwise.CommAbortedError, linkwise.PeerError):
+        return "stopped"

@@ -8,7 +8,7 @@ and coroutines in issue order, mismatched calls raising on every rank, and a kil
 import numpy as np
 import pytest
 
-from coll_ref import DTYPES, data, np_dtype
+from coll_ref import DTYPES, call_outcome, data, np_dtype
 from multirank import run_ranks
 
 COUNTS = [0, 1, 7, 300]  # 300 float64 x 8 ranks = 19 KB: every case here fits the area
@@ -135,7 +135,6 @@ def test_async_and_coroutines_keep_issue_order():
 
 def _mismatch(comm, case):
     """The last rank calls something else; returns (first outcome, second call's, third's)."""
-    import linkwise
     n, odd = comm.size, comm.rank == comm.size - 1
     x = np.ones(4, np.float32)
     calls = {"root": lambda: comm.gather(x, root=1 if odd else 0),
@@ -144,16 +143,7 @@ def _mismatch(comm, case):
                                            out=np.empty(4, np.float32)) if odd else comm.gather(x, root=0)),
              "scatter_root": lambda: comm.scatter(np.ones(4 * n, np.float32), root=1 if odd else 0,
                                                   out=np.empty(4, np.float32))}
-    outcome = []
-    for call in (calls[case], lambda: comm.all_reduce(x), lambda: comm.all_reduce(x)):
-        try:
-            call()
-            outcome.append("ok")
-        except ValueError as exc:
-            outcome.append("ValueError" if "differs between ranks" in str(exc) else f"ValueError: {exc}")
-        except (linkwise.CommAbortedError, linkwise.PeerError):
-            outcome.append("stopped")
-    return outcome
+    return [call_outcome(call) for call in (calls[case], lambda: comm.all_reduce(x), lambda: comm.all_reduce(x))]
 
 
 @pytest.mark.parametrize("case", ["root", "size", "kind", "scatter_root"])

@@ -9,7 +9,7 @@ calls keep issue order, and a rank killed mid-call makes the others raise PeerEr
 import numpy as np
 import pytest
 
-from coll_ref import DTYPES, INT, check_equal, data, np_dtype, ops_for, reduce_ref
+from coll_ref import DTYPES, INT, call_outcome, check_equal, data, np_dtype, ops_for, reduce_ref
 from multirank import run_ranks
 
 # Block sizes (elements per rank) whose x passes 32 KiB for every dtype and rank count used
@@ -97,22 +97,12 @@ def test_same_bits_as_all_reduce(n):
 
 def _mismatch(comm, case):
     """The last rank calls something else; returns (first outcome, next call's outcome)."""
-    import linkwise
     odd = comm.rank == comm.size - 1
     x = np.ones(comm.size * 20_000, np.float32)
     calls = {"all_reduce": lambda: comm.all_reduce(x) if odd else comm.reduce_scatter(x),
              "op": lambda: comm.reduce_scatter(x, op="max" if odd else "sum"),
              "size": lambda: comm.reduce_scatter(x[:comm.size * (10_000 if odd else 20_000)])}
-    outcome = []
-    for call in (calls[case], lambda: comm.reduce_scatter(x)):
-        try:
-            call()
-            outcome.append("ok")
-        except ValueError as exc:
-            outcome.append("ValueError" if "differs between ranks" in str(exc) else f"ValueError: {exc}")
-        except (linkwise.CommAbortedError, linkwise.PeerError):
-            outcome.append("stopped")
-    return outcome
+    return [call_outcome(call) for call in (calls[case], lambda: comm.reduce_scatter(x))]
 
 
 @pytest.mark.parametrize("case", ["all_reduce", "op", "size"])

@@ -8,7 +8,7 @@ reduces keep issue order, and a rank killed mid-reduce makes the others raise Pe
 import numpy as np
 import pytest
 
-from coll_ref import INT, check_equal, data, np_dtype, ops_for, reduce_ref
+from coll_ref import INT, call_outcome, check_equal, data, np_dtype, ops_for, reduce_ref
 from multirank import run_ranks
 from test_coll_cma import CMA_ENV, _cma_permitted
 
@@ -109,22 +109,12 @@ def test_root_gets_the_all_reduce_bits_single_copy():
 
 def _mismatch(comm, case, count):
     """The last rank calls something else; returns (first outcome, next call's outcome)."""
-    import linkwise
     odd = comm.rank == comm.size - 1
     x = np.ones(count, np.float32)
-    outcome = []
     calls = {"all_reduce": lambda: comm.all_reduce(x) if odd else comm.reduce(x, root=0),
              "root": lambda: comm.reduce(x, root=1 if odd else 0),
              "op": lambda: comm.reduce(x, root=0, op="max" if odd else "sum")}
-    for call in (calls[case], lambda: comm.reduce(x, root=0)):
-        try:
-            call()
-            outcome.append("ok")
-        except ValueError as exc:
-            outcome.append("ValueError" if "differs between ranks" in str(exc) else f"ValueError: {exc}")
-        except (linkwise.CommAbortedError, linkwise.PeerError):
-            outcome.append("stopped")
-    return outcome
+    return [call_outcome(call) for call in (calls[case], lambda: comm.reduce(x, root=0))]
 
 
 @pytest.mark.parametrize("case", ["all_reduce", "root", "op"])

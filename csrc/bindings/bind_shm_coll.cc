@@ -174,15 +174,12 @@ void bind_shm_coll(nb::module_& m) {
            [](PyShmColl& s, int kind, nb::handle x, nb::handle out, int code, double timeout) {
              // kind: a CollKind code (all_gather, reduce_scatter, all_to_all); code = dtype * 8
              // + op (reduce_scatter; validated by the caller for x's dtype). out may be x.
-             HeldBuffer hx, ho;
-             const void* send = nullptr;
-             size_t sb = 0, rb = 0;
-             void* recv = nullptr;
-             hold(x, out, hx, ho, send, sb, recv, rb);
-             const ShmColl::CallKind k = exchange_kind(static_cast<CollKind>(kind), sb, rb, s.shm_);
+             HeldPair b(x, out);
+             const ShmColl::CallKind k = exchange_kind(static_cast<CollKind>(kind), b.send_bytes, b.recv_bytes, s.shm_);
              nb::gil_scoped_release nogil;
              s.guarded([&] {
-               s.shm_.exchange(k, send, sb, recv, static_cast<DType>(code >> 3), static_cast<RedOp>(code & 7), timeout);
+               s.shm_.exchange(k, b.send, b.send_bytes, b.recv, static_cast<DType>(code >> 3),
+                               static_cast<RedOp>(code & 7), timeout);
              });
            },
            nb::arg("kind"), nb::arg("x"), nb::arg("out"), nb::arg("code"), nb::arg("timeout"),
@@ -192,30 +189,24 @@ void bind_shm_coll(nb::module_& m) {
            [](PyShmColl& s, nb::handle x, nb::handle out, int root, double timeout) {
              // out: root's (size * len(x) elements; the caller checked dtype and shape), None
              // elsewhere; size * x's bytes at most 32 KiB (ShmColl::kOneMax).
-             HeldBuffer hx, ho;
-             const void* send = nullptr;
-             size_t sb = 0, rb = 0;
-             void* recv = nullptr;
-             hold(x, out, hx, ho, send, sb, recv, rb);
-             if (recv && rb != sb * s.shm_.size()) throw nb::value_error("gather: out must have size * len(x) elements");
+             HeldPair b(x, out);
+             if (b.recv && b.recv_bytes != b.send_bytes * s.shm_.size())
+               throw nb::value_error("gather: out must have size * len(x) elements");
              std::vector<char> staged;  // x, when it overlaps out
-             if (recv) send = unoverlapped_input(send, sb, recv, rb, staged);
+             if (b.recv) b.send = unoverlapped_input(b.send, b.send_bytes, b.recv, b.recv_bytes, staged);
              nb::gil_scoped_release nogil;
-             s.guarded([&] { s.shm_.gather(send, sb, recv, root, timeout); });
+             s.guarded([&] { s.shm_.gather(b.send, b.send_bytes, b.recv, root, timeout); });
            },
            nb::arg("x"), nb::arg("out").none(), nb::arg("root"), nb::arg("timeout"),
            "A small gather onto root (one one-shot round; the non-roots post and return).")
       .def("scatter",
            [](PyShmColl& s, nb::handle x, nb::handle out, int root, double timeout) {
              // x: root's (size * len(out) elements), None elsewhere; out: this rank's block.
-             HeldBuffer hx, ho;
-             const void* send = nullptr;
-             size_t sb = 0, rb = 0;
-             void* recv = nullptr;
-             hold(x, out, hx, ho, send, sb, recv, rb);
-             if (send && sb != rb * s.shm_.size()) throw nb::value_error("scatter: x must have size * len(out) elements");
+             HeldPair b(x, out);
+             if (b.send && b.send_bytes != b.recv_bytes * s.shm_.size())
+               throw nb::value_error("scatter: x must have size * len(out) elements");
              nb::gil_scoped_release nogil;
-             s.guarded([&] { s.shm_.scatter(send, recv, rb, root, timeout); });
+             s.guarded([&] { s.shm_.scatter(b.send, b.recv, b.recv_bytes, root, timeout); });
            },
            nb::arg("x").none(), nb::arg("out"), nb::arg("root"), nb::arg("timeout"),
            "A small scatter from root (one one-shot round; the root posts and returns).");

@@ -38,4 +38,13 @@ void acquire_buffer(nanobind::handle obj, bool writable, const char* op, HeldBuf
 void hold(nanobind::handle x, nanobind::handle out, HeldBuffer& hx, HeldBuffer& ho, const void*& send,
           size_t& send_bytes, void*& recv, size_t& recv_bytes);
 
+// hold() for one call's scope: the buffers stay acquired while the object lives.
+struct HeldPair {
+  HeldBuffer hx, ho;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  size_t send_bytes = 0, recv_bytes = 0;
+  HeldPair(nanobind::handle x, nanobind::handle out) { hold(x, out, hx, ho, send, send_bytes, recv, recv_bytes); }
+};
+
 }  // namespace linkwise
