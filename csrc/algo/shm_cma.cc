@@ -19,7 +19,6 @@
 namespace linkwise {
 
 namespace {
-constexpr size_t kStreamMin = 8 << 20;  // own-output copies of messages this big skip the cache
 constexpr uint64_t kLow = 0xffffffffull;
 }  // namespace
 

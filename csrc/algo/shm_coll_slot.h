@@ -49,6 +49,11 @@ constexpr size_t kSlotHeader = 8192;  // two pages: the per-lane counters of 16 
 
 inline bool reached(uint32_t have, uint32_t want) { return static_cast<int32_t>(have - want) >= 0; }
 
+constexpr size_t kStreamMin = 8 << 20;  // messages at least this big are copied out with streaming stores
+constexpr size_t kSub = 32 << 10;       // reduce, then copy out, this many bytes at a time (in L1/L2)
+// Ranks whose inputs are reduced in one pass (reduce_many_store); 2 ranks keep the pair kernel.
+inline bool one_pass(int n) { return n >= 3 && n <= kManyMax; }
+
 // Copies n bytes; with stream (and n >= 4 KiB) through non-temporal stores, for destinations
 // that will not be read again soon (a big message's user buffer): no read-for-ownership.
 void copy_out(void* dst, const void* src, size_t n, bool stream);
