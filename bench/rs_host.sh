@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# reduce_scatter on the GPU machine's host CPUs, 4 and 16 ranks: the executor's two-shot
-# rounds (default) against the message ring (LINKWISE_ALGO=ring, the path before the
-# seventeenth session), Open MPI (mpi4py Reduce_scatter_block) and Gloo, in one run.
-#   bash bench/rs_host.sh OUTDIR      (from the repository root; builds the CPU part)
+# reduce_scatter / all_gather on the GPU machine's host CPUs, 4 and 16 ranks: the executor's
+# rounds in its two-shot areas (default) against the message ring (LINKWISE_ALGO=ring, the
+# path before the seventeenth session), Open MPI (mpi4py) and Gloo, in one run.
+#   bash bench/rs_host.sh OUTDIR [COLLECTIVE...]   (default reduce_scatter; from the
+#   repository root; builds the CPU part)
 set -uo pipefail
 out=${1:-/tmp/lw-rs}
 mkdir -p "$out"
@@ -15,11 +16,15 @@ cmake -S . -B build/host64 -G Ninja -DLINKWISE_CUDA=OFF -DCMAKE_BUILD_TYPE=Relea
 cp build/host64/_native*.so src/linkwise/
 export PYTHONPATH=$PWD/src
 { python3 -c "import os; print(len(os.sched_getaffinity(0)), 'CPUs')"; lscpu | grep -m1 "Model name"; } 2>&1 | tee -a "$log"
+colls=("${@:2}")
+[ ${#colls[@]} -gt 0 ] || colls=(reduce_scatter)
+for coll in "${colls[@]}"; do
 for n in 4 16; do
-  echo "## -N $n executor, --compare mpi,gloo" | tee -a "$log"
-  timeout 200 python3 -m linkwise.cli bench reduce_scatter -N "$n" -b 64K -e 16M -f 4 -n 20 -w 5 \
+  echo "## $coll -N $n executor, --compare mpi,gloo" | tee -a "$log"
+  timeout 200 python3 -m linkwise.cli bench "$coll" -N "$n" -b 64K -e 16M -f 4 -n 20 -w 5 \
       --compare mpi,gloo --no-progress < /dev/null 2>&1 | tee -a "$log"
-  echo "## -N $n LINKWISE_ALGO=ring" | tee -a "$log"
-  LINKWISE_ALGO=ring timeout 100 python3 -m linkwise.cli bench reduce_scatter -N "$n" -b 64K -e 16M -f 4 \
+  echo "## $coll -N $n LINKWISE_ALGO=ring" | tee -a "$log"
+  LINKWISE_ALGO=ring timeout 100 python3 -m linkwise.cli bench "$coll" -N "$n" -b 64K -e 16M -f 4 \
       -n 20 -w 5 --no-progress < /dev/null 2>&1 | grep -v "^#" | tee -a "$log"
+done
 done

@@ -148,7 +148,8 @@ class ShmColl {
   // How many all-reduces / broadcasts took the CMA path (tests check that they ran).
   uint64_t cma_all_reduces() const { return cma_ar_calls_; }
   uint64_t cma_broadcasts() const { return cma_bc_calls_; }
-  // How many two-shot calls (all_reduce, reduce, large reduce_scatter) / ring broadcasts ran
+  // How many calls in the two-shot areas (all_reduce, reduce, large reduce_scatter and
+  // all_gather) / ring broadcasts ran
   // on more than one lane.
   uint64_t lane_all_reduces() const { return lane_ar_calls_; }
   uint64_t lane_broadcasts() const { return lane_bc_calls_; }
@@ -203,9 +204,10 @@ class ShmColl {
   static const char* call_name(uint64_t desc);  // a descriptor's kind as a name (shm_coll_check.cc)
 
   // Small all_gather, reduce_scatter and all_to_all (shm_exchange.cc): in_bytes = x's bytes,
-  // at most kOneMax (the caller checks; larger all_gather and all_to_all go point-to-point;
-  // a larger reduce_scatter runs the two-shot all-reduce's rounds with the copy-out left out,
-  // see reduce_scatter() below, and out may be x's block `rank` exactly). Each rank reads
+  // at most kOneMax for all_to_all (the caller checks; larger ones go point-to-point); a
+  // larger reduce_scatter runs the two-shot all-reduce's rounds with the copy-out left out
+  // (reduce_scatter() below; out may be x's block `rank` exactly), a larger all_gather
+  // all_gather_rounds() (x may be out's block `rank` exactly). Each rank reads
   // in_bytes (n x in_bytes for all_gather), not the one-shot all-reduce's n x, so the whole
   // area is used whatever one_shot_max() is. One one-shot round, in the one-shot
   // all-reduce's area and round count: copy x in, b_in = r, wait for every peer's round r,
@@ -262,6 +264,12 @@ class ShmColl {
   // take a piece of every block (block elements each), each rank reducing its own block's
   // piece into out; no copy-out. out may be exactly this rank's block of in.
   void reduce_scatter(const void* in, void* out, size_t block, DType t, RedOp op);
+  // An all_gather larger than the one-shot area (after begin_call; shm_all_gather.cc): rounds
+  // in the two-shot areas and counters (a_in: every read of the rounds before is done; a_res:
+  // my piece is posted), each rank posting the next piece of its block and copying every
+  // rank's piece out. in may be exactly this rank's block of out.
+  void all_gather_rounds(const void* in, void* out, size_t bytes);
+  void all_gather_lane(int lane, int lanes, const char* src, char* dst, size_t count, size_t stride, bool stream);
   void cma_all_reduce(const void* in, void* out, size_t count, DType t, RedOp op);
   void cma_chunk(size_t o, size_t m, DType t, RedOp op, bool stream, int thread);
   void ring_broadcast(const char* src, char* buf, size_t bytes, int root);

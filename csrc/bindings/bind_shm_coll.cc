@@ -80,7 +80,7 @@ void bind_shm_coll(nb::module_& m) {
                    "(all_reduces, broadcasts) that took the CMA path so far.")
       .def_prop_ro("lane_calls",
                    [](PyShmColl& s) { return std::make_pair(s.shm_.lane_all_reduces(), s.shm_.lane_broadcasts()); },
-                   "(two-shot all_reduces / reduces / reduce_scatters, broadcasts) that ran on several lanes "
+                   "(two-shot-area all_reduces / reduces / reduce_scatters / all_gathers, broadcasts) that ran on several lanes "
                    "(helper threads) so far.")
       .def_prop_ro("one_shot_max", [](PyShmColl& s) { return s.shm_.one_shot_max(); },
                    "Largest all_reduce (bytes) that runs one-shot (rank 0's setting, agreed by all ranks).")

@@ -1,0 +1,101 @@
+"""all_gather through the shared-memory executor's rounds in the two-shot areas (x larger
+than the one-shot area's 32 KiB; ShmColl::all_gather_rounds). Checked against NumPy for
+every dtype, 2, 3, 5 and 8 ranks, one round and several, one lane and several, out= and out
+None, in place (x is out's own block) and with x overlapping another block of out; the
+point-to-point sequence, which the executor leaves alone, proves the path. Also mismatched
+calls against the other two-shot protocols, and a rank killed mid-call."""
+import numpy as np
+import pytest
+
+from coll_ref import DTYPES, call_outcome, data, np_dtype
+from multirank import run_ranks
+
+LANES_ENV = {"LINKWISE_COLL_THREADS": "3", "LINKWISE_COLL_LANE_MIN": "4K"}
+
+
+def _gather_everywhere(comm, dtypes, counts):
+    n, r = comm.size, comm.rank
+    seq, calls = comm._coll_seq, 0
+    for dt in dtypes:
+        for count in counts:
+            ins = [data(q, count, dt, "sum", salt=5) for q in range(n)]
+            full = np.concatenate(ins)
+            assert ins[r].nbytes > 32 << 10, "the test's sizes must pass the one-shot area"
+            tag = f"all_gather {dt} count={count}"
+            x = ins[r].copy()
+            np.testing.assert_array_equal(comm.all_gather(x), full, err_msg=tag + " out None")
+            out = np.full(n * count, 3, np_dtype(dt))
+            assert comm.all_gather(x, out=out) is out
+            np.testing.assert_array_equal(out, full, err_msg=tag + " out=")
+            np.testing.assert_array_equal(x, ins[r], err_msg=tag + " x untouched")
+            out = np.full(n * count, 3, np_dtype(dt))
+            out[r * count:(r + 1) * count] = ins[r]
+            comm.all_gather(out[r * count:(r + 1) * count], out=out)  # in place
+            np.testing.assert_array_equal(out, full, err_msg=tag + " in place")
+            out = np.full(n * count + 1, 3, np_dtype(dt))
+            other = (r + 1) % n  # x straddles the start of another rank's block of out
+            out[other * count + 1:other * count + 1 + count] = ins[r]
+            comm.all_gather(out[other * count + 1:other * count + 1 + count], out=out[:n * count])
+            np.testing.assert_array_equal(out[:n * count], full, err_msg=tag + " x overlapping another block")
+            calls += 4
+    assert comm._coll_seq == seq, "an all_gather went point-to-point instead of through the executor"
+    return calls, comm._shm.lane_calls[0], comm._shm.max_lanes
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_one_round(n):
+    got = run_ranks(n, _gather_everywhere, ["float32", "int8", "bfloat16"], [33_001, 100_003], timeout=240)
+    assert got[0][0] > 0, got
+
+
+def test_every_dtype():
+    run_ranks(2, _gather_everywhere, DTYPES, [40_001], timeout=240)
+
+
+def test_several_rounds_eight_ranks():
+    run_ranks(8, _gather_everywhere, ["float64"], [600_001], timeout=240)  # 4.8 MB a block: 3 rounds
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_lanes(n):
+    got = run_ranks(n, _gather_everywhere, ["float32", "uint8"], [40_001, 700_001], env=LANES_ENV, timeout=240)
+    assert all(lanes > 0 for _, lanes, _ in got), got  # lane_calls counts every two-shot-area call
+
+
+def _mismatch(comm, case):
+    odd = comm.rank == comm.size - 1
+    x = np.ones(20_000, np.float32)
+    calls = {"reduce_scatter": lambda: comm.reduce_scatter(np.ones(20_000 * comm.size, np.float32))
+             if odd else comm.all_gather(x),
+             "all_reduce": lambda: comm.all_reduce(np.ones(20_000 * comm.size, np.float32)) if odd else comm.all_gather(x),
+             "size": lambda: comm.all_gather(x[:10_000] if odd else x)}
+    return [call_outcome(call) for call in (calls[case], lambda: comm.all_gather(x))]
+
+
+@pytest.mark.parametrize("case", ["reduce_scatter", "all_reduce", "size"])
+def test_mismatched_calls_raise(case):
+    out = run_ranks(3, _mismatch, case, env={"LINKWISE_TIMEOUT": "20"}, timeout=90)
+    assert any(first == "ValueError" for first, _ in out), out
+    assert all(first in ("ValueError", "stopped") and later == "stopped" for first, later in out), out
+
+
+def _until_peer_error(comm):
+    import os
+    import signal
+    import threading
+    from linkwise.errors import PeerError
+    if comm.rank == 2:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    x = np.ones(300_001, np.float32)
+    try:
+        for _ in range(1_000_000):
+            comm.all_gather(x)
+    except PeerError as exc:
+        return exc.peer
+    return "finished"
+
+
+def test_rank_killed_mid_call():
+    out = run_ranks(3, _until_peer_error, env={"LINKWISE_TIMEOUT": "30"}, expect_fail=True, timeout=90)
+    assert out[2][0] == "died"
+    assert out[:2] == [("ok", 2), ("ok", 2)], out
