@@ -204,10 +204,9 @@ class ShmColl {
   static const char* call_name(uint64_t desc);  // a descriptor's kind as a name (shm_coll_check.cc)
 
   // Small all_gather, reduce_scatter and all_to_all (shm_exchange.cc): in_bytes = x's bytes,
-  // at most kOneMax for all_to_all (the caller checks; larger ones go point-to-point); a
-  // larger reduce_scatter runs the two-shot all-reduce's rounds with the copy-out left out
-  // (reduce_scatter() below; out may be x's block `rank` exactly), a larger all_gather
-  // all_gather_rounds() (x may be out's block `rank` exactly). Each rank reads
+  // of any size: a larger reduce_scatter runs the two-shot all-reduce's rounds with the
+  // copy-out left out (reduce_scatter() below; out may be x's block `rank` exactly), a larger
+  // all_gather or all_to_all block_rounds(). Up to kOneMax, each rank reads
   // in_bytes (n x in_bytes for all_gather), not the one-shot all-reduce's n x, so the whole
   // area is used whatever one_shot_max() is. One one-shot round, in the one-shot
   // all-reduce's area and round count: copy x in, b_in = r, wait for every peer's round r,
@@ -264,12 +263,15 @@ class ShmColl {
   // take a piece of every block (block elements each), each rank reducing its own block's
   // piece into out; no copy-out. out may be exactly this rank's block of in.
   void reduce_scatter(const void* in, void* out, size_t block, DType t, RedOp op);
-  // An all_gather larger than the one-shot area (after begin_call; shm_all_gather.cc): rounds
-  // in the two-shot areas and counters (a_in: every read of the rounds before is done; a_res:
-  // my piece is posted), each rank posting the next piece of its block and copying every
-  // rank's piece out. in may be exactly this rank's block of out.
-  void all_gather_rounds(const void* in, void* out, size_t bytes);
-  void all_gather_lane(int lane, int lanes, const char* src, char* dst, size_t count, size_t stride, bool stream);
+  // An all_gather (a2a false) or all_to_all (a2a true) larger than the one-shot area (after
+  // begin_call; shm_block_rounds.cc): rounds in the two-shot areas and counters (a_in: every
+  // read of the rounds before is done; a_res: my pieces are posted), each rank posting the
+  // next piece of its block (all_to_all: of each of its blocks) and copying every rank's
+  // piece (all_to_all: the piece it posted for this rank) out. bytes: one block. in may be
+  // exactly this rank's block of out (all_gather), or out itself (all_to_all).
+  void block_rounds(bool a2a, const void* in, void* out, size_t bytes);
+  void block_lane(bool a2a, int lane, int lanes, const char* src, char* dst, size_t count, size_t stride,
+                  bool stream);
   void cma_all_reduce(const void* in, void* out, size_t count, DType t, RedOp op);
   void cma_chunk(size_t o, size_t m, DType t, RedOp op, bool stream, int thread);
   void ring_broadcast(const char* src, char* buf, size_t bytes, int root);

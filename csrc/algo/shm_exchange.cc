@@ -23,13 +23,13 @@ void ShmColl::exchange(CallKind kind, const void* in, size_t in_bytes, void* out
                        double timeout) {
   if (kind != kAllGather && kind != kReduceScatter && kind != kAllToAll)
     throw Error(ErrorKind::Invalid, "shared-memory exchange: not an all_gather, reduce_scatter or all_to_all");
-  if (kind == kAllToAll) check_fits(call_name(kind), in_bytes);
   timeout_ = timeout;
   // The descriptor carries dtype and op only where they matter (reduce_scatter).
   begin_call(kind, in_bytes, kind == kReduceScatter ? t : DType::kCount, kind == kReduceScatter ? op : RedOp::kCount,
              0);
   try {
-    if (in_bytes > kOneMax && kind == kAllGather) return all_gather_rounds(in, out, in_bytes);
+    if (in_bytes > kOneMax && kind == kAllGather) return block_rounds(false, in, out, in_bytes);
+    if (in_bytes > kOneMax && kind == kAllToAll) return block_rounds(true, in, out, in_bytes / n_);
     if (in_bytes > kOneMax) return reduce_scatter(in, out, in_bytes / n_ / dtype_size(t), t, op);
     const uint32_t r = one_shot_post(in, in_bytes);
     one_shot_wait(r, call_name(kind));

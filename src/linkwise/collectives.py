@@ -66,8 +66,8 @@ def _gpu_dispatch(comm, kind: str, x: Any, **kw):
     return _gpu_coll.dispatch(comm, kind, x, **kw)
 
 
-# Collectives that run through the shared-memory executor's one-shot area when small (and
-# reduce_scatter and all_gather through rounds in its two-shot areas when larger).
+# Collectives that run through the shared-memory executor's one-shot area when small, and
+# through rounds in its two-shot areas when larger.
 _EXCHANGES = ("all_gather", "reduce_scatter", "all_to_all")
 # Rooted block collectives that run through that area when all their blocks fit it.
 _ROOTED_BLOCKS = ("gather", "scatter")
@@ -207,16 +207,15 @@ class CollectivesMixin:
 
         Used for all_reduce, reduce and broadcast when every peer is on this host (shared-memory
         links) and LINKWISE_ALGO does not force a point-to-point algorithm ("direct" = one-shot
-        through shared memory for all_reduce), for reduce_scatter and all_gather (one round
-        through the segment while x has at most 32 KiB, else rounds in the two-shot areas),
-        for all_to_all whose x has at most 32 KiB (nbytes is x's bytes), and for gather and
-        scatter whose size blocks have at most 32 KiB (nbytes is one block's). The same on every rank, so all ranks reach the first such call together and
+        through shared memory for all_reduce), for reduce_scatter, all_gather and all_to_all
+        (one round through the segment while x has at most 32 KiB, else rounds in the two-shot
+        areas), and for gather and scatter whose size blocks have at most 32 KiB (nbytes is
+        one block's). The same on every rank, so all ranks reach the first such call together and
         attach the segment there (a collective step)."""
         if self.size == 1:
             return None
         if kind in _EXCHANGES:
-            if nbytes > _shm_exec.ONE_SHOT_CAP and kind == "all_to_all":
-                return None
+            pass  # any size: one one-shot round up to 32 KiB, rounds in the two-shot areas above
         elif kind in _ROOTED_BLOCKS:
             if nbytes * self.size > _shm_exec.ONE_SHOT_CAP:
                 return None
