@@ -17,9 +17,9 @@ from multirank import run_ranks
 
 
 def _kind_mismatch_then_go_on(comm, form, attached):
-    """Rank 0 all_reduce (shared memory) against rank 1 all_to_all (point-to-point: 64 KiB,
-    past the executor's small all_to_all; a small one meets the all_reduce there and raises
-    ValueError at once, test_coll_mismatch.py): rank 1
+    """Rank 0 all_reduce (shared memory) against rank 1 gather to itself (point-to-point: 2 x
+    64 KiB, past the executor's small gather; an executor call meets the all_reduce there and
+    raises ValueError at once, test_coll_mismatch.py): rank 1
     times out (LINKWISE_TIMEOUT=3); then two more all_reduces on both ranks. Returns (the
     mismatched call's outcome, the later calls' outcomes: their sums or the error's name)."""
     import linkwise
@@ -42,13 +42,13 @@ def _kind_mismatch_then_go_on(comm, form, attached):
     if comm.rank == 0:
         first = outcome(lambda: comm.all_reduce(x) is not None and "ok")
     elif form == "blocking":
-        first = outcome(lambda: comm.all_to_all(x) is not None and "ok")
+        first = outcome(lambda: comm.gather(x, root=1) is not None and "ok")
     elif form == "async":
-        first = outcome(lambda: comm.all_to_all(x, async_op=True).wait() is not None and "ok")
+        first = outcome(lambda: comm.gather(x, root=1, async_op=True).wait() is not None and "ok")
     elif form == "await":
-        first = outcome(lambda: asyncio.run(comm.aall_to_all(x)) is not None and "ok")
+        first = outcome(lambda: asyncio.run(comm.agather(x, root=1)) is not None and "ok")
     else:  # queued: the next all_reduce is submitted behind the failing call before any wait
-        req = comm.all_to_all(x, async_op=True)
+        req = comm.gather(x, root=1, async_op=True)
         later.append(outcome(lambda: all_reduce(0)))
         first = outcome(lambda: req.wait() is not None and "ok")
     while len(later) < 2:
