@@ -143,3 +143,18 @@ def collective_until_peer_error(comm, coll: str, x, victim: int = 2, linger: flo
         time.sleep(linger)
         return exc.peer
     return "finished"
+
+
+def calls_until_peer_error(comm, step: Callable[[int], Any], victim: int = 2, after_s: float = 0.3):
+    """Rank `victim` SIGKILLs itself after `after_s` seconds; every rank calls step(0), step(1),
+    ... until a PeerError, and returns the peer it names (a survivor), or "finished"."""
+    import threading
+    from linkwise.errors import PeerError
+    if comm.rank == victim:
+        threading.Timer(after_s, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    try:
+        for i in range(10_000_000):
+            step(i)
+    except PeerError as exc:
+        return exc.peer
+    return "finished"

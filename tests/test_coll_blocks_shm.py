@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from coll_ref import DTYPES, call_outcome, data, np_dtype
-from multirank import run_ranks
+from multirank import calls_until_peer_error, run_ranks
 
 LANES_ENV = {"LINKWISE_COLL_THREADS": "3", "LINKWISE_COLL_LANE_MIN": "4K"}
 
@@ -126,19 +126,9 @@ def test_mismatched_calls_raise(case):
 
 
 def _until_peer_error(comm, kind):
-    import os
-    import signal
-    import threading
-    from linkwise.errors import PeerError
-    if comm.rank == 2:
-        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     x = np.ones(300_001, np.float32)
-    try:
-        for _ in range(1_000_000):
-            comm.all_gather(x) if kind == "all_gather" else comm.all_to_all(x[:300_000])
-    except PeerError as exc:
-        return exc.peer
-    return "finished"
+    return calls_until_peer_error(comm, lambda i: comm.all_gather(x) if kind == "all_gather"
+                                  else comm.all_to_all(x[:300_000]))
 
 
 @pytest.mark.parametrize("kind", ["all_gather", "all_to_all"])

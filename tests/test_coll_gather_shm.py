@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from coll_ref import DTYPES, call_outcome, data, np_dtype
-from multirank import run_ranks
+from multirank import calls_until_peer_error, run_ranks
 
 COUNTS = [0, 1, 7, 300]  # 300 float64 x 8 ranks = 19 KB: every case here fits the area
 
@@ -160,23 +160,12 @@ def test_mismatched_calls_raise(case):
 
 
 def _until_peer_error(comm, kind):
-    import os
-    import signal
-    import threading
-    from linkwise.errors import PeerError
-    if comm.rank == 2:
-        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     x = np.ones(8, np.float32)
     out = np.empty(8, np.float32)
-    try:
-        for i in range(10_000_000):
-            if kind == "gather":
-                comm.gather(x, root=i % 2)
-            else:
-                comm.scatter(np.ones(8 * comm.size, np.float32) if comm.rank == i % 2 else None, root=i % 2, out=out)
-    except PeerError as exc:
-        return exc.peer
-    return "finished"
+    if kind == "gather":
+        return calls_until_peer_error(comm, lambda i: comm.gather(x, root=i % 2))
+    return calls_until_peer_error(comm, lambda i: comm.scatter(np.ones(8 * comm.size, np.float32)
+                                                               if comm.rank == i % 2 else None, root=i % 2, out=out))
 
 
 @pytest.mark.parametrize("kind", ["gather", "scatter"])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from coll_ref import DTYPES, INT, call_outcome, check_equal, data, np_dtype, ops_for, reduce_ref
-from multirank import run_ranks
+from multirank import calls_until_peer_error, run_ranks
 
 # Block sizes (elements per rank) whose x passes 32 KiB for every dtype and rank count used
 # here; 300_007 float32 blocks take two rounds at 2 ranks (ShmColl::kTwoPiece / n / 4 bytes).
@@ -132,19 +132,8 @@ def test_async_and_coroutine():
 
 
 def _until_peer_error(comm):
-    import os
-    import signal
-    import threading
-    from linkwise.errors import PeerError
-    if comm.rank == 2:
-        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     x = np.ones(comm.size * 300_001, np.float32)  # several rounds a call
-    try:
-        for _ in range(1_000_000):
-            comm.reduce_scatter(x)
-    except PeerError as exc:
-        return exc.peer
-    return "finished"
+    return calls_until_peer_error(comm, lambda i: comm.reduce_scatter(x))
 
 
 def test_rank_killed_mid_call():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from coll_ref import INT, call_outcome, check_equal, data, np_dtype, ops_for, reduce_ref
-from multirank import run_ranks
+from multirank import calls_until_peer_error, run_ranks
 from test_coll_cma import CMA_ENV, _cma_permitted
 
 # 1000 elements: one-shot; 20_011 float32 (80 KB): two-shot; 600_001 float32 (2.4 MB): two
@@ -164,19 +164,8 @@ def test_async_and_coroutine_reduce_keep_issue_order():
 
 
 def _until_peer_error(comm):
-    import os
-    import signal
-    import threading
-    from linkwise.errors import PeerError
-    if comm.rank == 2:
-        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     x = np.ones(300_001, np.float32)
-    try:
-        for _ in range(1_000_000):
-            comm.reduce(x, root=0)
-    except PeerError as exc:
-        return exc.peer
-    return "finished"
+    return calls_until_peer_error(comm, lambda i: comm.reduce(x, root=0))
 
 
 @pytest.mark.parametrize("env", [{}, CMA_ENV], ids=["two-shot", "single-copy"])
