@@ -43,7 +43,6 @@ void ShmColl::block_rounds(bool a2a, const void* in, void* out, size_t bytes) {
 // that rank's piece out (all_to_all: the piece it posted for my block).
 void ShmColl::block_lane(bool a2a, int lane, int lanes, const char* src, char* dst, size_t count, size_t stride,
                          bool stream) {
-  const char* what = a2a ? "all_to_all" : "all_gather";
   const size_t area = (kTwoPiece / static_cast<size_t>(lanes)) & ~size_t(63);
   const size_t piece = a2a ? area / static_cast<size_t>(n_) : area;
   LW_CHECK(piece > 0, "the two-shot area holds a byte of every block");
@@ -57,7 +56,7 @@ void ShmColl::block_lane(bool a2a, int lane, int lanes, const char* src, char* d
     publish(me->h().a_in[lane].v, r);
     for (int q = 0; q < n_; ++q) {
       if (q == rank_) continue;
-      wait_ge(q, slot(q)->h().a_in[lane].v, r, what, true);
+      wait_ge(q, slot(q)->h().a_in[lane].v, r, call_what(), true);
       check_line(q, slot(q)->h().a_in[lane].stamp, true);
     }
     if (!a2a) copy_bytes(my_res, src + base, cnt);
@@ -68,7 +67,7 @@ void ShmColl::block_lane(bool a2a, int lane, int lanes, const char* src, char* d
     if (to != mine + base) copy_out(to, mine + base, cnt, stream);
     for (int q = 0; q < n_; ++q) {
       if (q == rank_) continue;
-      wait_ge(q, slot(q)->h().a_res[lane].v, r, what, true);
+      wait_ge(q, slot(q)->h().a_res[lane].v, r, call_what(), true);
       copy_out(dst + q * stride + base, slot(q)->two_res() + lane * area + (a2a ? rank_ * cnt : 0), cnt, stream);
     }
   }

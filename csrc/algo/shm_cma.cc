@@ -48,7 +48,7 @@ void ShmColl::cma_all_reduce(const void* in, void* out, size_t count, DType t, R
   x_dst_.resize(n_);
   for (int q = 0; q < n_; ++q) {
     if (q != rank_) {
-      wait_ge(q, slot(q)->h().x_in.v, r, ar_what(), true);
+      wait_ge(q, slot(q)->h().x_in.v, r, call_what(), true);
       check_line(q, slot(q)->h().x_in.stamp, true);
     }
     x_src_[q] = slot(q)->h().x_src;
@@ -71,7 +71,7 @@ void ShmColl::cma_all_reduce(const void* in, void* out, size_t count, DType t, R
   });
   publish(me.x_done.v, r);  // every rank's output has my segment; I no longer read inputs
   for (int q = 0; q < n_; ++q)
-    if (q != rank_) wait_ge(q, slot(q)->h().x_done.v, r, ar_what(), true);
+    if (q != rank_) wait_ge(q, slot(q)->h().x_done.v, r, call_what(), true);
   cma_busy_ = 0;
 }
 

@@ -264,7 +264,7 @@ uint32_t ShmColl::one_shot_post(const void* in, size_t bytes) {
 // one-shot post first waits for this round (settle_owed), as the wait here would have.
 void ShmColl::one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedOp op) {
   if (!out) return owe_round(r);
-  one_shot_wait(r, ar_what());
+  one_shot_wait(r, call_what());
   one_shot_combine(r, out, count, t, op);
 }
 
@@ -277,7 +277,7 @@ void ShmColl::owe_round(uint32_t r) {
 // Half r&1 is rewritten in round r+2 only once every peer posted r+1, which a reader does
 // after it finished reading round r: so before this rank posts the round after an owed one,
 // it waits for every peer's owed round, and checks their stamps against that call (a
-// mismatch there raises now, naming the reduce).
+// mismatch there raises now, naming that call).
 void ShmColl::settle_owed() {
   struct Restore {  // this call's number and descriptor come back however the wait ends
     ShmColl& s;

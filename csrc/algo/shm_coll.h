@@ -19,6 +19,11 @@
 //     A reduce_scatter larger than the one-shot area runs the same rounds on the next piece
 //     of every block at once: rank j combines block j's piece straight into its out, nothing
 //     is copied out, and a_res=r still tells the peers that their `in` was read.
+//   Block rounds (all_gather / all_to_all larger than the one-shot area), in the two-shot
+//     areas and counters: a_in=r (done reading every earlier round) → wait all a_in>=r → my
+//     piece (all_to_all: one per peer) into res → a_res=r → per peer, wait a_res>=r and copy
+//     its piece out. `res` is rewritten only after everyone's a_in reached the new round, as
+//     in two-shot, so the two protocols may follow each other in any order.
 //   Lanes (two-shot and broadcast, with helper threads): a message of at least 2 × lane_min
 //     bytes is cut into L = min(lanes, bytes / lane_min) stripes (L agreed: the same on every
 //     rank), and lane l runs the protocol above on stripe l with its own counters
@@ -148,9 +153,8 @@ class ShmColl {
   // How many all-reduces / broadcasts took the CMA path (tests check that they ran).
   uint64_t cma_all_reduces() const { return cma_ar_calls_; }
   uint64_t cma_broadcasts() const { return cma_bc_calls_; }
-  // How many calls in the two-shot areas (all_reduce, reduce, large reduce_scatter and
-  // all_gather) / ring broadcasts ran
-  // on more than one lane.
+  // How many calls in the two-shot areas (all_reduce, reduce, and the larger reduce_scatter,
+  // all_gather and all_to_all) / ring broadcasts ran on more than one lane.
   uint64_t lane_all_reduces() const { return lane_ar_calls_; }
   uint64_t lane_broadcasts() const { return lane_bc_calls_; }
   int size() const { return n_; }
@@ -203,8 +207,8 @@ class ShmColl {
   };
   static const char* call_name(uint64_t desc);  // a descriptor's kind as a name (shm_coll_check.cc)
 
-  // Small all_gather, reduce_scatter and all_to_all (shm_exchange.cc): in_bytes = x's bytes,
-  // of any size: a larger reduce_scatter runs the two-shot all-reduce's rounds with the
+  // all_gather, reduce_scatter and all_to_all (shm_exchange.cc), in_bytes = x's bytes, of
+  // any size: a larger reduce_scatter runs the two-shot all-reduce's rounds with the
   // copy-out left out (reduce_scatter() below; out may be x's block `rank` exactly), a larger
   // all_gather or all_to_all block_rounds(). Up to kOneMax, each rank reads
   // in_bytes (n x in_bytes for all_gather), not the one-shot all-reduce's n x, so the whole
@@ -245,9 +249,9 @@ class ShmColl {
   uint32_t one_shot_post(const void* in, size_t bytes);
   void one_shot_finish(uint32_t r, void* out, size_t count, DType t, RedOp op);
   void one_shot_wait(uint32_t r, const char* what);  // every peer's round r posted (and its stamp checked)
-  void settle_owed();  // before the next one-shot post: the wait a reduce's non-root skipped
+  void settle_owed();  // before the next one-shot post: the wait an owed round skipped (owe_round)
   // The current call's name, for errors ("all_reduce", "gather", ...; from desc_).
-  const char* ar_what() const { return call_name(desc_); }
+  const char* call_what() const { return call_name(desc_); }
   // A one-shot round this rank posted but did not wait for every peer's post of (a rooted
   // call's root or non-root): the next one-shot post waits for it first (settle_owed).
   void owe_round(uint32_t r);
@@ -312,8 +316,9 @@ class ShmColl {
   uint32_t one_round_ = 0, x_round_ = 0, y_round_ = 0;
   uint32_t call_ = 0;  // calls so far (the same on every rank); see begin_call
   uint64_t desc_ = 0;  // this call's descriptor
-  // A one-shot round posted by a reduce's non-root, which returned without waiting for its
-  // peers (0: none), with that call's number and descriptor: settle_owed() waits for it.
+  // A one-shot round this rank posted and returned from without waiting for every peer (a
+  // reduce's non-root, a gather's non-root, any rank of a scatter; 0: none), with that
+  // call's number and descriptor: settle_owed() waits for it.
   uint32_t owed_round_ = 0, owed_call_ = 0;
   uint64_t owed_desc_ = 0;
   uint32_t two_round_[kMaxLanes] = {};  // per lane

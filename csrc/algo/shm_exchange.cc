@@ -1,6 +1,7 @@
 // Small all_gather, reduce_scatter, all_to_all, gather and scatter through the shared-memory
 // segment: one one-shot round each (see ShmColl::exchange, gather and scatter in
-// algo/shm_coll.h; larger reduce_scatters run two-shot rounds, shm_coll.cc). Through
+// algo/shm_coll.h; larger reduce_scatters run two-shot rounds, shm_two_shot.cc, larger
+// all_gathers and all_to_alls block rounds, shm_block_rounds.cc). Through
 // point-to-point messages these cost one message per peer and the engine's matching (~8-14
 // us for 2 ranks on the 2-core VM); here a copy in, one counter and the reads.
 #include "algo/shm_coll.h"
@@ -32,7 +33,7 @@ void ShmColl::exchange(CallKind kind, const void* in, size_t in_bytes, void* out
     if (in_bytes > kOneMax && kind == kAllToAll) return block_rounds(true, in, out, in_bytes / n_);
     if (in_bytes > kOneMax) return reduce_scatter(in, out, in_bytes / n_ / dtype_size(t), t, op);
     const uint32_t r = one_shot_post(in, in_bytes);
-    one_shot_wait(r, call_name(kind));
+    one_shot_wait(r, call_what());
     char* o = static_cast<char*>(out);
     if (kind == kAllGather) {
       for (int q = 0; q < n_; ++q) copy_bytes(o + q * in_bytes, slot(q)->one(r), in_bytes);
@@ -58,7 +59,7 @@ void ShmColl::gather(const void* in, size_t bytes, void* out, int root, double t
   try {
     if (rank_ != root) return owe_round(one_shot_post(in, bytes));  // nobody reads the root's area
     const uint32_t r = one_shot_post(nullptr, 0);
-    one_shot_wait(r, "gather");
+    one_shot_wait(r, call_what());
     char* o = static_cast<char*>(out);
     for (int q = 0; q < n_; ++q) {
       const char* from = q == rank_ ? static_cast<const char*>(in) : slot(q)->one(r);
@@ -79,7 +80,7 @@ void ShmColl::scatter(const void* in, void* out, size_t bytes, int root, double 
     // The root's own block, too, comes from its posted copy: out may overlap in anywhere.
     const uint32_t r = one_shot_post(in, rank_ == root ? bytes * n_ : 0);  // a non-root's area: unread
     if (rank_ != root) {
-      wait_ge(root, slot(root)->h().b_in.v, r, "scatter", true);
+      wait_ge(root, slot(root)->h().b_in.v, r, call_what(), true);
       check_line(root, slot(root)->h().b_in.stamp[r & 1], true);
     }
     copy_bytes(out, slot(root)->one(r) + rank_ * bytes, bytes);

@@ -85,7 +85,7 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
     publish(a_in, r);
     for (int q = 0; q < n_; ++q) {
       if (q == rank_) continue;
-      wait_ge(q, slot(q)->h().a_in[lane].v, r, ar_what(), true);
+      wait_ge(q, slot(q)->h().a_in[lane].v, r, call_what(), true);
       check_line(q, slot(q)->h().a_in[lane].stamp, true);
     }
     // My segment, combined in rank order, a sub-block at a time so the copy-out hits cache.
@@ -114,7 +114,7 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
     publish(a_res, r);
     for (int q = 0; q < n_; ++q) {
       if (q == rank_) continue;
-      wait_ge(q, slot(q)->h().a_res[lane].v, r, ar_what(), true);
+      wait_ge(q, slot(q)->h().a_res[lane].v, r, call_what(), true);
       if (!dst || stride) continue;
       copy_out(dst + (base + part_at(q)) * es, slot(q)->two_res() + lane * area + part_at(q) * es,
                part_len(q) * es, stream);

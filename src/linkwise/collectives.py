@@ -66,10 +66,10 @@ def _gpu_dispatch(comm, kind: str, x: Any, **kw):
     return _gpu_coll.dispatch(comm, kind, x, **kw)
 
 
-# Collectives that run through the shared-memory executor's one-shot area when small, and
-# through rounds in its two-shot areas when larger.
-_EXCHANGES = ("all_gather", "reduce_scatter", "all_to_all")
-# Rooted block collectives that run through that area when all their blocks fit it.
+# Collectives the shared-memory executor runs at every size within a host (the block ones:
+# its one-shot area when small, rounds in its two-shot areas when larger).
+_EXECUTOR_KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
+# Rooted block collectives that run through its one-shot area when all their blocks fit it.
 _ROOTED_BLOCKS = ("gather", "scatter")
 
 
@@ -214,12 +214,10 @@ class CollectivesMixin:
         attach the segment there (a collective step)."""
         if self.size == 1:
             return None
-        if kind in _EXCHANGES:
-            pass  # any size: one one-shot round up to 32 KiB, rounds in the two-shot areas above
-        elif kind in _ROOTED_BLOCKS:
+        if kind in _ROOTED_BLOCKS:
             if nbytes * self.size > _shm_exec.ONE_SHOT_CAP:
                 return None
-        elif kind not in ("all_reduce", "reduce", "broadcast"):
+        elif kind not in _EXECUTOR_KINDS:
             return None
         if kind == "broadcast" and self.size == 2 and nbytes >= LARGE_PAIR_BCAST and self._pair_bcast_p2p:
             return None  # without CMA in the executor: one single-copy message beats two copies
