@@ -17,11 +17,14 @@ from multirank import run_ranks
 
 
 def _kind_mismatch_then_go_on(comm, form, attached):
-    """Rank 0 all_reduce (shared memory) against rank 1 gather to itself (point-to-point: 2 x
-    64 KiB, past the executor's small gather; an executor call meets the all_reduce there and
-    raises ValueError at once, test_coll_mismatch.py): rank 1
-    times out (LINKWISE_TIMEOUT=3); then two more all_reduces on both ranks. Returns (the
-    mismatched call's outcome, the later calls' outcomes: their sums or the error's name)."""
+    """Rank 0 all_reduce (shared memory) against rank 1 gather to itself, point-to-point
+    (LINKWISE_ALGO set on rank 1 only, for this call: every collective within a host runs in
+    the executor otherwise, where it would meet the all_reduce and raise ValueError at once,
+    test_coll_mismatch.py): rank 1 times out (LINKWISE_TIMEOUT=3); then two more all_reduces on
+    both ranks. Returns (the mismatched call's outcome, the later calls' outcomes: their sums
+    or the error's name)."""
+    import os
+
     import linkwise
 
     def outcome(call):
@@ -41,16 +44,24 @@ def _kind_mismatch_then_go_on(comm, form, attached):
     later = []
     if comm.rank == 0:
         first = outcome(lambda: comm.all_reduce(x) is not None and "ok")
-    elif form == "blocking":
-        first = outcome(lambda: comm.gather(x, root=1) is not None and "ok")
-    elif form == "async":
-        first = outcome(lambda: comm.gather(x, root=1, async_op=True).wait() is not None and "ok")
-    elif form == "await":
-        first = outcome(lambda: asyncio.run(comm.agather(x, root=1)) is not None and "ok")
-    else:  # queued: the next all_reduce is submitted behind the failing call before any wait
-        req = comm.gather(x, root=1, async_op=True)
-        later.append(outcome(lambda: all_reduce(0)))
-        first = outcome(lambda: req.wait() is not None and "ok")
+    else:
+        os.environ["LINKWISE_ALGO"] = "ring"  # read when the call is issued
+        try:
+            if form == "blocking":
+                first = outcome(lambda: comm.gather(x, root=1) is not None and "ok")
+            elif form == "async":
+                req = comm.gather(x, root=1, async_op=True)
+            elif form == "await":
+                first = outcome(lambda: asyncio.run(comm.agather(x, root=1)) is not None and "ok")
+            else:  # queued: the next all_reduce is submitted behind the failing call before any wait
+                req = comm.gather(x, root=1, async_op=True)
+        finally:
+            del os.environ["LINKWISE_ALGO"]
+        if form == "async":
+            first = outcome(lambda: req.wait() is not None and "ok")
+        elif form == "queued":
+            later.append(outcome(lambda: all_reduce(0)))
+            first = outcome(lambda: req.wait() is not None and "ok")
     while len(later) < 2:
         later.append(outcome(lambda: all_reduce(len(later))))
     return first, later
@@ -138,16 +149,22 @@ def test_arguments_refused_on_every_rank_leave_the_communicator_usable(case):
 
 
 def _first_collective_fails_then_attach(comm):
-    """A gather too large for the executor's one-shot area (point-to-point: it never sets up
-    the shared-memory executor) with another size on the root fails there (ValueError) while the other ranks return; the root then
-    sleeps past the timeout before its next call. The others' next all_reduce sets up the
-    shared-memory executor: it must raise at once (the root's notice), not wait at the setup
-    barrier until the timeout (before: TimeoutError after it)."""
+    """A point-to-point gather (LINKWISE_ALGO set for this call on every rank: it never sets
+    up the shared-memory executor) with another size on the root fails there (ValueError)
+    while the other ranks return; the root then sleeps past the timeout before its next call.
+    The others' next all_reduce sets up the shared-memory executor: it must raise at once
+    (the root's notice), not wait at the setup barrier until the timeout (before: TimeoutError
+    after it)."""
+    import os
+
     import linkwise
+    os.environ["LINKWISE_ALGO"] = "ring"
     try:
         comm.gather(np.ones(11_000 if comm.rank == 0 else 10_000, np.float32), root=0)
     except ValueError:
         pass
+    finally:
+        del os.environ["LINKWISE_ALGO"]
     if comm.rank == 0:
         time.sleep(4)
     t0 = time.monotonic()

@@ -1,9 +1,12 @@
-"""Small gather and scatter through the shared-memory executor (ShmColl::gather / scatter:
-one one-shot round when all size blocks fit its 32 KiB area). Checked against NumPy for every
-root, every dtype, 1, 2, 3, 5 and 8 ranks, out= and out None, with the root's x overlapping
-its out; the point-to-point sequence, which the executor leaves alone, proves the path (and
-that larger ones still go point-to-point). Also: sequences that mix gather, scatter, reduce
-and all_reduce with changing roots (the owed rounds of ranks that return early), async calls
+"""gather and scatter through the shared-memory executor: one one-shot round when all size
+blocks fit its 32 KiB area (ShmColl::gather / scatter), else block rounds in its two-shot areas
+(ShmColl::block_rounds; a gather's non-roots and a scatter's root post and return). Checked
+against NumPy for every root, every dtype, 1, 2, 3, 5 and 8 ranks, one round and several,
+lanes, out= and out None, in place (the root's x is its block of out; its out its block of
+x) and with x overlapping out otherwise; the point-to-point sequence, which the executor
+leaves alone, proves the path (and the same cases run on the point-to-point path under
+LINKWISE_ALGO and over TCP). Also: sequences that mix gather, scatter, reduce, all_reduce
+and all_gather with changing roots, small and large (the ranks that return early), async calls
 and coroutines in issue order, mismatched calls raising on every rank, and a killed rank."""
 import numpy as np
 import pytest
@@ -12,16 +15,18 @@ from coll_ref import DTYPES, call_outcome, data, np_dtype
 from multirank import calls_until_peer_error, run_ranks
 
 COUNTS = [0, 1, 7, 300]  # 300 float64 x 8 ranks = 19 KB: every case here fits the area
+LARGE = [9_001]  # float32 x 2+ ranks: past the one-shot area, one round
+LANES_ENV = {"LINKWISE_COLL_THREADS": "3", "LINKWISE_COLL_LANE_MIN": "4K"}
 
 
-def _gather_scatter_everywhere(comm, dtypes, counts):
+def _gather_scatter_everywhere(comm, dtypes, counts, roots=None, p2p=False):
     n, r = comm.size, comm.rank
     seq, calls = comm._coll_seq, 0
     for dt in dtypes:
         for count in counts:
             ins = [data(q, count, dt, "sum", salt=11) for q in range(n)]
             full = np.concatenate(ins)
-            for root in range(n):
+            for root in range(n) if roots is None else roots:
                 tag = f"{dt} count={count} root={root}"
                 x = ins[r].copy()
                 got = comm.gather(x, root=root)
@@ -37,20 +42,36 @@ def _gather_scatter_everywhere(comm, dtypes, counts):
                 else:
                     assert comm.gather(x, root=root) is None
                 np.testing.assert_array_equal(x, ins[r], err_msg="gather left x alone " + tag)
+                # The root's x at the start of out (another rank's block), then straddling the
+                # start of the next rank's block: staged, not overwritten before it is read
+                for at in ([0] if r else [count + 1]) + [((r + 1) % n) * count + 1]:
+                    if r == root and n > 1:
+                        out = np.full(n * count + 1, 3, np_dtype(dt))
+                        out[at:at + count] = ins[r]
+                        comm.gather(out[at:at + count], root=root, out=out[:n * count])
+                        np.testing.assert_array_equal(out[:n * count], full, err_msg=f"gather x at {at} " + tag)
+                    else:
+                        comm.gather(x, root=root)
                 got = comm.scatter(full.copy() if r == root else None, root=root,
                                    out=np.full(count, 3, np_dtype(dt)))
                 np.testing.assert_array_equal(got, ins[r], err_msg="scatter " + tag)
-                if r == root:  # out overlapping x (the blocks shifted by one element)
+                if r == root:  # out overlapping x (the blocks shifted by one element), then x's own block
                     y = np.concatenate([full, full[:1]]) if count else full.copy()
                     spot = y[1:1 + count] if count else y[:0]
                     comm.scatter(y[:n * count], root=root, out=spot)
                     np.testing.assert_array_equal(spot, ins[r], err_msg="scatter overlapping " + tag)
+                    y = full.copy()
+                    comm.scatter(y, root=root, out=y[r * count:(r + 1) * count])
+                    np.testing.assert_array_equal(y, full, err_msg="scatter in place " + tag)
                 else:
-                    np.testing.assert_array_equal(comm.scatter(None, root=root, out=np.empty(count, np_dtype(dt))),
-                                                  ins[r], err_msg="scatter " + tag)
-                calls += 4
-    if n > 1:
-        assert comm._coll_seq == seq, "a small gather or scatter went point-to-point"
+                    for _ in range(2):
+                        got = comm.scatter(None, root=root, out=np.empty(count, np_dtype(dt)))
+                        np.testing.assert_array_equal(got, ins[r], err_msg="scatter " + tag)
+                calls += 7
+    if n > 1 and not p2p:
+        assert comm._coll_seq == seq, "a gather or scatter went point-to-point"
+    if n > 1 and p2p:
+        assert comm._coll_seq == seq + calls, "a gather or scatter ran in the executor"
     return calls
 
 
@@ -63,34 +84,51 @@ def test_every_dtype():
     run_ranks(3, _gather_scatter_everywhere, DTYPES, [1, 9], timeout=240)
 
 
-def _larger_goes_point_to_point(comm):
-    n = comm.size
-    x = np.arange(32 * 1024 // n // 4 + 1, dtype=np.float32) + comm.rank  # n blocks pass 32 KiB
-    seq = comm._coll_seq
-    got = comm.gather(x, root=n - 1)
-    s = comm.scatter(np.concatenate([x] * n) if comm.rank == 0 else None, root=0, out=np.empty_like(x))
-    ok = comm._coll_seq == seq + 2 and np.array_equal(s, np.arange(x.size, dtype=np.float32))
-    if comm.rank == n - 1:
-        ok = ok and np.array_equal(got, np.concatenate([np.arange(x.size, dtype=np.float32) + q for q in range(n)]))
-    return ok
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_larger_ones_every_root(n):
+    assert run_ranks(n, _gather_scatter_everywhere, ["float32", "int8"], LARGE + [40_003], timeout=240)[0] > 0
 
 
-def test_larger_ones_go_point_to_point():
-    assert run_ranks(3, _larger_goes_point_to_point, timeout=60) == [True] * 3
+def test_larger_ones_every_dtype_and_eight_ranks():
+    run_ranks(2, _gather_scatter_everywhere, DTYPES, [20_001], timeout=240)
+    run_ranks(8, _gather_scatter_everywhere, ["float64"], [5_001], [0, 5], timeout=240)
 
 
-def _mixed_sequence(comm, rounds):
-    """gather, scatter, reduce, all_reduce and all_gather in turn with moving roots: the ranks
-    that return from a rooted call early owe its round, which every later call must respect."""
+def test_larger_ones_several_rounds():
+    # 2.4 MB a block: gather 2 rounds of the 2 MiB area, scatter 4 (a third of it a block)
+    run_ranks(3, _gather_scatter_everywhere, ["float64"], [300_001], [1], timeout=240)
+
+
+@pytest.mark.parametrize("env", [{"LINKWISE_ALGO": "ring"}, {"LINKWISE_TRANSPORT": "tcp", "LINKWISE_ALGO": "tree"}])
+def test_the_same_cases_point_to_point(env):
+    # The linear gather and scatter: the root's own block copied before its receives may
+    # overwrite x, and after its sends when its out overlaps x (both gave wrong blocks before;
+    # 20_001 float32: past the 64 KiB single-copy threshold, where sends read x late)
+    run_ranks(3, _gather_scatter_everywhere, ["float32", "int8"], [0, 7, 9_001, 20_001], None, True, env=env, timeout=240)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_larger_ones_on_lanes(n):
+    def lanes_used(comm):
+        _gather_scatter_everywhere(comm, ["float32", "uint8"], [40_001, 300_001], [n - 1])
+        return comm._shm.lane_calls[0]
+    assert all(lanes > 0 for lanes in run_ranks(n, lanes_used, env=LANES_ENV, timeout=240))
+
+
+def _mixed_sequence(comm, rounds, sizes):
+    """gather, scatter, reduce, all_reduce and all_gather in turn with moving roots and sizes
+    taken in turn: the ranks that return from a rooted call early (one-shot: they owe its
+    round; block rounds: their next round waits for every peer's reads), which every later
+    call must respect."""
     n, r = comm.size, comm.rank
     ok = []
     for i in range(rounds):
         root = (i * 7 + 3) % n
-        ins = [np.arange(5, dtype=np.int64) * (q + 1) + i for q in range(n)]
+        ins = [np.arange(sizes[i % len(sizes)], dtype=np.int64) * (q + 1) + i for q in range(n)]
         g = comm.gather(ins[r], root=root)
         ok.append(g is None if r != root else np.array_equal(g, np.concatenate(ins)))
         s = comm.scatter(np.concatenate(ins) if r == (root + 1) % n else None, root=(root + 1) % n,
-                         out=np.empty(5, np.int64))
+                         out=np.empty(ins[r].size, np.int64))
         ok.append(np.array_equal(s, ins[r]))
         y = ins[r].copy()
         comm.reduce(y, root=(root + 2) % n)
@@ -102,53 +140,69 @@ def _mixed_sequence(comm, rounds):
 
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_mixed_sequences_with_moving_roots(n):
-    assert run_ranks(n, _mixed_sequence, 200, timeout=120) == [True] * n
+    assert run_ranks(n, _mixed_sequence, 200, [5], timeout=120) == [True] * n
 
 
-def _async_in_order(comm):
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_mixed_sizes_with_moving_roots(n):
+    # 5 KiB-2.4 MB a rank: one-shot, block and two-shot rounds, one lane and several, in turn
+    assert run_ranks(n, _mixed_sequence, 60, [5_000, 700, 300_001, 9], env=LANES_ENV, timeout=180) == [True] * n
+
+
+def _async_in_order(comm, count):
     import asyncio
     n, r = comm.size, comm.rank
-    ins = [[np.full(4, 10 * k + q, np.float32) for q in range(n)] for k in range(4)]
+    ins = [[np.full(count, 10 * k + q, np.float32) for q in range(n)] for k in range(4)]
     reqs = [comm.gather(ins[0][r], root=1, async_op=True),
-            comm.scatter(np.concatenate(ins[1]) if r == 2 else None, root=2, out=np.empty(4, np.float32),
+            comm.scatter(np.concatenate(ins[1]) if r == 2 else None, root=2, out=np.empty(count, np.float32),
                          async_op=True),
             comm.gather(ins[2][r], root=0, async_op=True)]
     got = [q.wait() for q in reqs]
 
     async def coro():
         return (await comm.agather(ins[3][r], root=n - 1),
-                await comm.ascatter(np.concatenate(ins[3]) if r == 0 else None, root=0, out=np.empty(4, np.float32)))
+                await comm.ascatter(np.concatenate(ins[3]) if r == 0 else None, root=0,
+                                    out=np.empty(count, np.float32)))
 
     g3, s3 = asyncio.run(coro())
+    # On the worker too: the root's x at the start of out, rank 0's block (staged first)
+    over = np.zeros(n * count, np.float32)
+    over[:count] = ins[0][r]
+    g4 = comm.gather(over[:count] if r == 1 else ins[0][r], root=1, out=over if r == 1 else None,
+                     async_op=True).wait()
     ok = [got[0] is None if r != 1 else np.array_equal(got[0], np.concatenate(ins[0])),
           np.array_equal(got[1], ins[1][r]),
           got[2] is None if r != 0 else np.array_equal(got[2], np.concatenate(ins[2])),
           g3 is None if r != n - 1 else np.array_equal(g3, np.concatenate(ins[3])),
-          np.array_equal(s3, ins[3][r])]
-    return ok
+          np.array_equal(s3, ins[3][r]),
+          g4 is None if r != 1 else np.array_equal(g4, np.concatenate(ins[0]))]
+    return ok + [comm._coll_seq == 0]
 
 
-def test_async_and_coroutines_keep_issue_order():
-    got = run_ranks(3, _async_in_order, timeout=60)
+@pytest.mark.parametrize("count", [4, 20_000])
+def test_async_and_coroutines_keep_issue_order(count):
+    got = run_ranks(3, _async_in_order, count, timeout=60)
     assert all(all(ok) for ok in got), got
 
 
-def _mismatch(comm, case):
+def _mismatch(comm, case, k):
     """The last rank calls something else; returns (first outcome, second call's, third's)."""
     n, odd = comm.size, comm.rank == comm.size - 1
-    x = np.ones(4, np.float32)
+    x = np.ones(k, np.float32)
     calls = {"root": lambda: comm.gather(x, root=1 if odd else 0),
-             "size": lambda: comm.gather(np.ones(5 if odd else 4, np.float32), root=0),
-             "kind": lambda: (comm.scatter(np.ones(4 * n, np.float32) if comm.rank == 0 else None, root=0,
-                                           out=np.empty(4, np.float32)) if odd else comm.gather(x, root=0)),
-             "scatter_root": lambda: comm.scatter(np.ones(4 * n, np.float32), root=1 if odd else 0,
-                                                  out=np.empty(4, np.float32))}
+             "size": lambda: comm.gather(np.ones(k + 1 if odd else k, np.float32), root=0),
+             "kind": lambda: (comm.scatter(np.ones(k * n, np.float32) if comm.rank == 0 else None, root=0,
+                                           out=np.empty(k, np.float32)) if odd else comm.gather(x, root=0)),
+             "scatter_root": lambda: comm.scatter(np.ones(k * n, np.float32), root=1 if odd else 0,
+                                                  out=np.empty(k, np.float32)),
+             "all_gather": lambda: comm.all_gather(x) if odd else comm.gather(x, root=0)}
     return [call_outcome(call) for call in (calls[case], lambda: comm.all_reduce(x), lambda: comm.all_reduce(x))]
 
 
-@pytest.mark.parametrize("case", ["root", "size", "kind", "scatter_root"])
-def test_mismatched_calls_raise(case):
-    out = run_ranks(3, _mismatch, case, env={"LINKWISE_TIMEOUT": "20"}, timeout=90)
+@pytest.mark.parametrize("k", [4, 20_000])
+@pytest.mark.parametrize("case", ["root", "size", "kind", "scatter_root", "all_gather"])
+def test_mismatched_calls_raise(case, k):
+    out = run_ranks(3, _mismatch, case, k, env={"LINKWISE_TIMEOUT": "20"}, timeout=90)
     # Named somewhere: in the call, or by a rank that returned early (it owed the round) in
     # its next call; every rank fails by its second call after it, and nobody goes on.
     assert any("ValueError" in o for o in out), out
@@ -159,17 +213,18 @@ def test_mismatched_calls_raise(case):
         assert out[-1][0] != "ok", out
 
 
-def _until_peer_error(comm, kind):
-    x = np.ones(8, np.float32)
-    out = np.empty(8, np.float32)
+def _until_peer_error(comm, kind, k):
+    x = np.ones(k, np.float32)
+    out = np.empty(k, np.float32)
     if kind == "gather":
         return calls_until_peer_error(comm, lambda i: comm.gather(x, root=i % 2))
-    return calls_until_peer_error(comm, lambda i: comm.scatter(np.ones(8 * comm.size, np.float32)
+    return calls_until_peer_error(comm, lambda i: comm.scatter(np.ones(k * comm.size, np.float32)
                                                                if comm.rank == i % 2 else None, root=i % 2, out=out))
 
 
+@pytest.mark.parametrize("k", [8, 300_001])
 @pytest.mark.parametrize("kind", ["gather", "scatter"])
-def test_rank_killed_mid_loop(kind):
-    out = run_ranks(3, _until_peer_error, kind, env={"LINKWISE_TIMEOUT": "30"}, expect_fail=True, timeout=90)
+def test_rank_killed_mid_loop(kind, k):
+    out = run_ranks(3, _until_peer_error, kind, k, env={"LINKWISE_TIMEOUT": "30"}, expect_fail=True, timeout=90)
     assert out[2][0] == "died"
     assert out[:2] == [("ok", 2), ("ok", 2)], out

@@ -46,7 +46,8 @@ void pairwise_all_to_all(CollCtx& c, const void* in, void* out, size_t bb, bool 
   });
 }
 
-// The root receives block r from rank r into out (its own block copied from in).
+// The root receives block r from rank r into out (its own block copied from in first: in
+// may overlap out, and the receives could overwrite it).
 void linear_gather(CollCtx& c, const void* in, void* out, size_t bb) {
   const int n = c.size(), me = c.rank(), root = c.params().root;
   guarded(c, [&] {
@@ -55,10 +56,10 @@ void linear_gather(CollCtx& c, const void* in, void* out, size_t bb) {
       return;
     }
     char* dst = static_cast<char*>(out);
+    if (bb && dst + me * bb != in) std::memmove(dst + me * bb, in, bb);
     std::vector<std::shared_ptr<Request>> reqs;
     for (int r = 0; r < n; ++r)
       if (r != root) reqs.push_back(c.irecv(r, dst + r * bb, bb, 0));
-    if (bb && dst + me * bb != in) copy_bytes(dst + me * bb, in, bb);
     c.wait_all(reqs);
   });
 }
@@ -72,11 +73,16 @@ void linear_scatter(CollCtx& c, const void* in, void* out, size_t bb) {
       return;
     }
     const char* src = static_cast<const char*>(in);
+    const char* o = static_cast<const char*>(out);
+    // An out that overlaps in elsewhere than my own block would change blocks still being
+    // sent: my block is copied once every send is done.
+    const bool own_first = o == src + me * bb || o >= src + n * bb || src >= o + bb;
     std::vector<std::shared_ptr<Request>> reqs;
     for (int r = 0; r < n; ++r)
       if (r != root) reqs.push_back(c.isend(r, src + r * bb, bb, 0));
-    if (bb && src + me * bb != out) std::memmove(out, src + me * bb, bb);
+    if (bb && own_first && src + me * bb != out) std::memmove(out, src + me * bb, bb);
     c.wait_all(reqs);
+    if (bb && !own_first) std::memmove(out, src + me * bb, bb);
   });
 }
 

@@ -20,11 +20,14 @@ struct Stamp {
 };
 struct alignas(64) Line {
   std::atomic<uint32_t> v;
-  Stamp stamp;  // used by the lines that announce data: a_in, x_in, y_in
+  Stamp stamp;  // used by the lines that announce data: x_in, y_in
 };
-// b_in: a stamp per one-shot half (round parity), since a peer may already be in the next
-// round (it needs no second wait) while this rank still reads the last one.
-struct alignas(64) OneShotLine {
+// b_in and a_in: a stamp per round parity, since a peer may already be in the next round
+// while this rank still checks the last one (one-shot: it needs no second wait; two-shot
+// areas: a gather's non-root or a scatter's root returns once its pieces are posted).
+// Nobody gets two rounds ahead: a round starts only after every peer's counter reached the
+// round before.
+struct alignas(64) ParityLine {
   std::atomic<uint32_t> v;
   Stamp stamp[2];
 };
@@ -82,9 +85,10 @@ struct ShmColl::Slot {
   struct Header {
     int64_t pid;
     uint64_t self_addr;  // where the owner mapped this slot: peers probe CMA by reading `pid` there
-    Line a_in[kMaxLanes], a_res[kMaxLanes], c_in[kMaxLanes], c_done[kMaxLanes];  // per lane
+    ParityLine a_in[kMaxLanes];  // per lane, as the three below
+    Line a_res[kMaxLanes], c_in[kMaxLanes], c_done[kMaxLanes];
     PieceStamps c_stamp[kMaxLanes];
-    OneShotLine b_in;
+    ParityLine b_in;
     Line sleepers;
     Line failed;  // 1 + the rank blamed, once a collective failed on the owner (then never cleared)
     CallLine call;

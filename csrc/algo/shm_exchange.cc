@@ -1,7 +1,7 @@
-// Small all_gather, reduce_scatter, all_to_all, gather and scatter through the shared-memory
-// segment: one one-shot round each (see ShmColl::exchange, gather and scatter in
-// algo/shm_coll.h; larger reduce_scatters run two-shot rounds, shm_two_shot.cc, larger
-// all_gathers and all_to_alls block rounds, shm_block_rounds.cc). Through
+// all_gather, reduce_scatter, all_to_all, gather and scatter through the shared-memory
+// segment: small ones in one one-shot round each (see ShmColl::exchange, gather and scatter
+// in algo/shm_coll.h; larger reduce_scatters run two-shot rounds, shm_two_shot.cc, the
+// larger others block rounds, shm_block_rounds.cc). Through
 // point-to-point messages these cost one message per peer and the engine's matching (~8-14
 // us for 2 ranks on the 2-core VM); here a copy in, one counter and the reads.
 #include "algo/shm_coll.h"
@@ -12,14 +12,6 @@
 
 namespace linkwise {
 
-namespace {
-void check_fits(const char* what, size_t bytes) {
-  if (bytes > ShmColl::kOneMax)
-    throw Error(ErrorKind::Invalid, std::string(what) + ": " + std::to_string(bytes) +
-                                        " bytes do not fit the shared-memory one-shot area");
-}
-}  // namespace
-
 void ShmColl::exchange(CallKind kind, const void* in, size_t in_bytes, void* out, DType t, RedOp op,
                        double timeout) {
   if (kind != kAllGather && kind != kReduceScatter && kind != kAllToAll)
@@ -29,8 +21,8 @@ void ShmColl::exchange(CallKind kind, const void* in, size_t in_bytes, void* out
   begin_call(kind, in_bytes, kind == kReduceScatter ? t : DType::kCount, kind == kReduceScatter ? op : RedOp::kCount,
              0);
   try {
-    if (in_bytes > kOneMax && kind == kAllGather) return block_rounds(false, in, out, in_bytes);
-    if (in_bytes > kOneMax && kind == kAllToAll) return block_rounds(true, in, out, in_bytes / n_);
+    if (in_bytes > kOneMax && kind == kAllGather) return block_rounds(BlockMove::kAllGather, 0, in, out, in_bytes);
+    if (in_bytes > kOneMax && kind == kAllToAll) return block_rounds(BlockMove::kAllToAll, 0, in, out, in_bytes / n_);
     if (in_bytes > kOneMax) return reduce_scatter(in, out, in_bytes / n_ / dtype_size(t), t, op);
     const uint32_t r = one_shot_post(in, in_bytes);
     one_shot_wait(r, call_what());
@@ -52,11 +44,11 @@ void ShmColl::exchange(CallKind kind, const void* in, size_t in_bytes, void* out
 }
 
 void ShmColl::gather(const void* in, size_t bytes, void* out, int root, double timeout) {
-  check_fits("gather", bytes * n_);
   LW_CHECK(root >= 0 && root < n_ && (rank_ != root || out || bytes == 0), "gather: a root in range, with an output");
   timeout_ = timeout;
   begin_call(kGather, bytes, DType::kCount, RedOp::kCount, root);
   try {
+    if (bytes * n_ > kOneMax) return block_rounds(BlockMove::kGather, root, in, rank_ == root ? out : nullptr, bytes);
     if (rank_ != root) return owe_round(one_shot_post(in, bytes));  // nobody reads the root's area
     const uint32_t r = one_shot_post(nullptr, 0);
     one_shot_wait(r, call_what());
@@ -72,11 +64,11 @@ void ShmColl::gather(const void* in, size_t bytes, void* out, int root, double t
 }
 
 void ShmColl::scatter(const void* in, void* out, size_t bytes, int root, double timeout) {
-  check_fits("scatter", bytes * n_);
   LW_CHECK(root >= 0 && root < n_ && (rank_ != root || in || bytes == 0), "scatter: a root in range, with an input");
   timeout_ = timeout;
   begin_call(kScatter, bytes, DType::kCount, RedOp::kCount, root);
   try {
+    if (bytes * n_ > kOneMax) return block_rounds(BlockMove::kScatter, root, rank_ == root ? in : nullptr, out, bytes);
     // The root's own block, too, comes from its posted copy: out may overlap in anywhere.
     const uint32_t r = one_shot_post(in, rank_ == root ? bytes * n_ : 0);  // a non-root's area: unread
     if (rank_ != root) {

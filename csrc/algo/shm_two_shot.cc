@@ -81,12 +81,12 @@ void ShmColl::two_shot_lane(int lane, int lanes, const char* src, char* dst, siz
       if (j == rank_) continue;
       copy_bytes(my_in + part_at(j) * es, src + part_in(j) * es, part_len(j) * es);
     }
-    stamp(me->h().a_in[lane].stamp);
+    stamp(me->h().a_in[lane].stamp[r & 1]);
     publish(a_in, r);
     for (int q = 0; q < n_; ++q) {
       if (q == rank_) continue;
       wait_ge(q, slot(q)->h().a_in[lane].v, r, call_what(), true);
-      check_line(q, slot(q)->h().a_in[lane].stamp, true);
+      check_line(q, slot(q)->h().a_in[lane].stamp[r & 1], true);
     }
     // My segment, combined in rank order, a sub-block at a time so the copy-out hits cache.
     const size_t off = part_at(rank_), len = part_len(rank_);

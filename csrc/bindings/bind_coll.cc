@@ -284,7 +284,9 @@ void bind_coll(nb::module_& m) {
              if (shm && job->send && job->recv &&
                  (job->p.kind == CollKind::AllReduce || job->p.kind == CollKind::Reduce ||
                   job->p.kind == CollKind::Gather))
-               job->send = unoverlapped_input(job->send, job->send_bytes, job->recv, job->recv_bytes, job->staged);
+               job->send = unoverlapped_input(
+                   job->send, job->send_bytes, job->recv, job->recv_bytes, job->staged,
+                   job->p.kind == CollKind::Gather ? static_cast<char*>(job->recv) + root * job->send_bytes : nullptr);
              auto req = std::make_unique<CollRequest>(w.comm(), job, x, out);
              w.submit(job);
              return req;

@@ -20,10 +20,10 @@ namespace linkwise {
 // into out first instead. (The executor's broadcast handles an overlapping out itself:
 // test_coll_bcast_out.py.)
 const void* unoverlapped_input(const void* x, size_t x_bytes, const void* out, size_t out_bytes,
-                               std::vector<char>& staged) {
+                               std::vector<char>& staged, const void* x_may_be) {
   const char* a = static_cast<const char*>(x);
   const char* b = static_cast<const char*>(out);
-  if (a == b || a >= b + out_bytes || b >= a + x_bytes) return x;
+  if (a == (x_may_be ? x_may_be : out) || a >= b + out_bytes || b >= a + x_bytes) return x;
   staged.assign(a, a + x_bytes);
   return staged.data();
 }
@@ -80,7 +80,7 @@ void bind_shm_coll(nb::module_& m) {
                    "(all_reduces, broadcasts) that took the CMA path so far.")
       .def_prop_ro("lane_calls",
                    [](PyShmColl& s) { return std::make_pair(s.shm_.lane_all_reduces(), s.shm_.lane_broadcasts()); },
-                   "(two-shot-area all_reduces / reduces / reduce_scatters / all_gathers, broadcasts) that ran on several lanes "
+                   "(calls in the two-shot areas: all_reduces, reduces and the larger block collectives; broadcasts) that ran on several lanes "
                    "(helper threads) so far.")
       .def_prop_ro("one_shot_max", [](PyShmColl& s) { return s.shm_.one_shot_max(); },
                    "Largest all_reduce (bytes) that runs one-shot (rank 0's setting, agreed by all ranks).")
@@ -183,22 +183,25 @@ void bind_shm_coll(nb::module_& m) {
              });
            },
            nb::arg("kind"), nb::arg("x"), nb::arg("out"), nb::arg("code"), nb::arg("timeout"),
-           "A small all_gather or all_to_all (x of at most 32 KiB, ShmColl::kOneMax), or a reduce_scatter "
-           "of any size (larger ones in two-shot rounds).")
+           "An all_gather, reduce_scatter or all_to_all (one one-shot round while x has at most 32 KiB, "
+           "ShmColl::kOneMax; larger ones in two-shot or block rounds).")
       .def("gather",
            [](PyShmColl& s, nb::handle x, nb::handle out, int root, double timeout) {
              // out: root's (size * len(x) elements; the caller checked dtype and shape), None
-             // elsewhere; size * x's bytes at most 32 KiB (ShmColl::kOneMax).
+             // elsewhere.
              HeldPair b(x, out);
              if (b.recv && b.recv_bytes != b.send_bytes * s.shm_.size())
                throw nb::value_error("gather: out must have size * len(x) elements");
-             std::vector<char> staged;  // x, when it overlaps out
-             if (b.recv) b.send = unoverlapped_input(b.send, b.send_bytes, b.recv, b.recv_bytes, staged);
+             std::vector<char> staged;  // x, when it overlaps out other than as root's own block
+             if (b.recv)
+               b.send = unoverlapped_input(b.send, b.send_bytes, b.recv, b.recv_bytes, staged,
+                                           static_cast<char*>(b.recv) + root * b.send_bytes);
              nb::gil_scoped_release nogil;
              s.guarded([&] { s.shm_.gather(b.send, b.send_bytes, b.recv, root, timeout); });
            },
            nb::arg("x"), nb::arg("out").none(), nb::arg("root"), nb::arg("timeout"),
-           "A small gather onto root (one one-shot round; the non-roots post and return).")
+           "A gather onto root (one one-shot round up to 32 KiB in all, else block rounds; the non-roots "
+           "post and return).")
       .def("scatter",
            [](PyShmColl& s, nb::handle x, nb::handle out, int root, double timeout) {
              // x: root's (size * len(out) elements), None elsewhere; out: this rank's block.
@@ -209,7 +212,8 @@ void bind_shm_coll(nb::module_& m) {
              s.guarded([&] { s.shm_.scatter(b.send, b.recv, b.recv_bytes, root, timeout); });
            },
            nb::arg("x").none(), nb::arg("out"), nb::arg("root"), nb::arg("timeout"),
-           "A small scatter from root (one one-shot round; the root posts and returns).");
+           "A scatter from root (one one-shot round up to 32 KiB in all, else block rounds; the root "
+           "posts and returns).");
 
 }
 

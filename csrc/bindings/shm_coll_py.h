@@ -50,9 +50,11 @@ class PyShmColl : public std::enable_shared_from_this<PyShmColl> {
 
 // The shared-memory all-reduce and reduce read x while they write out (the peers' too, at
 // once), so an out that partly overlaps x (not x itself) would corrupt inputs still to be
-// read. Returns x, or a copy of it staged in `staged` when out partly overlaps it.
+// read; a gather's root copies peers' blocks into out around its own. Returns x, or a copy
+// of it staged in `staged` when out overlaps it and x is not at `x_may_be` (out itself when
+// nullptr; a gather passes its own block of out).
 const void* unoverlapped_input(const void* x, size_t x_bytes, const void* out, size_t out_bytes,
-                               std::vector<char>& staged);
+                               std::vector<char>& staged, const void* x_may_be = nullptr);
 
 // The executor's kind for a small all_gather / reduce_scatter / all_to_all, after checking
 // that out has the size that kind needs for in_bytes of x (ValueError, as the general path).

@@ -68,9 +68,8 @@ def _gpu_dispatch(comm, kind: str, x: Any, **kw):
 
 # Collectives the shared-memory executor runs at every size within a host (the block ones:
 # its one-shot area when small, rounds in its two-shot areas when larger).
-_EXECUTOR_KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
-# Rooted block collectives that run through its one-shot area when all their blocks fit it.
-_ROOTED_BLOCKS = ("gather", "scatter")
+_EXECUTOR_KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "gather",
+                   "scatter")
 
 
 class CollectivesMixin:
@@ -207,17 +206,13 @@ class CollectivesMixin:
 
         Used for all_reduce, reduce and broadcast when every peer is on this host (shared-memory
         links) and LINKWISE_ALGO does not force a point-to-point algorithm ("direct" = one-shot
-        through shared memory for all_reduce), for reduce_scatter, all_gather and all_to_all
-        (one round through the segment while x has at most 32 KiB, else rounds in the two-shot
-        areas), and for gather and scatter whose size blocks have at most 32 KiB (nbytes is
-        one block's). The same on every rank, so all ranks reach the first such call together and
+        through shared memory for all_reduce), and for reduce_scatter, all_gather, all_to_all,
+        gather and scatter (one round through the segment while all the blocks have at most
+        32 KiB, else rounds in the two-shot areas). The same on every rank, so all ranks reach the first such call together and
         attach the segment there (a collective step)."""
         if self.size == 1:
             return None
-        if kind in _ROOTED_BLOCKS:
-            if nbytes * self.size > _shm_exec.ONE_SHOT_CAP:
-                return None
-        elif kind not in _EXECUTOR_KINDS:
+        if kind not in _EXECUTOR_KINDS:
             return None
         if kind == "broadcast" and self.size == 2 and nbytes >= LARGE_PAIR_BCAST and self._pair_bcast_p2p:
             return None  # without CMA in the executor: one single-copy message beats two copies
