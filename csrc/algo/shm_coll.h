@@ -19,17 +19,16 @@
 //     A reduce_scatter larger than the one-shot area runs the same rounds on the next piece
 //     of every block at once: rank j combines block j's piece straight into its out, nothing
 //     is copied out, and a_res=r still tells the peers that their `in` was read.
-//   Block rounds (all_gather / all_to_all / gather / scatter larger than the one-shot
-//     area), in the two-shot areas and counters: a_in=r (done reading every earlier round)
-//     → wait all a_in>=r → a posting rank puts its piece (all_to_all, scatter: one per
-//     peer) in res, a_res=r → a reading rank waits, per rank it reads from, for a_res>=r
-//     and copies its piece out. Every rank posts and reads in all_gather and all_to_all; a
-//     gather's non-roots post and its root reads, a scatter's root posts and its non-roots
-//     read. `res` is rewritten only after everyone's a_in reached the new round, as in
-//     two-shot, so the protocols may follow each other in any order, and a rank that only
-//     posts may return at once. It may then stamp its next round (in a_in's other parity
-//     half) while a peer still checks this one; it stamps the round after only once every
-//     a_in passed this round, so after every check of it.
+//   Block rounds (all_gather / all_to_all / gather larger than the one-shot area), in the
+//     two-shot areas and counters: a_in=r (done reading every earlier round) → wait all
+//     a_in>=r → a posting rank puts its piece (all_to_all: one per peer) in res, a_res=r →
+//     a reading rank waits, per peer, for a_res>=r and copies its piece out. Every rank
+//     posts and reads in all_gather and all_to_all; a gather's non-roots post and its root
+//     reads. `res` is rewritten only after everyone's a_in reached the new round, as in
+//     two-shot, so the protocols may follow each other in any order, and a gather's
+//     non-root may return once its pieces are posted. It may then stamp its next round (in
+//     a_in's other parity half) while a peer still checks this one; it stamps the round
+//     after only once every a_in passed this round, so after every check of it.
 //   Lanes (two-shot and broadcast, with helper threads): a message of at least 2 × lane_min
 //     bytes is cut into L = min(lanes, bytes / lane_min) stripes (L agreed: the same on every
 //     rank), and lane l runs the protocol above on stripe l with its own counters
@@ -226,16 +225,15 @@ class ShmColl {
   // (all_gather), in_bytes / n (reduce_scatter) or in_bytes (all_to_all); t and op matter
   // for reduce_scatter only.
   void exchange(CallKind kind, const void* in, size_t in_bytes, void* out, DType t, RedOp op, double timeout);
-  // gather and scatter (shm_exchange.cc); bytes = one rank's block. Larger than kOneMax in
-  // all (n x bytes) they run block_rounds(), else one one-shot round each in the exchange's
-  // area. gather: every rank's in (bytes) lands
+  // gather and scatter (shm_exchange.cc); bytes = one rank's block. A gather larger than
+  // kOneMax in all (n x bytes) runs block_rounds(); else, and for scatter (at most kOneMax in
+  // all), one one-shot round each in the exchange's area. gather: every rank's in (bytes) lands
   // at block q of root's out (n x bytes; nullptr elsewhere); the non-roots post and return.
   // scatter: root's in (n x bytes; ignored elsewhere) block q lands in rank q's out (bytes);
   // the root posts and returns, the others read their block once the root posted. A rank
   // that returned without seeing every peer's post owes the round (owe_round), as a reduce's
   // non-root does. gather's out must not overlap in other than as in's own block (the
-  // binding stages in otherwise); scatter's out may overlap in anywhere (block_rounds
-  // stages in where it must).
+  // binding stages in otherwise); scatter's out may overlap in anywhere.
   void gather(const void* in, size_t bytes, void* out, int root, double timeout);
   void scatter(const void* in, void* out, size_t bytes, int root, double timeout);
 
@@ -276,18 +274,18 @@ class ShmColl {
   // piece into out; no copy-out. out may be exactly this rank's block of in.
   void reduce_scatter(const void* in, void* out, size_t block, DType t, RedOp op);
   // What block rounds move: a block from every rank to every rank (all_gather), a block
-  // for every rank from every rank (all_to_all), every rank's block to the root (gather), a
-  // block for every rank from the root (scatter).
-  enum class BlockMove { kAllGather, kAllToAll, kGather, kScatter };
-  // An all_gather, all_to_all, gather or scatter larger than the one-shot area (after
-  // begin_call; shm_block_rounds.cc): rounds in the two-shot areas and counters (a_in: every
-  // read of the rounds before is done; a_res: my pieces are posted), the posting ranks
-  // putting the next piece of their block (of each of their blocks: all_to_all, scatter) in
-  // res, the reading ranks copying the pieces meant for them out. bytes: one block; in or
-  // out is nullptr where this rank has none (a gather's non-root, a scatter's non-root).
-  // in may be exactly this rank's block of out (all_gather, a gather's root) or out itself
-  // (all_to_all), out exactly this rank's block of in (a scatter's root); any other overlap
-  // is staged.
+  // for every rank from every rank (all_to_all), every rank's block to the root (gather).
+  // (Not scatter: its root would post every block, n x the bytes on one rank, where
+  // messages let each rank copy its block straight out of the root's x: 4-9x slower from
+  // 1 MiB at 16 ranks on the 32-core host, docs/benchmarks.md.)
+  enum class BlockMove { kAllGather, kAllToAll, kGather };
+  // An all_gather, all_to_all or gather larger than the one-shot area (after begin_call;
+  // shm_block_rounds.cc): rounds in the two-shot areas and counters (a_in: every read of the
+  // rounds before is done; a_res: my pieces are posted), the posting ranks putting the next
+  // piece of their block (all_to_all: of each of their blocks) in res, the reading ranks
+  // copying the pieces meant for them out. bytes: one block; out is nullptr on a gather's
+  // non-roots. in may be exactly this rank's block of out (all_gather, a gather's root) or
+  // out itself (all_to_all); any other overlap is staged.
   void block_rounds(BlockMove m, int root, const void* in, void* out, size_t bytes);
   void block_lane(BlockMove m, int root, int lane, int lanes, const char* src, char* dst, size_t count,
                   size_t stride, bool stream);

@@ -1,7 +1,7 @@
 // all_gather, reduce_scatter, all_to_all, gather and scatter through the shared-memory
 // segment: small ones in one one-shot round each (see ShmColl::exchange, gather and scatter
-// in algo/shm_coll.h; larger reduce_scatters run two-shot rounds, shm_two_shot.cc, the
-// larger others block rounds, shm_block_rounds.cc). Through
+// in algo/shm_coll.h; larger reduce_scatters run two-shot rounds, shm_two_shot.cc, larger
+// all_gathers, all_to_alls and gathers block rounds, shm_block_rounds.cc). Through
 // point-to-point messages these cost one message per peer and the engine's matching (~8-14
 // us for 2 ranks on the 2-core VM); here a copy in, one counter and the reads.
 #include "algo/shm_coll.h"
@@ -64,11 +64,13 @@ void ShmColl::gather(const void* in, size_t bytes, void* out, int root, double t
 }
 
 void ShmColl::scatter(const void* in, void* out, size_t bytes, int root, double timeout) {
+  if (bytes * n_ > kOneMax)
+    throw Error(ErrorKind::Invalid, "scatter: " + std::to_string(bytes * n_) +
+                                        " bytes do not fit the shared-memory one-shot area");
   LW_CHECK(root >= 0 && root < n_ && (rank_ != root || in || bytes == 0), "scatter: a root in range, with an input");
   timeout_ = timeout;
   begin_call(kScatter, bytes, DType::kCount, RedOp::kCount, root);
   try {
-    if (bytes * n_ > kOneMax) return block_rounds(BlockMove::kScatter, root, rank_ == root ? in : nullptr, out, bytes);
     // The root's own block, too, comes from its posted copy: out may overlap in anywhere.
     const uint32_t r = one_shot_post(in, rank_ == root ? bytes * n_ : 0);  // a non-root's area: unread
     if (rank_ != root) {

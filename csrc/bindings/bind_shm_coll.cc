@@ -212,8 +212,8 @@ void bind_shm_coll(nb::module_& m) {
              s.guarded([&] { s.shm_.scatter(b.send, b.recv, b.recv_bytes, root, timeout); });
            },
            nb::arg("x").none(), nb::arg("out"), nb::arg("root"), nb::arg("timeout"),
-           "A scatter from root (one one-shot round up to 32 KiB in all, else block rounds; the root "
-           "posts and returns).");
+           "A small scatter from root (at most 32 KiB in all: one one-shot round; the root posts and "
+           "returns).");
 
 }
 

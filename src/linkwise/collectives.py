@@ -68,8 +68,10 @@ def _gpu_dispatch(comm, kind: str, x: Any, **kw):
 
 # Collectives the shared-memory executor runs at every size within a host (the block ones:
 # its one-shot area when small, rounds in its two-shot areas when larger).
-_EXECUTOR_KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "gather",
-                   "scatter")
+_EXECUTOR_KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "gather")
+# scatter only while its blocks fit the one-shot area: through the executor the root would
+# post every block (n x the bytes on one rank), where messages let each rank copy its block
+# straight out of the root's x (16 ranks, 32-core host: 4-9x slower from 1 MiB).
 
 
 class CollectivesMixin:
@@ -206,13 +208,17 @@ class CollectivesMixin:
 
         Used for all_reduce, reduce and broadcast when every peer is on this host (shared-memory
         links) and LINKWISE_ALGO does not force a point-to-point algorithm ("direct" = one-shot
-        through shared memory for all_reduce), and for reduce_scatter, all_gather, all_to_all,
-        gather and scatter (one round through the segment while all the blocks have at most
-        32 KiB, else rounds in the two-shot areas). The same on every rank, so all ranks reach the first such call together and
+        through shared memory for all_reduce), for reduce_scatter, all_gather, all_to_all and
+        gather (one round through the segment while all the blocks have at most 32 KiB, else
+        rounds in the two-shot areas), and for scatter whose size blocks have at most 32 KiB
+        (nbytes is one block's). The same on every rank, so all ranks reach the first such call together and
         attach the segment there (a collective step)."""
         if self.size == 1:
             return None
-        if kind not in _EXECUTOR_KINDS:
+        if kind == "scatter":
+            if nbytes * self.size > _shm_exec.ONE_SHOT_CAP:
+                return None
+        elif kind not in _EXECUTOR_KINDS:
             return None
         if kind == "broadcast" and self.size == 2 and nbytes >= LARGE_PAIR_BCAST and self._pair_bcast_p2p:
             return None  # without CMA in the executor: one single-copy message beats two copies
