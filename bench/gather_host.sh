@@ -9,13 +9,8 @@ mkdir -p "$out"
 log="$out/gather_host.txt"
 sizes=("${@:2}")
 [ ${#sizes[@]} -gt 0 ] || sizes=(32768 262144 1048576 4194304 16777216)
-export PYTHONUNBUFFERED=1 OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
-cmake -S . -B build/host64 -G Ninja -DLINKWISE_CUDA=OFF -DCMAKE_BUILD_TYPE=Release \
-      -DPython_EXECUTABLE="$(command -v python3)" > "$out/build.log" 2>&1 &&
-  cmake --build build/host64 >> "$out/build.log" 2>&1 || { tail -30 "$out/build.log" >> "$log"; exit 1; }
-cp build/host64/_native*.so src/linkwise/
-export PYTHONPATH=$PWD/src
-{ python3 -c "import os; print(len(os.sched_getaffinity(0)), 'CPUs')"; lscpu | grep -m1 "Model name"; } 2>&1 | tee -a "$log"
+. bench/host_build.sh
+host_build || exit 1
 for n in 4 16; do
   echo "## -N $n executor vs point-to-point" | tee -a "$log"
   timeout 240 python3 -m linkwise.cli launch -n "$n" bench/gather_scatter_vs_mpi.py ab "${sizes[@]}" \

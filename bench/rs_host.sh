@@ -9,13 +9,8 @@ out=${1:-/tmp/lw-rs}
 mkdir -p "$out"
 log="$out/rs_host.txt"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
-cmake -S . -B build/host64 -G Ninja -DLINKWISE_CUDA=OFF -DCMAKE_BUILD_TYPE=Release \
-      -DPython_EXECUTABLE="$(command -v python3)" > "$out/build.log" 2>&1 &&
-  cmake --build build/host64 >> "$out/build.log" 2>&1 || { tail -30 "$out/build.log" >> "$log"; exit 1; }
-cp build/host64/_native*.so src/linkwise/
-export PYTHONPATH=$PWD/src
-{ python3 -c "import os; print(len(os.sched_getaffinity(0)), 'CPUs')"; lscpu | grep -m1 "Model name"; } 2>&1 | tee -a "$log"
+. bench/host_build.sh
+host_build || exit 1
 colls=("${@:2}")
 [ ${#colls[@]} -gt 0 ] || colls=(reduce_scatter)
 for coll in "${colls[@]}"; do
