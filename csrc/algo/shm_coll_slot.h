@@ -23,10 +23,9 @@ struct alignas(64) Line {
   Stamp stamp;  // used by the lines that announce data: x_in, y_in
 };
 // b_in and a_in: a stamp per round parity, since a peer may already be in the next round
-// while this rank still checks the last one (one-shot: it needs no second wait; two-shot
-// areas: a gather's non-root or a scatter's root returns once its pieces are posted).
-// Nobody gets two rounds ahead: a round starts only after every peer's counter reached the
-// round before.
+// while this rank still checks the last one (one-shot: a rooted call's rank needs no second
+// wait; two-shot areas: a gather's non-root returns once its pieces are posted). Nobody
+// stamps the round after that before every check of this one: see algo/shm_coll.h.
 struct alignas(64) ParityLine {
   std::atomic<uint32_t> v;
   Stamp stamp[2];

@@ -80,8 +80,8 @@ void bind_shm_coll(nb::module_& m) {
                    "(all_reduces, broadcasts) that took the CMA path so far.")
       .def_prop_ro("lane_calls",
                    [](PyShmColl& s) { return std::make_pair(s.shm_.lane_all_reduces(), s.shm_.lane_broadcasts()); },
-                   "(calls in the two-shot areas: all_reduces, reduces and the larger block collectives; broadcasts) that ran on several lanes "
-                   "(helper threads) so far.")
+                   "(calls in the two-shot areas: all_reduces, reduces and the larger block collectives; "
+                   "broadcasts) that ran on several lanes (helper threads) so far.")
       .def_prop_ro("one_shot_max", [](PyShmColl& s) { return s.shm_.one_shot_max(); },
                    "Largest all_reduce (bytes) that runs one-shot (rank 0's setting, agreed by all ranks).")
       .def_prop_ro("max_lanes", [](PyShmColl& s) { return s.shm_.max_lanes(); },

@@ -6,8 +6,8 @@ size: ShmColl::reduce picks its protocol natively). The general path
 (CollectivesMixin, then _run) costs ~6 us of Python a call on the 2-core VM against ~1-2 us
 for the exchange itself; here a handful of tests decide.
 
-exchange_fast() returns None where it declines (anything else goes the general path, which
-reaches the same exchange after its checks, or the point-to-point algorithms). The decision
+Each returns DECLINED where it declines (the caller then takes the general path, which
+reaches the same executor call after its checks, or the point-to-point algorithms). The decision
 depends only on what every rank shares for a correct program (x's size and dtype, the
 environment), so all ranks take the same route. Buffer checks not made here (contiguity,
 writability) happen natively; a refusal there numbers the call as skipped, as the general
@@ -24,33 +24,42 @@ ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = KINDS["all_gather"], KINDS["reduce_scat
 _MOVED = "biufc"  # dtype kinds moved as they are (bfloat16 and records take the general path)
 
 
-def exchange_fast(comm, fast, kind: int, x: np.ndarray, out, op: str = ""):
-    """Run kind on x (an ndarray) through `fast`, or return None to decline."""
+DECLINED = object()  # "take the general path" (None is a gather's result on a non-root)
+
+
+def _moved(a) -> bool:
+    return type(a) is _ndarray and a.dtype.kind in _MOVED
+
+
+def exchange_fast(comm, fast, kind: int, x, out, op: str = ""):
+    """Run kind on x through `fast`, or return DECLINED."""
+    if type(x) is not _ndarray or x.nbytes > ONE_SHOT_CAP or b"LINKWISE_ALGO" in _ENV or b"LINKWISE_CHECK" in _ENV:
+        return DECLINED
     dt = x.dtype
-    if x.nbytes > ONE_SHOT_CAP or dt.kind not in _MOVED or b"LINKWISE_ALGO" in _ENV or b"LINKWISE_CHECK" in _ENV:
-        return None
+    if dt.kind not in _MOVED:
+        return DECLINED
     n = comm.size
     code = 0
     if kind == ALL_GATHER:
         if out is None:
             out = np.empty(gathered_shape(x.shape, n), dtype=dt)
         elif type(out) is not _ndarray or out.dtype != dt or out.size != n * x.size:
-            return None
+            return DECLINED
     else:
         if x.size % n:
-            return None
+            return DECLINED
         if kind == REDUCE_SCATTER:
             code = _FAST_CODES_BY_OP.get(op, {}).get(x.dtype, -1)
             if code < 0:
-                return None
+                return DECLINED
             if out is None:
                 out = np.empty(block_shape(x.shape, n), dtype=x.dtype)
             elif type(out) is not _ndarray or out.dtype != x.dtype or out.size * n != x.size:
-                return None
+                return DECLINED
         elif out is None:
             out = x
         elif type(out) is not _ndarray or out.dtype != x.dtype or out.size != x.size:
-            return None
+            return DECLINED
     try:
         fast.exchange(kind, x, out, code, comm.timeout)
     except (ValueError, TypeError):
@@ -62,17 +71,17 @@ def exchange_fast(comm, fast, kind: int, x: np.ndarray, out, op: str = ""):
 def reduce_fast(comm, fast, x, root, op, out):
     """reduce through `fast` for NumPy arrays of a dtype and op the executor serves natively
     (x's buffer checks happen there; out's dtype, size and writability here, on every rank,
-    as the general path does), or None to decline. Blocking calls with no dtype= only."""
+    as the general path does), or DECLINED. Blocking calls with no dtype= only."""
     if (type(x) is not _ndarray or type(root) is not int or not 0 <= root < comm.size
             or b"LINKWISE_ALGO" in _ENV or b"LINKWISE_CHECK" in _ENV):
-        return None
+        return DECLINED
     try:
         code = _FAST_CODES_BY_OP[op][x.dtype]
     except (KeyError, TypeError):  # an op or dtype it does not serve: the general path
-        return None
+        return DECLINED
     if code < 0 or not (out is None or (type(out) is _ndarray and out.dtype == x.dtype and out.size == x.size
                                         and out.flags.writeable)):
-        return None  # bfloat16 (served through uint16 views elsewhere), or an out to explain
+        return DECLINED  # bfloat16 (served through uint16 views elsewhere), or an out to explain
     try:
         if comm.rank == root:
             fast.reduce(x, x if out is None else out, code, root, comm.timeout)
@@ -82,13 +91,6 @@ def reduce_fast(comm, fast, x, root, op, out):
         comm._skip_call()
         raise
     return x if out is None else out
-
-
-def _moved(a) -> bool:
-    return type(a) is _ndarray and a.dtype.kind in _MOVED
-
-
-DECLINED = object()  # gather_fast's "take the general path" (None is a non-root's result)
 
 
 def gather_fast(comm, fast, x, root, out):
@@ -114,19 +116,19 @@ def gather_fast(comm, fast, x, root, out):
 
 
 def scatter_fast(comm, fast, x, root, out):
-    """scatter through `fast` (all blocks within the one-shot area), or None to decline."""
+    """scatter through `fast` (all blocks within the one-shot area), or DECLINED."""
     n = comm.size
     if (type(root) is not int or not 0 <= root < n or b"LINKWISE_ALGO" in _ENV or b"LINKWISE_CHECK" in _ENV):
-        return None
+        return DECLINED
     if comm.rank == root:
         if not _moved(x) or x.nbytes > ONE_SHOT_CAP or x.size % n:
-            return None
+            return DECLINED
         if out is None:
             out = np.empty(block_shape(x.shape, n), dtype=x.dtype)
         elif not _moved(out) or out.dtype != x.dtype or out.size * n != x.size or not out.flags.writeable:
-            return None
+            return DECLINED
     elif x is not None or not _moved(out) or out.nbytes * n > ONE_SHOT_CAP or not out.flags.writeable:
-        return None  # a non-root's x (its shape may size out) takes the general path
+        return DECLINED  # a non-root's x (its shape may size out) takes the general path
     try:
         fast.scatter(x if comm.rank == root else None, out, root, comm.timeout)
     except (ValueError, TypeError):

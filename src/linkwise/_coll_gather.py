@@ -1,7 +1,8 @@
-"""gather and scatter: the rooted collectives that move per-rank blocks (no GPU path). Small
-ones within a host (all size blocks within 32 KiB) take one round through the shared-memory
-executor; the rest the point-to-point algorithms. Mixed into Communicator after
-CollectivesMixin, whose _run and checks they use.
+"""gather and scatter: the rooted collectives that move per-rank blocks (no GPU path). Within
+a host, gathers run through the shared-memory executor (one round when all size blocks fit
+32 KiB, else block rounds), and so do scatters that small; larger scatters, and every call
+under LINKWISE_ALGO or across hosts, the point-to-point algorithms. Mixed into Communicator
+after CollectivesMixin, whose _fast_shm, _run and checks they use.
 """
 from __future__ import annotations
 
@@ -20,12 +21,9 @@ class GatherScatterMixin:
 
     def gather(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
         """Concatenate every rank's x onto root; returns out on root and None elsewhere."""
-        fast = self._fast_shm
-        if fast is not None and not async_op:
-            r = gather_fast(self, fast, x, root, out)
-            if r is not DECLINED:
-                return r
-        return self._gather(x, root, out, async_op)
+        fast = self._fast_shm  # the latency path (_coll_fast), as in CollectivesMixin.reduce
+        r = DECLINED if fast is None or async_op else gather_fast(self, fast, x, root, out)
+        return r if r is not DECLINED else self._gather(x, root, out, async_op)
 
     @_skips_on_argument_error
     def _gather(self, x: Any, root: Any, out: Any, async_op: bool):
@@ -48,11 +46,8 @@ class GatherScatterMixin:
 
         x matters on root only (other ranks may pass None together with out=)."""
         fast = self._fast_shm
-        if fast is not None and not async_op:
-            r = scatter_fast(self, fast, x, root, out)
-            if r is not None:
-                return r
-        return self._scatter(x, root, out, async_op)
+        r = DECLINED if fast is None or async_op else scatter_fast(self, fast, x, root, out)
+        return r if r is not DECLINED else self._scatter(x, root, out, async_op)
 
     @_skips_on_argument_error
     def _scatter(self, x: Any, root: Any, out: Any, async_op: bool):
