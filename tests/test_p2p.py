@@ -453,13 +453,18 @@ def test_eight_ranks_on_two_cores_pingpong():
 
 
 def _large_messages_copied_by_both(comm, sender_idle):
-    """Messages of 1 MiB and more are copied in pieces by the receiver and, while it waits for
-    the ack, the sender: every piece must land in the right place of the right message."""
+    """Messages of 256 KiB and more are copied in pieces (a quarter of the message, 128-512
+    KiB) by the receiver and, while it waits for the ack, the sender: every piece must land in
+    the right place of the right message, short last pieces included."""
     peer = 1 - comm.rank
-    n = (5 << 19) + 7  # 2.5 MiB + 7: five 512 KiB pieces and a short sixth
+    # 2 pieces; 3 (short last); 4 of 175000 + 1 byte; five of 512 KiB + a short sixth
+    sizes = [256 << 10, 300_007, 700_001, (5 << 19) + 7]
     count = 12
+
+    def message(i):
+        return np.random.default_rng(i).integers(0, 255, sizes[i % len(sizes)], dtype=np.uint8)
     if comm.rank == 0:
-        msgs = [np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8) for i in range(count)]
+        msgs = [message(i) for i in range(count)]
         reqs = [comm.isend(m, peer, tag=7) for m in msgs]
         if sender_idle:
             time.sleep(0.5)  # not in a linkwise call: the receiver copies everything itself
@@ -467,10 +472,11 @@ def _large_messages_copied_by_both(comm, sender_idle):
             r.wait()
         return None
     out = []
-    y = np.empty(n, np.uint8)
     for i in range(count):
-        assert comm.recv(y, peer, tag=7) == n
-        out.append(bool((y == np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8)).all()))
+        want = message(i)
+        y = np.empty(want.size, np.uint8)
+        assert comm.recv(y, peer, tag=7) == want.size
+        out.append(bool((y == want).all()))
     return out
 
 

@@ -71,6 +71,8 @@ void bind_p2p(nb::module_& m) {
       .def("recv", [](NativeComm& c, nb::handle obj, int peer, uint64_t tag, double timeout) {
              return c.blocking(obj, peer, tag, false, timeout);
            }, nb::arg("obj"), nb::arg("peer"), nb::arg("tag"), nb::arg("timeout"))
+      .def("sendrecv", &NativeComm::sendrecv, nb::arg("send_obj"), nb::arg("dst"), nb::arg("send_tag"),
+           nb::arg("recv_obj"), nb::arg("src"), nb::arg("recv_tag"), nb::arg("timeout"))
       .def("isend", [](NativeComm& c, nb::handle obj, int peer, uint64_t tag, bool is_async) {
              return c.post(obj, peer, tag, true, is_async);
            }, nb::arg("obj"), nb::arg("peer"), nb::arg("tag"), nb::arg("is_async") = false)

@@ -92,6 +92,29 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
     return req->transferred();
   }
 
+  // Blocking exchange (MPI_Sendrecv): receives from src into recv_obj while sending send_obj
+  // to dst, in one call without the GIL; returns the bytes received. Each wait has timeout_s.
+  // If the send fails, the receive is withdrawn before the buffers are let go: cancelled if no
+  // byte moved yet, else the engine aborts (its copies stop with it, under the engine's lock).
+  size_t sendrecv(nb::handle send_obj, int dst, uint64_t send_tag, nb::handle recv_obj, int src,
+                  uint64_t recv_tag, double timeout_s) {
+    HeldBuffer hs, hr;
+    acquire_buffer(send_obj, false, "sendrecv", hs);
+    acquire_buffer(recv_obj, true, "sendrecv", hr);
+    nb::gil_scoped_release nogil;
+    std::shared_ptr<Request> r = engine_.irecv(src, hr.ptr(), hr.bytes(), recv_tag, hr.dtype(), false);
+    std::shared_ptr<Request> s;
+    try {
+      s = engine_.isend(dst, hs.ptr(), hs.bytes(), send_tag, hs.dtype(), false);
+      engine_.wait(*s, timeout_s, "send");
+    } catch (...) {
+      if (!engine_.cancel(*r) && !r->done()) engine_.abort("a sendrecv's send failed while its receive was moving bytes");
+      throw;
+    }
+    engine_.wait(*r, timeout_s, "recv");
+    return r->transferred();
+  }
+
   Engine& engine() { return engine_; }
 
  private:

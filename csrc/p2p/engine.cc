@@ -201,6 +201,7 @@ bool Engine::progress_send(Peer& p) {
     p.front_started = false;
     if (pull) {
       req->pull_seq = p.out_hdr.seq;
+      note_pull_announced(req->bytes);
       p.awaiting_ack.push_back(std::move(req));
     } else {
       complete_locked(*req, req->bytes);

@@ -120,6 +120,8 @@ class Engine {
   void fail_locked(Request& req, ErrorKind kind, const std::string& msg, int peer);
   bool match_unexpected_locked(Peer& p, const std::shared_ptr<Request>& req);
   void sleep_once(int64_t timeout_us, const std::function<bool()>& ready);
+  void note_pull_announced(size_t bytes);
+  bool spin_for_pulls_locked(std::chrono::steady_clock::time_point now) const;
   void wake_all();
   void progress_thread_main();
   void note_async_posted();
@@ -139,6 +141,9 @@ class Engine {
   std::function<void(int)> failure_hook_;
   int failure_blame_ = -1;  // the blame of the failure that sent the notices
   std::chrono::steady_clock::time_point last_test_reap_{};  // test()'s last look for dead peers
+  // When the pulled messages announced so far should be copied by (engine_wait.cc); a waiter
+  // keeps spinning until then while one still waits for its ack.
+  std::chrono::steady_clock::time_point pulls_due_{};
 
   std::atomic<int> sleepers_{0};      // threads of this process asleep in sleep_once
   std::atomic<int> pending_async_{0}; // non-blocking requests not yet done

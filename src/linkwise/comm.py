@@ -156,6 +156,30 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
                 return self.cuda().recv(x, src, tag, stream=stream)
             return self._native.recv(_raw(_as_buffer(x, "recv")), src, tag, self._timeout(timeout))
 
+    def sendrecv(self, x: Any, dst: int, out: Any, src: int, send_tag: int = 0, recv_tag: int = 0, *,
+                 timeout: Optional[float] = None, stream: Any = None) -> int:
+        """Send x to rank dst while receiving into out from rank src (MPI_Sendrecv); returns the
+        bytes received. One call: no deadlock when every rank of a ring calls it at once.
+
+        Host arrays go in one native call; CUDA arrays as an irecv and an isend on `stream`."""
+        n = self.size
+        if not (type(dst) is int and type(src) is int and type(send_tag) is int and type(recv_tag) is int
+                and 0 <= dst < n and 0 <= src < n and 0 <= send_tag <= MAX_TAG and 0 <= recv_tag <= MAX_TAG
+                and not self._closed):  # the full checks say what is wrong
+            self._check(dst, send_tag, "sendrecv")
+            self._check(src, recv_tag, "sendrecv")
+        t = self.timeout if timeout is None else float(timeout)
+        try:
+            return self._native.sendrecv(x, dst, send_tag, out, src, recv_tag, t)
+        except TypeError as exc:
+            if "buffer protocol" not in str(exc):
+                raise
+        # DLPack or CUDA arrays. Should the send fail, the dropped receive is withdrawn (or its
+        # array kept alive while bytes still move into it), as for any dropped request.
+        r = self.irecv(out, src, recv_tag, timeout=t, stream=stream)
+        self.isend(x, dst, send_tag, timeout=t, stream=stream).wait()
+        return r.wait()
+
     def cuda(self):
         """This communicator's GPU data plane (linkwise.cuda.GpuComm), built on first use.
 

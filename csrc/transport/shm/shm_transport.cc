@@ -20,8 +20,14 @@ namespace linkwise {
 namespace {
 constexpr uint64_t kMagic = 0x6c696e6b77697365ull;  // "linkwise"
 constexpr size_t kLine = 64;
-constexpr size_t kCoopMin = 1 << 20;     // messages this large are copied by both sides
-constexpr size_t kCoopPiece = 512 << 10; // in pieces of this size
+// Pulled messages this large are copied by both sides, in pieces of a quarter of the message,
+// 128-512 KiB. On the 2-core VM (one-way, 16-message windows, medians of 60) this moved 256 KiB
+// at 9-10 GB/s and 512 KiB at 11-12 against 6.1-6.3 and 7.2-7.3 copied by the receiver
+// alone, and 4 MiB at 16-19 against 13-15 in fixed 512 KiB pieces; 64 KiB pieces were slower
+// (a system call and a page pinning each). docs/benchmarks.md, nineteenth session.
+constexpr size_t kCoopMin = 256 << 10;
+constexpr size_t kCoopPieceMin = 128 << 10;
+constexpr size_t kCoopPieceMax = 512 << 10;
 }  // namespace
 
 struct InboxHeader {
@@ -49,6 +55,7 @@ struct CoopSlot {
   std::atomic<uint32_t> next;
   std::atomic<uint32_t> done;
   uint32_t pieces;
+  uint64_t piece;  // bytes of each piece but the last
   uint64_t dst;    // in the receiver's address space
   uint64_t src;    // in the sender's address space
   uint64_t bytes;
@@ -241,7 +248,8 @@ class ShmLink : public PeerLink {
       return;
     }
     CoopSlot& c = in_->coop[seq % kMaxPullsInFlight];
-    c.pieces = static_cast<uint32_t>((n + kCoopPiece - 1) / kCoopPiece);
+    c.piece = std::clamp(n / 4, kCoopPieceMin, kCoopPieceMax);
+    c.pieces = static_cast<uint32_t>((n + c.piece - 1) / c.piece);
     c.dst = reinterpret_cast<uint64_t>(dst);
     c.src = remote_addr;
     c.bytes = n;
@@ -269,8 +277,8 @@ class ShmLink : public PeerLink {
     for (;;) {
       const uint32_t i = c.next.fetch_add(1, std::memory_order_relaxed);
       if (i >= c.pieces) return;
-      const size_t off = static_cast<size_t>(i) * kCoopPiece;
-      const size_t len = std::min<size_t>(kCoopPiece, c.bytes - off);
+      const size_t off = static_cast<size_t>(i) * c.piece;
+      const size_t len = std::min<size_t>(c.piece, c.bytes - off);
       if (as_sender)
         copy_to_peer(c.dst + off, reinterpret_cast<const char*>(c.src) + off, len);
       else

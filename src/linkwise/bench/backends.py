@@ -158,9 +158,7 @@ class LinkwiseBackend(Backend):
             nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
 
             def sendrecv():
-                r = c.irecv(recv, prv)
-                c.send(send, nxt)
-                r.wait()
+                c.sendrecv(send, nxt, recv, prv)
             return sendrecv
         fn = getattr(c, coll, None)
         if not callable(fn):

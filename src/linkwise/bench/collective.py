@@ -22,7 +22,14 @@ from .backends import Backend, Unsupported, first_call, inplace_views, time_loop
 
 
 def _inputs(coll: str, op: str, rank: int, size: int, total: int, block: int, dtype, root: int):
-    """(send, recv) filled as rank's inputs, with recv holding this rank's in-place input."""
+    """(send, recv) filled as rank's inputs, with recv holding this rank's in-place input; both
+    page-aligned (common.page_aligned)."""
+    send, recv = _unaligned_inputs(coll, op, rank, size, total, block, dtype, root)
+    return common.page_aligned(send), common.page_aligned(recv)
+
+
+def _unaligned_inputs(coll: str, op: str, rank: int, size: int, total: int, block: int, dtype,
+                      root: int):
     if coll == "all_gather":
         send = common.input_values(coll, op, rank, block, dtype)
         recv = np.zeros(total, dtype)

@@ -166,6 +166,20 @@ def shown_count(coll: str, total: int, block: int) -> int:
     return block if coll in PER_RANK_BLOCKS else total
 
 
+def page_aligned(a: np.ndarray) -> np.ndarray:
+    """A copy of a that starts on a 4 KiB page, as OSU's benchmarks place their buffers.
+
+    Without it, where an array lands depends on each process's heap history, which differs
+    between the systems compared; a copy whose destination sits 1-31 bytes past its source
+    modulo 4 KiB runs several times slower on some CPUs (csrc/core/copy.h), so a run could
+    win or lose by placement alone. Aligned, every system sees the same distances."""
+    buf = np.empty(a.nbytes + 4096, np.uint8)
+    start = (-buf.ctypes.data) % 4096
+    out = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
 def input_values(coll: str, op: str, rank: int, n: int, dtype: np.dtype) -> np.ndarray:
     """Rank ``rank``'s deterministic input of n elements: small integers, exact in every dtype."""
     i = np.arange(n, dtype=np.int64)

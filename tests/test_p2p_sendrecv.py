@@ -1,0 +1,124 @@
+"""comm.sendrecv (MPI_Sendrecv): rings of 1-8 ranks over shared memory and forced TCP, every
+size class (eager, single-copy, copied by both sides), checked byte for byte; errors."""
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from multirank import run_ranks, shm_of_this_process
+
+# 0, tiny, odd, eager; single copy (64 KiB up); copied by both sides (256 KiB up), short pieces
+SIZES = [0, 1, 7, 1000, 70_001, 300_007, (1 << 20) + 5]
+DTYPES = [np.uint8, np.int32, np.float64]
+
+
+def _values(rank, n, dtype):
+    return (np.arange(n) * (rank + 3) % 251).astype(dtype)
+
+
+def _ring(comm):
+    """Every rank sends to the next and receives from the previous in one call; send and
+    receive tags differ, so a call that mixed them up would hang or take the wrong message."""
+    nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    done = 0
+    for dtype in DTYPES:
+        for n in SIZES:
+            out = np.full(n, 9, dtype)
+            got = comm.sendrecv(_values(comm.rank, n, dtype), nxt, out, prv,
+                                send_tag=n % 7 + 1, recv_tag=n % 7 + 1)
+            assert got == out.nbytes, (got, out.nbytes)
+            np.testing.assert_array_equal(out, _values(prv, n, dtype))
+            done += 1
+    # different tags each way: rank r sends with tag r, receives with tag prv
+    out = np.zeros(5, np.int64)
+    comm.sendrecv(np.full(5, comm.rank, np.int64), nxt, out, prv, send_tag=comm.rank, recv_tag=prv)
+    assert (out == prv).all()
+    return done
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 5, 8])
+def test_sendrecv_ring(nranks, transport_env, shm_clean):
+    assert run_ranks(nranks, _ring, env=transport_env) == [len(DTYPES) * len(SIZES)] * nranks
+
+
+def _torch_and_pairs(comm):
+    """DLPack arrays (torch tensors) take the isend/irecv fallback; a pair exchange with
+    sizes that differ by direction (each receive is sized for its sender)."""
+    import torch
+    peer = 1 - comm.rank
+    x = torch.arange(1000, dtype=torch.float32) + comm.rank
+    out = torch.zeros(1000, dtype=torch.float32)
+    assert comm.sendrecv(x, peer, out, peer) == 4000
+    assert torch.equal(out, torch.arange(1000, dtype=torch.float32) + peer)
+    mine, theirs = (300_000, 12) if comm.rank == 0 else (12, 300_000)
+    out = np.zeros(theirs, np.uint8)
+    assert comm.sendrecv(np.full(mine, 40 + comm.rank, np.uint8), peer, out, peer, 4, 4) == theirs
+    assert (out == 40 + peer).all()
+    return "ok"
+
+
+def test_sendrecv_torch_and_uneven_pairs(transport_env):
+    pytest.importorskip("torch")
+    assert run_ranks(2, _torch_and_pairs, env=transport_env) == ["ok", "ok"]
+
+
+def _errors(comm):
+    import linkwise
+    peer = 1 - comm.rank
+    x = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="out of range"):
+        comm.sendrecv(x, 2, x.copy(), peer)
+    with pytest.raises(ValueError, match="out of range"):
+        comm.sendrecv(x, peer, x.copy(), -1)
+    with pytest.raises(ValueError, match="tag"):
+        comm.sendrecv(x, peer, x.copy(), peer, recv_tag=-1)
+    ro = np.zeros(4, np.float32)
+    ro.setflags(write=False)
+    with pytest.raises(ValueError, match="read-only"):
+        comm.sendrecv(x, peer, ro, peer)
+    # a receive too small raises, and the message stays queued for a larger receive
+    small, big = np.zeros(2, np.float32), np.zeros(8, np.float32)
+    with pytest.raises(ValueError):
+        comm.sendrecv(np.full(8, comm.rank, np.float32), peer, small, peer, 5, 5)
+    assert comm.recv(big, peer, 5) == 32 and (big == peer).all()
+    # the peer sends nothing with tag 7: the receive half times out, in about its timeout
+    if comm.rank == 0:
+        t0 = time.monotonic()
+        with pytest.raises(linkwise.TimeoutError, match="did not complete within 0.3 s"):
+            comm.sendrecv(np.ones(3, np.float32), 1, np.zeros(3, np.float32), 1, 6, 7, timeout=0.3)
+        assert time.monotonic() - t0 < 5
+        comm.send(np.zeros(1), 1, tag=8)
+    else:
+        comm.recv(np.zeros(1), 0, tag=8)  # rank 0 has timed out
+        y = np.zeros(3, np.float32)
+        assert comm.recv(y, 0, 6) == 12 and (y == 1).all()  # its send half was delivered
+    comm.sendrecv(np.zeros(1), peer, np.zeros(1), peer, 9, 9)  # neither exits while the other waits
+    return "ok"
+
+
+def test_sendrecv_errors(transport_env):
+    assert run_ranks(2, _errors, env=transport_env) == ["ok", "ok"]
+
+
+def _killed(comm, size):
+    import linkwise
+    if comm.rank == 1:
+        comm.recv(np.zeros(1), 0, tag=1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    comm.send(np.zeros(1), 1, tag=1)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    with pytest.raises(linkwise.PeerError) as info:
+        comm.sendrecv(np.ones(size, np.uint8), 1, np.zeros(size, np.uint8), 1, 2, 2, timeout=60)
+    assert info.value.peer == 1
+    assert time.monotonic() - t0 < 10
+    return "raised"
+
+
+@pytest.mark.parametrize("size", [8, 1 << 20])
+def test_sendrecv_with_a_dead_peer_raises(size, transport_env, shm_clean):
+    out = run_ranks(2, _killed, size, env=transport_env, expect_fail=True)
+    assert out[0] == ("ok", "raised"), out[0]
+    assert not shm_of_this_process()
