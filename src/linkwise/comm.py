@@ -194,7 +194,9 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
     def _post(self, x: Any, peer: int, tag: int, is_send: bool, is_async: bool,
               timeout: Optional[float], stream: Any = None):
         op = "isend" if is_send else "irecv"
-        self._check(peer, tag, op)
+        if not (type(peer) is int and type(tag) is int and 0 <= peer < self.size and 0 <= tag <= MAX_TAG
+                and not self._closed):  # the full checks say what is wrong
+            self._check(peer, tag, op)
         post = self._native.isend if is_send else self._native.irecv
         try:
             native_req = post(x, peer, tag, is_async)
@@ -208,7 +210,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
                 return req
             x = _raw(_as_buffer(x, op))
             native_req = post(x, peer, tag, is_async)
-        return Request(native_req, self._timeout(timeout), x)
+        return Request(native_req, self.timeout if timeout is None else float(timeout), x)
 
     def isend(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None,
               stream: Any = None):
