@@ -46,7 +46,8 @@ class LoopbackLink : public PeerLink {
 
 }  // namespace
 
-Engine::Engine(int rank, int size, EngineOptions options) : rank_(rank), size_(size), opt_(options) {
+Engine::Engine(int rank, int size, EngineOptions options)
+    : rank_(rank), size_(size), opt_(options), spin_budget_us_(options.spin_us) {
   LW_CHECK(size > 0 && rank >= 0 && rank < size, "rank within size");
   peers_.resize(size);
   for (int r = 0; r < size; ++r) {

@@ -121,6 +121,7 @@ class Engine {
   bool match_unexpected_locked(Peer& p, const std::shared_ptr<Request>& req);
   void sleep_once(int64_t timeout_us, const std::function<bool()>& ready);
   void note_pull_announced(size_t bytes);
+  void adapt_spin(double budget_us, double slept_us);
   bool spin_for_pulls_locked(std::chrono::steady_clock::time_point now) const;
   void wake_all();
   void progress_thread_main();
@@ -145,6 +146,9 @@ class Engine {
   // keeps spinning until then while one still waits for its ack.
   std::chrono::steady_clock::time_point pulls_due_{};
 
+  // How long wait() spins before it sleeps: opt_.spin_us, adapted (engine_wait.cc). Relaxed:
+  // a racing update between two waiting threads only picks one of two valid budgets.
+  std::atomic<double> spin_budget_us_;
   std::atomic<int> sleepers_{0};      // threads of this process asleep in sleep_once
   std::atomic<int> pending_async_{0}; // non-blocking requests not yet done
   std::mutex thread_mu_;

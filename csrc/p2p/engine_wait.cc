@@ -20,6 +20,16 @@ constexpr int64_t kSliceUs = 100000;  // while asleep, look for dead peers this 
 constexpr double kPullSpinBytesPerUs = 1000.0;
 constexpr double kPullSpinMaxUs = 5000.0;
 constexpr double kPullSpinMinSpinUs = 10.0;
+// Adaptive spin (where spinning is on, as above). A chain of waits (a ring of sendrecvs, each
+// rank waiting for its predecessor) falls into a self-sustaining slow mode with a short spin:
+// one rank sleeps, its wake-up makes it late, so its successor's wait outlasts the spin and it
+// sleeps too (16 ranks on the 16-core host: 8 B sendrecv 22-44 us a call, 2.6-3.3 with a 2 ms
+// spin; Open MPI, which never sleeps, 2.5-3.2). So a wait whose sleep ended within the spin
+// budget (spinning twice as long would have caught it) doubles the budget, up to
+// kSpinMaxUs; one that slept longer than kSpinShrinkAfterUs (the peer was busy elsewhere)
+// halves it, down to the configured spin.
+constexpr double kSpinMaxUs = 2000.0;
+constexpr double kSpinShrinkAfterUs = 10000.0;
 }  // namespace
 using engine_detail::tag_text;
 
@@ -69,22 +79,35 @@ bool Engine::spin_for_pulls_locked(Clock::time_point now) const {
   return false;
 }
 
+void Engine::adapt_spin(double budget_us, double slept_us) {
+  if (opt_.spin_us < kPullSpinMinSpinUs) return;
+  double next = budget_us;
+  if (slept_us <= budget_us)
+    next = std::min(kSpinMaxUs, 2 * budget_us);
+  else if (slept_us > kSpinShrinkAfterUs)
+    next = std::max(opt_.spin_us, budget_us / 2);
+  spin_budget_us_.store(next, std::memory_order_relaxed);
+}
+
 void Engine::wait(Request& req, double timeout_s, const char* op) {
   if (!req.done()) {
     const auto t0 = Clock::now();
+    const double budget_us = spin_budget_us_.load(std::memory_order_relaxed);
     while (!req.done()) {
       bool spin_on;
       {
         std::lock_guard<std::mutex> g(mu_);
         progress_locked();
         const auto now = Clock::now();
-        spin_on = std::chrono::duration<double, std::micro>(now - t0).count() < opt_.spin_us ||
+        spin_on = std::chrono::duration<double, std::micro>(now - t0).count() < budget_us ||
                   spin_for_pulls_locked(now);
       }
       if (req.done() || !spin_on) break;
       cpu_relax();
     }
-    auto last_reap = Clock::now();
+    const auto sleep_start = Clock::now();
+    const bool slept = !req.done();
+    auto last_reap = sleep_start;
     while (!req.done()) {
       double left = timeout_s - seconds_since(t0);
       if (left <= 0) {
@@ -105,6 +128,7 @@ void Engine::wait(Request& req, double timeout_s, const char* op) {
         last_reap = Clock::now();
       }
     }
+    if (slept) adapt_spin(budget_us, seconds_since(sleep_start) * 1e6);
   }
   req.rethrow();
 }
