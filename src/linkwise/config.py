@@ -92,7 +92,8 @@ declare("LINKWISE_SHM_RING_SIZE", 1 << 20, _size, "bytes of each shared-memory r
 declare("LINKWISE_SHM_RNDV_THRESHOLD", 64 << 10, _size,
         "messages at least this large go single-copy (process_vm_readv) instead of through the ring")
 declare("LINKWISE_SPIN_US", -1.0, float,
-        "microseconds a waiting rank spins before it sleeps; -1 picks by cores per local rank")
+        "microseconds a waiting rank spins before it sleeps; -1 picks by cores per local rank "
+        "(50 with a core each, else 1); from 10 up, point-to-point waits adapt it (up to 2 ms)")
 declare("LINKWISE_COPY_DETOUR", "auto", _choice("auto", "on", "off", "1", "0"),
         "copies whose destination lies 1-31 bytes past the source within a 4 KiB page avoid the "
         "CPU's string copy (slow there on AMD EPYC, docs/benchmarks.md); auto = on for AMD CPUs")
