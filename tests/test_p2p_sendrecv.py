@@ -98,6 +98,41 @@ def _errors(comm):
     return "ok"
 
 
+def _post_errors(comm):
+    """isend / irecv take a one-call path for plain arguments: every other case must still get
+    _post's checks and conversions."""
+    import torch
+
+    import linkwise
+    peer = 1 - comm.rank
+    x = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="out of range"):
+        comm.isend(x, 2)
+    with pytest.raises(ValueError, match="tag"):
+        comm.irecv(x, peer, tag=-3)
+    with pytest.raises(ValueError, match="not contiguous"):
+        comm.irecv(np.zeros((4, 4), np.float32)[:, 1], peer)
+    with pytest.raises(TypeError, match="buffer protocol"):
+        comm.isend(object(), peer)
+    # a DLPack tensor goes through the conversion, and wait returns the bytes moved
+    t = torch.full((6,), float(comm.rank))
+    out = torch.zeros(6)
+    r = comm.irecv(out, peer, tag=2)
+    assert comm.isend(t, peer, tag=2).wait() == 24
+    assert r.wait() == 24 and bool((out == peer).all())
+    comm.barrier()
+    if comm.rank == 0:
+        comm.close()
+        with pytest.raises(linkwise.CommAbortedError, match="closed"):
+            comm.isend(x, 1)
+    return "ok"
+
+
+def test_isend_irecv_argument_paths():
+    pytest.importorskip("torch")
+    assert run_ranks(2, _post_errors) == ["ok", "ok"]
+
+
 def test_sendrecv_errors(transport_env):
     assert run_ranks(2, _errors, env=transport_env) == ["ok", "ok"]
 

@@ -25,12 +25,13 @@ PyRequest::~PyRequest() {
   }
 }
 
-void PyRequest::wait(double timeout_s) {
+size_t PyRequest::wait(double timeout_s) {
   {
     nb::gil_scoped_release nogil;
     comm_->engine().wait(*req_, timeout_s, req_->kind == Request::Kind::Send ? "send" : "recv");
   }
   buf_.release();
+  return req_->transferred();
 }
 
 bool PyRequest::test() {
@@ -48,7 +49,7 @@ bool PyRequest::test() {
 
 void bind_p2p(nb::module_& m) {
   nb::class_<PyRequest>(m, "Request", "A non-blocking operation; keep it until wait() or test() says done.")
-      .def("wait", &PyRequest::wait, nb::arg("timeout"), "Block until done (GIL released); raise its error.")
+      .def("wait", &PyRequest::wait, nb::arg("timeout"), "Block until done (GIL released); raise its error. Returns the bytes moved.")
       .def("test", &PyRequest::test, "Progress once; True when done (raises its error if it failed).")
       .def("fileno", &PyRequest::fileno, "An eventfd that turns readable when the request is done.")
       .def_prop_ro("nbytes", &PyRequest::nbytes, "Bytes moved, once done.")

@@ -25,7 +25,7 @@ class PyRequest {
   PyRequest(std::shared_ptr<NativeComm> comm, std::shared_ptr<Request> req, nb::object owner)
       : comm_(std::move(comm)), req_(std::move(req)), owner_(std::move(owner)) {}
   ~PyRequest();
-  void wait(double timeout_s);
+  size_t wait(double timeout_s);  // the bytes moved
   bool test();
   int fileno() { return req_->event_fd(); }
   size_t nbytes() const { return req_->transferred(); }

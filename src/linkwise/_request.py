@@ -30,9 +30,9 @@ class Request:
         return self._native.nbytes
 
     def wait(self, timeout: Optional[float] = None) -> Any:
-        """Block until done (the GIL is released); raises the operation's error."""
-        self._native.wait(self._timeout if timeout is None else float(timeout))
-        return self._outcome()
+        """Block until done (the GIL is released); raises the operation's error. Returns the
+        bytes moved."""
+        return self._native.wait(self._timeout if timeout is None else float(timeout))
 
     def test(self) -> bool:
         """True when done (raises the operation's error if it failed)."""
@@ -59,6 +59,11 @@ class CollectiveRequest(Request):
     __slots__ = ()
 
     def _outcome(self) -> Any:
+        return self._keep
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Block until done; returns the collective's result array."""
+        self._native.wait(self._timeout if timeout is None else float(timeout))
         return self._keep
 
 

@@ -218,12 +218,29 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
 
         A CUDA array is enqueued on `stream` (else its current stream) as send() does; the
         request (linkwise._request.GpuRequest) waits for a CUDA event recorded after it."""
+        # The message-rate path: a host array and plain arguments post in one native call
+        # (about 1 us less a message than through _post); anything else takes _post, which
+        # checks, converts, or says what is wrong.
+        if (type(dst) is int and type(tag) is int and 0 <= dst < self.size and 0 <= tag <= MAX_TAG
+                and not self._closed):
+            try:
+                return Request(self._native.isend(x, dst, tag, False),
+                               self.timeout if timeout is None else float(timeout), x)
+            except TypeError:
+                pass
         return self._post(x, dst, tag, True, False, timeout, stream)
 
     def irecv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None,
               stream: Any = None):
         """Start receiving into x; the returned request's wait()/test() finish it (CUDA arrays:
         as isend)."""
+        if (type(src) is int and type(tag) is int and 0 <= src < self.size and 0 <= tag <= MAX_TAG
+                and not self._closed):  # as isend
+            try:
+                return Request(self._native.irecv(x, src, tag, False),
+                               self.timeout if timeout is None else float(timeout), x)
+            except TypeError:
+                pass
         return self._post(x, src, tag, False, False, timeout, stream)
 
     async def asend(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None,
