@@ -147,6 +147,43 @@ def test_movement_default_slot_large():
     _check(run_ranks(n, _movement_body, [3, (1 << 22) + 5], env=SAFE_ENV, timeout=300))
 
 
+def _comm_sendrecv_body(comm):
+    """Communicator.sendrecv with CUDA tensors (the isend/irecv path onto the GPU plane), in a
+    ring: the bytes received and every element."""
+    g, torch = _setup(comm)
+    n = comm.size
+    nxt, prv = (comm.rank + 1) % n, (comm.rank - 1) % n
+    got = []
+    for count in (0, 7, 300001, (1 << 20) + 3):  # the last from LINKWISE_GPU_REG_MIN (4 MiB)
+        x = torch.arange(count, dtype=torch.float32, device="cuda") + 1000 * comm.rank
+        out = torch.full((count,), -1.0, device="cuda")
+        nbytes = comm.sendrecv(x, nxt, out, prv, send_tag=3, recv_tag=3)
+        want = torch.arange(count, dtype=torch.float32, device="cuda") + 1000 * prv
+        got.append((nbytes == 4 * count, bool(torch.equal(out, want))))
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    if cupy is not None:  # the same through cupy's side stream, registered-buffer size included
+        with cupy.cuda.Device(g.device):
+            for count in (7, (1 << 20) + 3):
+                x = cupy.arange(count, dtype=cupy.float32) + 1000 * comm.rank
+                out = cupy.full(count, -1, cupy.float32)
+                nbytes = comm.sendrecv(x, nxt, out, prv, send_tag=4, recv_tag=4)
+                want = cupy.arange(count, dtype=cupy.float32) + 1000 * prv
+                got.append((nbytes == 4 * count, bool((out == want).all())))
+    g.close()
+    return got
+
+
+def test_communicator_sendrecv_cuda():
+    n = _nranks()
+    if n < 2:
+        pytest.skip("needs 2 GPUs")
+    res = run_ranks(n, _comm_sendrecv_body, env=SAFE_ENV, timeout=120)
+    assert all(len(r) in (4, 6) and all(ok == (True, True) for ok in r) for r in res), res
+
+
 def _errors_body(comm):
     import numpy as np
     g, torch = _setup(comm)

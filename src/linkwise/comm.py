@@ -161,7 +161,8 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         """Send x to rank dst while receiving into out from rank src (MPI_Sendrecv); returns the
         bytes received. One call: no deadlock when every rank of a ring calls it at once.
 
-        Host arrays go in one native call; CUDA arrays as an irecv and an isend on `stream`."""
+        Host arrays go in one native call; CUDA arrays through the GPU plane, enqueued on
+        `stream` (else the array's current stream) like send and recv (linkwise.cuda.sendrecv)."""
         n = self.size
         if not (type(dst) is int and type(src) is int and type(send_tag) is int and type(recv_tag) is int
                 and 0 <= dst < n and 0 <= src < n and 0 <= send_tag <= MAX_TAG and 0 <= recv_tag <= MAX_TAG
@@ -174,7 +175,10 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         except TypeError as exc:
             if "buffer protocol" not in str(exc):
                 raise
-        # DLPack or CUDA arrays. Should the send fail, the dropped receive is withdrawn (or its
+        if _is_cuda(x):
+            from .cuda.sendrecv import gpu_sendrecv
+            return gpu_sendrecv(self.cuda(), x, dst, out, src, send_tag, recv_tag, stream)
+        # DLPack host arrays. Should the send fail, the dropped receive is withdrawn (or its
         # array kept alive while bytes still move into it), as for any dropped request.
         r = self.irecv(out, src, recv_tag, timeout=t, stream=stream)
         self.isend(x, dst, send_tag, timeout=t, stream=stream).wait()

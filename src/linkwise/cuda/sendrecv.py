@@ -1,0 +1,49 @@
+"""sendrecv on CUDA arrays: the send on a side stream, the receive on the caller's stream.
+
+GPU sends and receives are stream-ordered, and a receive waits on the device for its data: if
+both ranks of a pair enqueued their receive before their send on one stream, each receive
+would wait for a send queued behind the other (and a registered-buffer receive, from
+LINKWISE_GPU_REG_MIN bytes, waits on the host for the sender's description). So the send goes
+first, on a side stream that starts after the work already on the caller's stream; the caller's
+stream then waits for it, so work enqueued after sendrecv sees both done. Side streams come
+from the array's library (torch or cupy), one per GpuComm and library, made on first use.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .arrays import stream_handle, view
+
+
+def gpu_sendrecv(g, x: Any, dst: int, out: Any, src: int, send_tag: int, recv_tag: int,
+                 stream: Any = None) -> int:
+    """Sends x to dst while receiving out from src on GpuComm g; returns the bytes received
+    (enqueued, as recv: they are in out once the caller's stream gets there)."""
+    v = view(x, "sendrecv")
+    s = stream_handle(stream, v)
+    sides = g.__dict__.setdefault("_sendrecv_sides", {})
+    if v.lib == "torch":
+        import torch
+        side = sides.get("torch")
+        if side is None:
+            side = sides["torch"] = torch.cuda.Stream(device=g.device)
+        cur = torch.cuda.ExternalStream(s, device=g.device)
+        side.wait_stream(cur)
+        g.send(x, dst, send_tag, stream=side.cuda_stream)
+        n = g.recv(out, src, recv_tag, stream=s)
+        cur.wait_stream(side)
+        return n
+    if v.lib == "cupy":
+        import cupy
+        side = sides.get("cupy")
+        if side is None:
+            with cupy.cuda.Device(g.device):
+                side = sides["cupy"] = cupy.cuda.Stream(non_blocking=True)
+        cur = cupy.cuda.ExternalStream(s)
+        side.wait_event(cur.record())
+        g.send(x, dst, send_tag, stream=side.ptr)
+        n = g.recv(out, src, recv_tag, stream=s)
+        cur.wait_event(side.record())
+        return n
+    raise TypeError("sendrecv: CUDA arrays other than torch's and cupy's have no side stream to "
+                    "send on; post comm.isend and comm.irecv on separate streams instead")
