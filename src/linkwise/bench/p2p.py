@@ -6,7 +6,7 @@
 * bibw: both ranks post a window of irecvs and isends at once (as osu_bibw); bytes both ways.
 
 Iteration counts shrink with size so a 64 MiB point takes a fraction of a second:
-``iters_for(size)``. All messages of a window share one buffer, as OSU does.
+``iters_for(size)``. All messages of a window share one buffer, page-aligned, as OSU does.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .backends import Backend
+from .common import page_aligned
 
 TESTS = ("latency", "bw", "bibw")
 _LAT_BUDGET = 256 << 20    # bytes a latency point moves, at most (each way)
@@ -43,7 +44,7 @@ def bw_iters(size: int, window: int, iters: int) -> int:
 
 def latency(b: Backend, size: int, iters: int, warmup: int) -> float:
     """One-way latency in microseconds (valid on rank 0)."""
-    buf = np.zeros(max(size, 1), np.uint8)[:size]
+    buf = page_aligned(np.zeros(size, np.uint8))  # as the collectives' (common.page_aligned)
     n = lat_iters(size, iters)
     me = b.rank
 
@@ -66,8 +67,8 @@ def latency(b: Backend, size: int, iters: int, warmup: int) -> float:
 
 def bandwidth(b: Backend, size: int, iters: int, warmup: int, window: int, bidir: bool) -> float:
     """GB/s from rank 0 to rank 1 (bidir: both ways added; valid on rank 0)."""
-    sbuf = np.zeros(max(size, 1), np.uint8)[:size]
-    rbuf = np.zeros(max(size, 1), np.uint8)[:size]
+    sbuf = page_aligned(np.zeros(size, np.uint8))
+    rbuf = page_aligned(np.zeros(size, np.uint8))
     ack = np.zeros(4, np.uint8)
     w = window_for(size, window)
     n = bw_iters(size, w, iters)
