@@ -24,10 +24,12 @@ constexpr double kPullSpinMinSpinUs = 10.0;
 // rank waiting for its predecessor) falls into a self-sustaining slow mode with a short spin:
 // one rank sleeps, its wake-up makes it late, so its successor's wait outlasts the spin and it
 // sleeps too (16 ranks on the 16-core host: 8 B sendrecv 22-44 us a call, 2.6-3.3 with a 2 ms
-// spin; Open MPI, which never sleeps, 2.5-3.2). So a wait whose sleep ended within the spin
-// budget (spinning twice as long would have caught it) doubles the budget, up to
-// kSpinMaxUs; one that slept longer than kSpinShrinkAfterUs (the peer was busy elsewhere)
-// halves it, down to the configured spin.
+// spin; Open MPI, which never sleeps, 2.5-3.2). So a wait whose sleep ended within kSpinMaxUs
+// (spinning that long would have caught it) raises the budget to twice the budget or twice
+// the sleep, whichever is more, up to kSpinMaxUs; one that slept longer than
+// kSpinShrinkAfterUs (the peer was busy elsewhere) halves it, down to the configured spin.
+// (Doubling only after sleeps shorter than the budget could stay stuck: once the ranks sleep
+// in turn, each sleep lasts a wake-up and more, longer than a small budget.)
 constexpr double kSpinMaxUs = 2000.0;
 constexpr double kSpinShrinkAfterUs = 10000.0;
 }  // namespace
@@ -82,8 +84,8 @@ bool Engine::spin_for_pulls_locked(Clock::time_point now) const {
 void Engine::adapt_spin(double budget_us, double slept_us) {
   if (opt_.spin_us < kPullSpinMinSpinUs) return;
   double next = budget_us;
-  if (slept_us <= budget_us)
-    next = std::min(kSpinMaxUs, 2 * budget_us);
+  if (slept_us <= kSpinMaxUs)
+    next = std::min(kSpinMaxUs, 2 * std::max(budget_us, slept_us));
   else if (slept_us > kSpinShrinkAfterUs)
     next = std::max(opt_.spin_us, budget_us / 2);
   spin_budget_us_.store(next, std::memory_order_relaxed);
