@@ -15,15 +15,15 @@ constexpr int64_t kSliceUs = 100000;  // while asleep, look for dead peers this 
 // there costs 100 us or more (a 512 KiB exchange took 150-620 us against 63-84 with a long
 // spin). So a waiter keeps spinning until the copies it announced are due, reckoned at
 // kPullSpinBytesPerUs (~1/8 of one core's copy rate there, so a slow copy is still covered),
-// each at most kPullSpinMaxUs. Only where spinning is on (kPullSpinMinSpinUs): a rank
-// without a core of its own would take it from the peer doing the copy.
+// each at most kPullSpinMaxUs. Only where spinning is on (kSpinningMinUs): a rank without a
+// core of its own (spin ~1 us) would take it from the peer doing the copy.
 constexpr double kPullSpinBytesPerUs = 1000.0;
 constexpr double kPullSpinMaxUs = 5000.0;
-constexpr double kPullSpinMinSpinUs = 10.0;
-// Adaptive spin (where spinning is on, as above). A chain of waits (a ring of sendrecvs, each
-// rank waiting for its predecessor) falls into a self-sustaining slow mode with a short spin:
-// one rank sleeps, its wake-up makes it late, so its successor's wait outlasts the spin and it
-// sleeps too (16 ranks on the 16-core host: 8 B sendrecv 22-44 us a call, 2.6-3.3 with a 2 ms
+constexpr double kSpinningMinUs = 10.0;  // a configured spin this long means a core per rank
+// Adaptive spin (where spinning is on: kSpinningMinUs). A chain of waits (a ring of
+// sendrecvs, each rank waiting for its predecessor) falls into a self-sustaining slow mode
+// with a short spin: one rank sleeps, its wake-up makes it late, so its successor's wait
+// outlasts the spin and it sleeps too (16 ranks on the 16-core host: 8 B sendrecv 22-44 us a call, 2.6-3.3 with a 2 ms
 // spin; Open MPI, which never sleeps, 2.5-3.2). So a wait whose sleep ended within kSpinMaxUs
 // (spinning that long would have caught it) raises the budget to twice the budget or twice
 // the sleep, whichever is more, up to kSpinMaxUs; one that slept longer than
@@ -66,7 +66,7 @@ void Engine::sleep_once(int64_t timeout_us, const std::function<bool()>& ready) 
 }
 
 void Engine::note_pull_announced(size_t bytes) {
-  if (opt_.spin_us < kPullSpinMinSpinUs) return;
+  if (opt_.spin_us < kSpinningMinUs) return;
   const double us = std::min(kPullSpinMaxUs, static_cast<double>(bytes) / kPullSpinBytesPerUs);
   const auto due = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(us));
   if (due > pulls_due_) pulls_due_ = due;
@@ -82,7 +82,7 @@ bool Engine::spin_for_pulls_locked(Clock::time_point now) const {
 }
 
 void Engine::adapt_spin(double budget_us, double slept_us) {
-  if (opt_.spin_us < kPullSpinMinSpinUs) return;
+  if (opt_.spin_us < kSpinningMinUs) return;
   double next = budget_us;
   if (slept_us <= kSpinMaxUs)
     next = std::min(kSpinMaxUs, 2 * std::max(budget_us, slept_us));

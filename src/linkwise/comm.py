@@ -175,7 +175,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         except TypeError as exc:
             if "buffer protocol" not in str(exc):
                 raise
-        if _is_cuda(x):
+        if _is_cuda(x) or _is_cuda(out):  # both must be CUDA arrays: view() says so otherwise
             from .cuda.sendrecv import gpu_sendrecv
             return gpu_sendrecv(self.cuda(), x, dst, out, src, send_tag, recv_tag, stream)
         # DLPack host arrays. Should the send fail, the dropped receive is withdrawn (or its
@@ -198,9 +198,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
     def _post(self, x: Any, peer: int, tag: int, is_send: bool, is_async: bool,
               timeout: Optional[float], stream: Any = None):
         op = "isend" if is_send else "irecv"
-        if not (type(peer) is int and type(tag) is int and 0 <= peer < self.size and 0 <= tag <= MAX_TAG
-                and not self._closed):  # the full checks say what is wrong
-            self._check(peer, tag, op)
+        self._check(peer, tag, op)  # isend / irecv check plain arguments inline before this
         post = self._native.isend if is_send else self._native.irecv
         try:
             native_req = post(x, peer, tag, is_async)
@@ -214,7 +212,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
                 return req
             x = _raw(_as_buffer(x, op))
             native_req = post(x, peer, tag, is_async)
-        return Request(native_req, self.timeout if timeout is None else float(timeout), x)
+        return Request(native_req, self._timeout(timeout), x)
 
     def isend(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None,
               stream: Any = None):

@@ -91,7 +91,7 @@ def _one_variant(backend: Backend, coll: str, dtype, op: str, root: int, total: 
         return {"na": str(exc)}
     wrong = 0
     if check:
-        fresh_send, fresh_recv = _inputs(coll, op, rank, size, total, block, dtype, root)
+        fresh_send, fresh_recv = _unaligned_inputs(coll, op, rank, size, total, block, dtype, root)
         send[...] = fresh_send
         recv[...] = fresh_recv
         if timer is not None:  # device buffers: bind again to upload the fresh inputs

@@ -20,6 +20,7 @@ def gpu_sendrecv(g, x: Any, dst: int, out: Any, src: int, send_tag: int, recv_ta
     """Sends x to dst while receiving out from src on GpuComm g; returns the bytes received
     (enqueued, as recv: they are in out once the caller's stream gets there)."""
     v = view(x, "sendrecv")
+    view(out, "sendrecv")  # both are CUDA arrays, checked before the send is enqueued
     s = stream_handle(stream, v)
     sides = g.__dict__.setdefault("_sendrecv_sides", {})
     if v.lib == "torch":
