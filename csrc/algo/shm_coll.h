@@ -163,6 +163,7 @@ class ShmColl {
   uint64_t lane_all_reduces() const { return lane_ar_calls_; }
   uint64_t lane_broadcasts() const { return lane_bc_calls_; }
   int size() const { return n_; }
+  int rank() const { return rank_; }
   int max_lanes() const { return lanes_; }  // agreed by every rank at connect()
   size_t one_shot_max() const { return opt_.one_max; }  // likewise
   void unlink() { seg_.unlink(); }

@@ -47,9 +47,65 @@ ShmColl::CallKind exchange_kind(CollKind kind, size_t in_bytes, size_t out_bytes
   }
 }
 
+void shm_all_reduce(PyShmColl& s, HeldBuffer& hx, nb::handle out, int code, double timeout) {
+  void* o = const_cast<void*>(hx.ptr());
+  const void* in = hx.ptr();
+  HeldBuffer ho;
+  std::vector<char> staged;  // x, when out partly overlaps it
+  if (out.is_valid()) {
+    acquire_buffer(out, true, "all_reduce", ho, true);
+    if (ho.bytes() != hx.bytes() || ho.dtype() != hx.dtype()) {
+      const size_t xs = hx.view.itemsize, os = ho.view.itemsize;
+      throw nb::value_error(("all_reduce: out must be a " + dtype_name(hx.dtype()) + " array of " +
+                             std::to_string(hx.bytes() / (xs ? xs : 1)) + " elements, got " + dtype_name(ho.dtype()) +
+                             " with " + std::to_string(ho.bytes() / (os ? os : 1)))
+                                .c_str());
+    }
+    o = ho.ptr();
+    in = unoverlapped_input(in, hx.bytes(), o, ho.bytes(), staged);
+  }
+  const DType t = static_cast<DType>(code >> 3);
+  const size_t count = hx.bytes() / dtype_size(t);
+  const RedOp rop = static_cast<RedOp>(code & 7);
+  // Small messages start with the GIL held (releasing and retaking it cost ~0.1 us of a ~2 us
+  // call in a same-build A/B, docs/benchmarks.md): done when the peers were already there (a
+  // bounded spin), else the wait goes on without the GIL, so other threads run meanwhile.
+  int started = -1;
+  s.guarded([&] { started = s.shm_.all_reduce_start(in, o, count, t, rop, timeout); });
+  if (started == 1) return;
+  nb::gil_scoped_release nogil;
+  if (started == 0) s.guarded([&] { s.shm_.all_reduce_finish(o, count, t, rop); });
+  else s.guarded([&] { s.shm_.all_reduce(in, o, count, t, rop, timeout); });
+}
+
+void shm_reduce(PyShmColl& s, HeldBuffer& hx, bool in_place, nb::handle out, int code, int root, double timeout) {
+  const void* in = hx.ptr();
+  void* o = in_place ? const_cast<void*>(in) : nullptr;
+  HeldBuffer ho;
+  std::vector<char> staged;  // x, when out partly overlaps it
+  if (out.is_valid() && !out.is_none()) {
+    acquire_buffer(out, true, "reduce", ho, true);
+    if (ho.bytes() != hx.bytes()) throw nb::value_error("reduce: out must have as many bytes as x");
+    o = ho.ptr();
+    in = unoverlapped_input(in, hx.bytes(), o, ho.bytes(), staged);
+  }
+  const DType t = static_cast<DType>(code >> 3);
+  const size_t count = hx.bytes() / dtype_size(t);
+  nb::gil_scoped_release nogil;
+  s.guarded([&] { s.shm_.reduce(in, o, count, t, static_cast<RedOp>(code & 7), root, timeout); });
+}
+
+void shm_broadcast(PyShmColl& s, HeldBuffer& hb, HeldBuffer* hs, int root, double timeout) {
+  if (hs && hs->bytes() != hb.bytes()) throw nb::value_error("broadcast: out must have as many bytes as x");
+  const void* from = hs ? hs->ptr() : hb.ptr();
+  nb::gil_scoped_release nogil;
+  s.guarded([&] { s.shm_.broadcast(from, hb.ptr(), hb.bytes(), root, timeout); });
+}
+
 void bind_shm_coll(nb::module_& m) {
-  nb::class_<PyShmColl>(m, "ShmColl", "Shared-memory collectives of a single-host communicator.")
-      .def(nb::new_([](NativeComm& c, const std::string& name, bool create, double spin_us) {
+  nb::class_<PyShmColl> cls(m, "ShmColl", "Shared-memory collectives of a single-host communicator.");
+  bind_shm_fast(cls);
+  cls.def(nb::new_([](NativeComm& c, const std::string& name, bool create, double spin_us) {
              return std::make_shared<PyShmColl>(c.shared_from_this(), name, create, spin_us);
            }),
            nb::arg("native"), nb::arg("name"), nb::arg("create"), nb::arg("spin_us"))
@@ -98,37 +154,10 @@ void bind_shm_coll(nb::module_& m) {
              // code = dtype * 8 + op, validated by the caller for x's dtype; out may be x (in
              // place). Every check of out (same dtype and size as x, writable, contiguous)
              // happens here, with the messages of the general path.
-             HeldBuffer hx, ho;
+             HeldBuffer hx;
              const bool in_place = out.is(x);
              acquire_buffer(x, in_place, "all_reduce", hx, true);
-             void* o = const_cast<void*>(hx.ptr());
-             const void* in = hx.ptr();
-             std::vector<char> staged;  // x, when out partly overlaps it
-             if (!in_place) {
-               acquire_buffer(out, true, "all_reduce", ho, true);
-               if (ho.bytes() != hx.bytes() || ho.dtype() != hx.dtype()) {
-                 const size_t xs = hx.view.itemsize, os = ho.view.itemsize;
-                 throw nb::value_error(("all_reduce: out must be a " + dtype_name(hx.dtype()) + " array of " +
-                                        std::to_string(hx.bytes() / (xs ? xs : 1)) + " elements, got " +
-                                        dtype_name(ho.dtype()) + " with " + std::to_string(ho.bytes() / (os ? os : 1)))
-                                           .c_str());
-               }
-               o = ho.ptr();
-               in = unoverlapped_input(in, hx.bytes(), o, ho.bytes(), staged);
-             }
-             const DType t = static_cast<DType>(code >> 3);
-             const size_t count = hx.bytes() / dtype_size(t);
-             const RedOp rop = static_cast<RedOp>(code & 7);
-             // Small messages start with the GIL held (releasing and retaking it cost ~0.1 us
-             // of a ~2 us call in a same-build A/B, docs/benchmarks.md): done when the peers
-             // were already there (a bounded spin), else the wait goes on without the GIL, so
-             // other threads run meanwhile.
-             int started = -1;
-             s.guarded([&] { started = s.shm_.all_reduce_start(in, o, count, t, rop, timeout); });
-             if (started == 1) return;
-             nb::gil_scoped_release nogil;
-             if (started == 0) s.guarded([&] { s.shm_.all_reduce_finish(o, count, t, rop); });
-             else s.guarded([&] { s.shm_.all_reduce(in, o, count, t, rop, timeout); });
+             shm_all_reduce(s, hx, in_place ? nb::handle() : out, code, timeout);
            },
            nb::arg("x"), nb::arg("out"), nb::arg("code"), nb::arg("timeout"))
       .def("reduce",
@@ -136,22 +165,10 @@ void bind_shm_coll(nb::module_& m) {
              // out: the root's result (x itself: in place), None on every other rank (whose x
              // is only read); code = dtype * 8 + op, validated by the caller for x's dtype,
              // which also checked out against x (Communicator.reduce).
-             HeldBuffer hx, ho;
+             HeldBuffer hx;
              const bool in_place = out.is(x);
              acquire_buffer(x, in_place, "reduce", hx, true);
-             const void* in = hx.ptr();
-             void* o = in_place ? const_cast<void*>(in) : nullptr;
-             std::vector<char> staged;  // x, when out partly overlaps it
-             if (!in_place && !out.is_none()) {
-               acquire_buffer(out, true, "reduce", ho, true);
-               if (ho.bytes() != hx.bytes()) throw nb::value_error("reduce: out must have as many bytes as x");
-               o = ho.ptr();
-               in = unoverlapped_input(in, hx.bytes(), o, ho.bytes(), staged);
-             }
-             const DType t = static_cast<DType>(code >> 3);
-             const size_t count = hx.bytes() / dtype_size(t);
-             nb::gil_scoped_release nogil;
-             s.guarded([&] { s.shm_.reduce(in, o, count, t, static_cast<RedOp>(code & 7), root, timeout); });
+             shm_reduce(s, hx, in_place, in_place ? nb::handle() : out, code, root, timeout);
            },
            nb::arg("x"), nb::arg("out").none(), nb::arg("code"), nb::arg("root"), nb::arg("timeout"),
            "reduce onto root: the all_reduce's protocols, the result written on root only.")
@@ -160,14 +177,8 @@ void bind_shm_coll(nb::module_& m) {
              // src: the root's source (None: buf itself, in place), as many bytes as buf.
              HeldBuffer hb, hs;
              acquire_buffer(buf, true, "broadcast", hb, true);
-             const void* from = hb.ptr();
-             if (!src.is_none() && !src.is(buf)) {
-               acquire_buffer(src, false, "broadcast", hs, true);
-               if (hs.bytes() != hb.bytes()) throw nb::value_error("broadcast: out must have as many bytes as x");
-               from = hs.ptr();
-             }
-             nb::gil_scoped_release nogil;
-             s.guarded([&] { s.shm_.broadcast(from, hb.ptr(), hb.bytes(), root, timeout); });
+             if (!src.is_none() && !src.is(buf)) acquire_buffer(src, false, "broadcast", hs, true);
+             shm_broadcast(s, hb, hs.held ? &hs : nullptr, root, timeout);
            },
            nb::arg("buf"), nb::arg("root"), nb::arg("timeout"), nb::arg("src").none() = nb::none())
       .def("exchange",

@@ -26,6 +26,19 @@ bool holds_objects(const char* format) {
 
 }  // namespace
 
+bool try_export_buffer(nb::handle obj, HeldBuffer& out) {
+  if (PyObject_GetBuffer(obj.ptr(), &out.view, PyBUF_RECORDS_RO) != 0) {
+    PyErr_Clear();
+    return false;
+  }
+  out.held = true;
+  if (holds_objects(out.view.format)) {
+    out.release();
+    return false;
+  }
+  return true;
+}
+
 void acquire_buffer(nb::handle obj, bool writable, const char* op, HeldBuffer& out, bool c_order) {
   if (PyObject_GetBuffer(obj.ptr(), &out.view, PyBUF_RECORDS_RO) != 0) {
     // Say why the export failed (NumPy refuses datetime64, for one): the object may well be
@@ -55,6 +68,10 @@ void acquire_buffer(nb::handle obj, bool writable, const char* op, HeldBuffer& o
                                             "into a byte array first")
                              .c_str());
   }
+  check_buffer(out, writable, op, c_order);
+}
+
+void check_buffer(HeldBuffer& out, bool writable, const char* op, bool c_order) {
   if (writable && out.view.readonly) {
     out.release();
     throw nb::value_error((std::string(op) + ": the array to write into is read-only; pass a writable array "

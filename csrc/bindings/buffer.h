@@ -33,6 +33,13 @@ struct HeldBuffer {
 // a Fortran-order array is refused on every path, not accepted by the latency paths alone.
 void acquire_buffer(nanobind::handle obj, bool writable, const char* op, HeldBuffer& out, bool c_order = false);
 
+// acquire_buffer in two steps, for callers that decide from the format whether they serve the
+// object at all (bind_shm_fast.cc): the export alone, false (no Python error set, nothing
+// held) where obj has no buffer or holds Python objects; then acquire_buffer's checks of an
+// exported buffer (ValueError; the buffer is released when one fails).
+bool try_export_buffer(nanobind::handle obj, HeldBuffer& out);
+void check_buffer(HeldBuffer& out, bool writable, const char* op, bool c_order);
+
 // The collectives' pair: acquires x (read) and out (write), C-contiguous; either may be None
 // (left as it was). Sets send/send_bytes and recv/recv_bytes from what it acquired.
 void hold(nanobind::handle x, nanobind::handle out, HeldBuffer& hx, HeldBuffer& ho, const void*& send,

@@ -4,6 +4,7 @@
 
 #include <nanobind/nanobind.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
@@ -11,6 +12,7 @@
 
 #include "algo/coll.h"
 #include "algo/shm_coll.h"
+#include "bindings/buffer.h"
 #include "bindings/native_comm.h"
 
 namespace linkwise {
@@ -46,6 +48,9 @@ class PyShmColl : public std::enable_shared_from_this<PyShmColl> {
   }
   std::shared_ptr<NativeComm> comm_;
   ShmColl shm_;
+  // broadcast_fast declines broadcasts of at least this many bytes (set once attached: the
+  // two-rank ones that go point-to-point as one single-copy message; the same on every rank).
+  size_t fast_bcast_max = SIZE_MAX;
 };
 
 // The shared-memory all-reduce and reduce read x while they write out (the peers' too, at
@@ -55,6 +60,23 @@ class PyShmColl : public std::enable_shared_from_this<PyShmColl> {
 // nullptr; a gather passes its own block of out).
 const void* unoverlapped_input(const void* x, size_t x_bytes, const void* out, size_t out_bytes,
                                std::vector<char>& staged, const void* x_may_be = nullptr);
+
+// The executor's all_reduce of x (acquired, checked) into out, or in place when out is an
+// empty handle; checks out (ValueError as the general path). code = dtype * 8 + op.
+void shm_all_reduce(PyShmColl& s, HeldBuffer& hx, nanobind::handle out, int code, double timeout);
+
+// The executor's reduce of x (acquired, checked; writable when in_place, on the root) onto
+// root: into x (in_place), into out on the root (checked here), nowhere on the others (out
+// empty or None).
+void shm_reduce(PyShmColl& s, HeldBuffer& hx, bool in_place, nanobind::handle out, int code, int root,
+                double timeout);
+
+// The executor's broadcast into hb (acquired writable, C-contiguous) from *hs on the root
+// (nullptr: hb itself, in place); hs must have as many bytes as hb (ValueError).
+void shm_broadcast(PyShmColl& s, HeldBuffer& hb, HeldBuffer* hs, int root, double timeout);
+
+// The latency entries (bind_shm_fast.cc): all_reduce_fast, reduce_fast, broadcast_fast.
+void bind_shm_fast(nanobind::class_<PyShmColl>& cls);
 
 // The executor's kind for a small all_gather / reduce_scatter / all_to_all, after checking
 // that out has the size that kind needs for in_bytes of x (ValueError, as the general path).

@@ -1,8 +1,9 @@
 """The latency paths of small all_gather, reduce_scatter and all_to_all: straight to the
 shared-memory executor's one-shot exchange (ShmColl::exchange) for plain NumPy arrays of at
 most 32 KiB, blocking, with no LINKWISE_ALGO or LINKWISE_CHECK set; of small gather and
-scatter (all blocks within 32 KiB; ShmColl::gather / scatter) likewise; and of reduce (any
-size: ShmColl::reduce picks its protocol natively). The general path
+scatter (all blocks within 32 KiB; ShmColl::gather / scatter) likewise. (all_reduce, reduce
+and broadcast make their tests natively: the executor's *_fast entries, bind_shm_fast.cc.)
+The general path
 (CollectivesMixin, then _run) costs ~6 us of Python a call on the 2-core VM against ~1-2 us
 for the exchange itself; here a handful of tests decide.
 
@@ -66,31 +67,6 @@ def exchange_fast(comm, fast, kind: int, x, out, op: str = ""):
         comm._skip_call()
         raise
     return out
-
-
-def reduce_fast(comm, fast, x, root, op, out):
-    """reduce through `fast` for NumPy arrays of a dtype and op the executor serves natively
-    (x's buffer checks happen there; out's dtype, size and writability here, on every rank,
-    as the general path does), or DECLINED. Blocking calls with no dtype= only."""
-    if (type(x) is not _ndarray or type(root) is not int or not 0 <= root < comm.size
-            or b"LINKWISE_ALGO" in _ENV or b"LINKWISE_CHECK" in _ENV):
-        return DECLINED
-    try:
-        code = _FAST_CODES_BY_OP[op][x.dtype]
-    except (KeyError, TypeError):  # an op or dtype it does not serve: the general path
-        return DECLINED
-    if code < 0 or not (out is None or (type(out) is _ndarray and out.dtype == x.dtype and out.size == x.size
-                                        and out.flags.writeable)):
-        return DECLINED  # bfloat16 (served through uint16 views elsewhere), or an out to explain
-    try:
-        if comm.rank == root:
-            fast.reduce(x, x if out is None else out, code, root, comm.timeout)
-        else:
-            fast.reduce(x, None, code, root, comm.timeout)
-    except (ValueError, TypeError):  # the buffer checks of the native call
-        comm._skip_call()
-        raise
-    return x if out is None else out
 
 
 def gather_fast(comm, fast, x, root, out):

@@ -34,7 +34,7 @@ import numpy as np
 
 from . import _gpu_coll, _shm_exec, config
 from ._coll_fast import ALL_GATHER as _ALL_GATHER, ALL_TO_ALL as _ALL_TO_ALL, REDUCE_SCATTER as _REDUCE_SCATTER
-from ._coll_fast import DECLINED, exchange_fast, reduce_fast
+from ._coll_fast import DECLINED, exchange_fast
 from .plan.schedule import LARGE_PAIR_BCAST, default_schedule
 from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from here
     _ENV, _FAST_CODES, _FAST_CODES_BY_OP, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, CollectiveRequest, _as_array,
@@ -296,40 +296,44 @@ class CollectivesMixin:
 
         A CUDA array runs on the GPU data plane, enqueued on `stream` (else its current stream)."""
         fast = self._fast_shm  # None once closed
-        # The latency paths: straight to shared memory (x's buffer checks happen there). Every
-        # test here is timed at 8 bytes against Open MPI: `in` on the environment's dict and one
-        # subscript in a try cost ~0.3 us less a call than .get() lookups (bench/shm_latency_split.py);
-        # a variable set to anything, even empty, sends calls down the general path.
-        if (fast is not None and type(x) is _ndarray and not async_op and dtype is None
+        # The latency paths: straight to shared memory. The executor's all_reduce_fast makes the
+        # tests (NumPy array, dtype, op, out) natively and returns NotImplemented where it does
+        # not serve the call; bfloat16 forms go through uint16 views here. `in` on the
+        # environment's dict costs ~0.3 us less a call than .get() lookups
+        # (bench/shm_latency_split.py); a variable set to anything, even empty, sends calls down
+        # the general path.
+        if (fast is not None and not async_op and dtype is None
                 and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
             try:
-                try:
-                    code = _FAST_CODES_BY_OP[op][x.dtype]
-                except (KeyError, TypeError):  # an op or dtype it does not serve: the general path
-                    code = None
-                    if x.dtype.kind == "V" and _dtype_name(x, None) == "bfloat16":
-                        fast_path_bf16(x.dtype)  # ml_dtypes' bfloat16: served from the next call
-                if code is not None and code < 0:  # bfloat16: the same call on uint16 views
-                    if out is None:
-                        bits = x.view(_uint16)
-                        fast.all_reduce(bits, bits, -code, self.timeout)
-                        return x
-                    if type(out) is _ndarray and out.dtype == x.dtype:
-                        fast.all_reduce(x.view(_uint16), out.view(_uint16), -code, self.timeout)
-                        return out
-                elif code is not None:
-                    if out is None:
-                        fast.all_reduce(x, x, code, self.timeout)
-                        return x
-                    if type(out) is _ndarray:
-                        # out's dtype, size, writability and layout are checked natively (cheaper
-                        # than here: this path is timed at 8 bytes).
-                        fast.all_reduce(x, out, code, self.timeout)
-                        return out
+                r = fast.all_reduce_fast(x, op, out, self.timeout)
+                if r is NotImplemented and type(x) is _ndarray and x.dtype.kind == "V":
+                    r = self._all_reduce_bf16_fast(fast, x, op, out)
+                if r is not NotImplemented:
+                    return r
             except (ValueError, TypeError):  # the buffer checks of the native call
                 self._skip_call()
                 raise
         return self._all_reduce(x, op, out, async_op, dtype, stream)
+
+    def _all_reduce_bf16_fast(self, fast, x, op, out):
+        """The latency path of a bfloat16 all_reduce (a V2 array, or ml_dtypes' bfloat16 once
+        one was seen): the executor's call on uint16 views; NotImplemented where it declines."""
+        try:
+            code = _FAST_CODES_BY_OP[op][x.dtype]
+        except (KeyError, TypeError):
+            if _dtype_name(x, None) == "bfloat16":
+                fast_path_bf16(x.dtype)  # ml_dtypes' bfloat16: served from the next call
+            return NotImplemented
+        if code >= 0:
+            return NotImplemented  # served natively when it is served at all
+        if out is None:
+            bits = x.view(_uint16)
+            fast.all_reduce(bits, bits, -code, self.timeout)
+            return x
+        if type(out) is _ndarray and out.dtype == x.dtype:
+            fast.all_reduce(x.view(_uint16), out.view(_uint16), -code, self.timeout)
+            return out
+        return NotImplemented
 
     @_skips_on_argument_error
     def _all_reduce(self, x: Any, op: str, out: Any, async_op: bool, dtype: Optional[str], stream: Any):
@@ -358,16 +362,18 @@ class CollectivesMixin:
                   stream: Any = None):
         """Copy root's x to every rank (into x, or into out). CUDA arrays: on the GPU, on `stream`."""
         fast = self._fast_shm
-        if (fast is not None and out is None and not async_op and type(x) is _ndarray
-                and x.dtype.kind in "biufc" and type(root) is int and 0 <= root < self.size
-                and (self.size != 2 or x.nbytes < LARGE_PAIR_BCAST or not self._pair_bcast_p2p)
+        # The latency path: the executor's broadcast_fast tests x, root and out natively (as
+        # all_reduce_fast) and returns NotImplemented where it does not serve the call (also
+        # two-rank broadcasts that go point-to-point as one single-copy message).
+        if (fast is not None and not async_op
                 and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
             try:
-                fast.broadcast(x, root, self.timeout)  # the latency path (buffer checks happen there)
+                r = fast.broadcast_fast(x, root, out, self.timeout)
             except (ValueError, TypeError):
                 self._skip_call()
                 raise
-            return x
+            if r is not NotImplemented:
+                return r
         return self._broadcast(x, root, out, async_op, stream)
 
     @_skips_on_argument_error
@@ -394,9 +400,17 @@ class CollectivesMixin:
     def reduce(self, x: Any, root: int = 0, op: str = "sum", out: Any = None, async_op: bool = False,
                dtype: Optional[str] = None):
         """Combine x across ranks onto root (into x, or out, on root; other ranks' x is untouched)."""
-        fast = self._fast_shm  # the latency path (_coll_fast), inline: a helper's call costs ~0.2 us
-        r = DECLINED if fast is None or async_op or dtype is not None else reduce_fast(self, fast, x, root, op, out)
-        return r if r is not DECLINED else self._reduce(x, root, op, out, async_op, dtype)
+        fast = self._fast_shm  # the latency path: the executor's reduce_fast, as all_reduce_fast
+        if (fast is not None and not async_op and dtype is None
+                and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
+            try:
+                r = fast.reduce_fast(x, root, op, out, self.timeout)
+            except (ValueError, TypeError):
+                self._skip_call()
+                raise
+            if r is not NotImplemented:
+                return r
+        return self._reduce(x, root, op, out, async_op, dtype)
 
     @_skips_on_argument_error
     def _reduce(self, x: Any, root: Any, op: Any, out: Any, async_op: bool, dtype: Optional[str]):

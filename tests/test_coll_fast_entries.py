@@ -1,0 +1,236 @@
+"""The executor's latency entries (csrc/bindings/bind_shm_fast.cc): all_reduce_fast and
+broadcast_fast test their arguments natively and either run the call or return
+NotImplemented (the caller then takes the general path). Checked:
+- what they serve: every linkwise dtype NumPy exports (bfloat16 aside) with every op valid for
+  it, in place and out=, against the NumPy reference; broadcast of bool, complex, int16 and
+  big-endian arrays, in place and out=, from every root;
+- what they decline, with nothing moved and the executor's call numbering intact (the next
+  collective still matches): dtypes linkwise does not reduce, bitwise ops on floats, an op
+  that is not a str, a subclass of ndarray, a root out of range or not an int, an out of
+  another dtype or size; then through the communicator the general path serves or refuses the
+  same call on every rank;
+- argument errors of served calls (read-only, non-contiguous) raise ValueError on every rank
+  and the ranks go on with the next collective."""
+import numpy as np
+import pytest
+
+from coll_ref import DTYPES, INT, check_equal, data, ops_for, reduce_ref
+from multirank import run_ranks
+
+NUMPY_DTYPES = [d for d in DTYPES if d != "bfloat16"]
+
+
+def _executor(comm):
+    """The communicator's shared-memory executor, attached by its first collective."""
+    comm.all_reduce(np.zeros(1, np.float32))
+    assert comm._fast_shm is not None
+    return comm._fast_shm
+
+
+def _served_all_reduce(comm):
+    fast = _executor(comm)
+    n, checked = comm.size, 0
+    for dt in NUMPY_DTYPES:
+        for op in ops_for(dt):
+            for count in (0, 1, 7, 1000):
+                ins = [data(r, count, dt, op, salt=3) for r in range(n)]
+                want = reduce_ref(ins, op, dt)
+                x = ins[comm.rank].copy()
+                assert fast.all_reduce_fast(x, op, None, comm.timeout) is x
+                check_equal(x, want, f"all_reduce_fast {dt} {op} {count} in place", avg_float=op == "avg")
+                x = ins[comm.rank].copy()
+                out = np.full(count, 7, x.dtype)
+                assert fast.all_reduce_fast(x, op, out, comm.timeout) is out
+                check_equal(out, want, f"all_reduce_fast {dt} {op} {count} out=", avg_float=op == "avg")
+                check_equal(x, ins[comm.rank], "x untouched by all_reduce_fast(out=)")
+                checked += 2
+    return checked
+
+
+def _served_reduce(comm):
+    fast = _executor(comm)
+    n, checked = comm.size, 0
+    for dt in NUMPY_DTYPES:
+        for op in ops_for(dt):
+            for count in (0, 1, 7, 1000):
+                ins = [data(r, count, dt, op, salt=4) for r in range(n)]
+                want = reduce_ref(ins, op, dt)
+                for root in range(n):
+                    x = ins[comm.rank].copy()
+                    assert fast.reduce_fast(x, root, op, None, comm.timeout) is x
+                    check_equal(x, want if comm.rank == root else ins[comm.rank], f"reduce_fast {dt} {op} {count} in place",
+                                avg_float=op == "avg")
+                    x = ins[comm.rank].copy()
+                    x.setflags(write=comm.rank == root)  # only the root's x is written in place
+                    out = np.full(count, 7, x.dtype)
+                    assert fast.reduce_fast(x, root, op, out, comm.timeout) is out
+                    check_equal(x, ins[comm.rank], "x untouched by reduce_fast(out=)")
+                    if comm.rank == root:
+                        check_equal(out, want, f"reduce_fast {dt} {op} {count} out=", avg_float=op == "avg")
+                    else:
+                        check_equal(out, np.full(count, 7, x.dtype), "a non-root's out untouched")
+                    checked += 1
+    return checked
+
+
+def test_reduce_fast_serves_every_numpy_dtype_op_and_root():
+    counts = run_ranks(3, _served_reduce)
+    assert counts[0] == 3 * 4 * sum(len(ops_for(d)) for d in NUMPY_DTYPES)
+
+
+def test_all_reduce_fast_serves_every_numpy_dtype_and_op():
+    counts = run_ranks(3, _served_all_reduce)
+    assert counts[0] == 2 * 4 * sum(len(ops_for(d)) for d in NUMPY_DTYPES)
+
+
+BCAST_DTYPES = [np.dtype(t) for t in ("float32", "uint8", "bool", "complex64", "int16", ">f4", "<i8", "float64")]
+
+
+def _served_broadcast(comm):
+    fast = _executor(comm)
+    for dt in BCAST_DTYPES:
+        for count in (0, 1, 7, 5003):
+            for root in range(comm.size):
+                ref = (np.arange(count) % 5 + root).astype(dt)
+                x = ref.copy() if comm.rank == root else np.zeros(count, dt)
+                assert fast.broadcast_fast(x, root, None, comm.timeout) is x
+                check_equal(x, ref, f"broadcast_fast {dt} {count} root {root}")
+                x = ref.copy() if comm.rank == root else np.zeros(count, dt)
+                before = x.copy()
+                out = np.ones(count, dt)
+                assert fast.broadcast_fast(x, root, out, comm.timeout) is out
+                check_equal(out, ref, f"broadcast_fast out= {dt} {count} root {root}")
+                check_equal(x, before, "x untouched by broadcast_fast(out=)")
+    return True
+
+
+def test_broadcast_fast_serves_plain_arrays_of_any_number_kind():
+    run_ranks(3, _served_broadcast)
+
+
+class _Sub(np.ndarray):
+    pass
+
+
+def _read_only(count):
+    a = np.ones(count, np.float32)
+    a.setflags(write=False)
+    return a
+
+
+def _declined(comm):
+    fast, t = _executor(comm), comm.timeout
+    f32 = np.ones(4, np.float32)
+    cases = {
+        "int16": lambda: fast.all_reduce_fast(np.ones(4, np.int16), "sum", None, t),
+        "uint32": lambda: fast.all_reduce_fast(np.ones(4, np.uint32), "sum", None, t),
+        "bool": lambda: fast.all_reduce_fast(np.ones(4, bool), "max", None, t),
+        "complex": lambda: fast.all_reduce_fast(np.ones(4, np.complex64), "sum", None, t),
+        "big-endian": lambda: fast.all_reduce_fast(np.ones(4, ">f4"), "sum", None, t),
+        "structured": lambda: fast.all_reduce_fast(np.zeros(4, "i4,f4"), "sum", None, t),
+        "bfloat16 (V2)": lambda: fast.all_reduce_fast(np.zeros(4, "V2"), "sum", None, t),
+        "band on float": lambda: fast.all_reduce_fast(f32, "band", None, t),
+        "unknown op": lambda: fast.all_reduce_fast(f32, "mean", None, t),
+        "op not a str": lambda: fast.all_reduce_fast(f32, b"sum", None, t),
+        "subclass": lambda: fast.all_reduce_fast(f32.view(_Sub), "sum", None, t),
+        "out a list": lambda: fast.all_reduce_fast(f32, "sum", [0.0] * 4, t),
+        "reduce int16": lambda: fast.reduce_fast(np.ones(4, np.int16), 0, "sum", None, t),
+        "reduce bxor on float": lambda: fast.reduce_fast(f32, 0, "bxor", None, t),
+        "reduce root too big": lambda: fast.reduce_fast(f32, comm.size, "sum", None, t),
+        "reduce root a float": lambda: fast.reduce_fast(f32, 0.0, "sum", None, t),
+        "reduce out other dtype": lambda: fast.reduce_fast(f32, 0, "sum", np.ones(4, np.float64), t),
+        "reduce out other size": lambda: fast.reduce_fast(f32, 0, "sum", np.ones(3, np.float32), t),
+        "reduce out read-only": lambda: fast.reduce_fast(f32, 0, "sum", _read_only(4), t),
+        "bcast object": lambda: fast.broadcast_fast(np.empty(4, object), 0, None, t),
+        "bcast str": lambda: fast.broadcast_fast(np.array(["ab", "cd"]), 0, None, t),
+        "bcast structured": lambda: fast.broadcast_fast(np.zeros(4, "i4,f4"), 0, None, t),
+        "bcast root too big": lambda: fast.broadcast_fast(f32, comm.size, None, t),
+        "bcast root negative": lambda: fast.broadcast_fast(f32, -1, None, t),
+        "bcast root np.int64": lambda: fast.broadcast_fast(f32, np.int64(0), None, t),
+        "bcast root bool": lambda: fast.broadcast_fast(f32, True, None, t),
+        "bcast out other dtype": lambda: fast.broadcast_fast(f32, 0, np.ones(4, np.int32), t),
+        "bcast out other byte order": lambda: fast.broadcast_fast(f32, 0, np.ones(4, ">f4"), t),
+        "bcast out other size": lambda: fast.broadcast_fast(f32, 0, np.ones(5, np.float32), t),
+        "bcast subclass": lambda: fast.broadcast_fast(f32.view(_Sub), 0, None, t),
+    }
+    kept = f32.copy()
+    for what, call in cases.items():
+        assert call() is NotImplemented, what
+    check_equal(f32, kept, "declined calls move nothing")
+    # The executor numbered no call: the next one matches on every rank.
+    x = np.full(3, comm.rank + 1, np.int64)
+    comm.all_reduce(x)
+    check_equal(x, np.full(3, comm.size * (comm.size + 1) // 2, np.int64), "all_reduce after declined calls")
+    return len(cases)
+
+
+def test_fast_entries_decline_what_they_do_not_serve():
+    run_ranks(2, _declined)
+
+
+def _through_the_communicator(comm):
+    """Calls the fast entries decline, as users make them: the general path serves them."""
+    n = comm.size
+    x = np.full(5, comm.rank + 1, np.int16)  # int16: not reducible, broadcast by the general path
+    with pytest.raises(TypeError):
+        comm.all_reduce(x)
+    root = n - 1
+    out = np.zeros(5, np.int16)
+    got = comm.broadcast(x, np.int64(root), out=out)  # a NumPy integer root
+    assert got is out
+    check_equal(out, np.full(5, root + 1, np.int16), "broadcast with a np.int64 root")
+    sub = np.full(4, comm.rank + 1.0).view(_Sub)
+    comm.all_reduce(sub)
+    check_equal(np.asarray(sub), np.full(4, n * (n + 1) / 2), "all_reduce of an ndarray subclass")
+    # An out of another dtype: ValueError on every rank, from the general path.
+    with pytest.raises(ValueError, match="out must be"):
+        comm.broadcast(np.ones(4, np.float32), 0, out=np.ones(4, np.float64))
+    return True
+
+
+def test_declined_calls_take_the_general_path():
+    run_ranks(3, _through_the_communicator)
+
+
+def _argument_errors(comm):
+    ro = np.ones(4, np.float32)
+    ro.setflags(write=False)
+    strided = np.ones(8, np.float32)[::2]
+    with pytest.raises(ValueError, match="read-only"):
+        comm.all_reduce(ro)
+    with pytest.raises(ValueError, match="read-only"):
+        comm.all_reduce(np.ones(4, np.float32), out=ro)
+    with pytest.raises(ValueError, match="contiguous"):
+        comm.all_reduce(strided)
+    with pytest.raises(ValueError, match="read-only"):
+        comm.broadcast(ro, 0)
+    with pytest.raises(ValueError, match="read-only"):
+        comm.broadcast(np.ones(4, np.float32), 0, out=ro)
+    with pytest.raises(ValueError, match="contiguous"):
+        comm.broadcast(np.ones(4, np.float32), 0, out=np.ones(8, np.float32)[::2])
+    with pytest.raises(ValueError, match="contiguous"):
+        comm.reduce(strided, 0)
+    x = np.full(3, comm.rank + 1.0)
+    comm.all_reduce(x)  # every refused call was numbered as skipped on every rank
+    check_equal(x, np.full(3, comm.size * (comm.size + 1) / 2), "all_reduce after refused calls")
+    return True
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_argument_errors_of_served_calls(n):
+    run_ranks(n, _argument_errors)
+
+
+def _bitwise_int_ops(comm):
+    n = comm.size
+    for dt in INT:
+        for op in ("band", "bor", "bxor"):
+            ins = [data(r, 9, dt, op) for r in range(n)]
+            x = ins[comm.rank].copy()
+            assert comm.all_reduce(x, op) is x
+            check_equal(x, reduce_ref(ins, op, dt), f"{op} {dt} through the communicator")
+    return True
+
+
+def test_bitwise_ops_on_integers_through_the_communicator():
+    run_ranks(5, _bitwise_int_ops)
