@@ -160,6 +160,20 @@ def _comm_sendrecv_body(comm):
         nbytes = comm.sendrecv(x, nxt, out, prv, send_tag=3, recv_tag=3)
         want = torch.arange(count, dtype=torch.float32, device="cuda") + 1000 * prv
         got.append((nbytes == 4 * count, bool(torch.equal(out, want))))
+    # A CUDA x with a host out (and the reverse) is refused before anything is sent, on every
+    # rank, so the next exchange still pairs with the right messages.
+    import numpy as np
+    for x, out in ((torch.ones(5, device="cuda"), np.zeros(5, np.float32)),
+                   (np.ones(5, np.float32), torch.zeros(5, device="cuda"))):
+        try:
+            comm.sendrecv(x, nxt, out, prv, send_tag=5, recv_tag=5)
+            got.append(("no error", None))
+        except TypeError:
+            pass
+    x = torch.full((9,), float(comm.rank), device="cuda")
+    out = torch.zeros(9, device="cuda")
+    nbytes = comm.sendrecv(x, nxt, out, prv, send_tag=5, recv_tag=5)
+    got.append((nbytes == 36, bool(torch.equal(out, torch.full((9,), float(prv), device="cuda")))))
     try:
         import cupy
     except ImportError:
@@ -181,7 +195,7 @@ def test_communicator_sendrecv_cuda():
     if n < 2:
         pytest.skip("needs 2 GPUs")
     res = run_ranks(n, _comm_sendrecv_body, env=SAFE_ENV, timeout=120)
-    assert all(len(r) in (4, 6) and all(ok == (True, True) for ok in r) for r in res), res
+    assert all(len(r) in (5, 7) and all(ok == (True, True) for ok in r) for r in res), res
 
 
 def _errors_body(comm):
