@@ -27,49 +27,48 @@ def _executor(comm):
     return comm._fast_shm
 
 
-def _served_all_reduce(comm):
-    fast = _executor(comm)
-    n, checked = comm.size, 0
+def _reductions(comm, salt):
+    """(dtype, op, count, this rank's input, the reference) for every case served natively."""
     for dt in NUMPY_DTYPES:
         for op in ops_for(dt):
             for count in (0, 1, 7, 1000):
-                ins = [data(r, count, dt, op, salt=3) for r in range(n)]
-                want = reduce_ref(ins, op, dt)
-                x = ins[comm.rank].copy()
-                assert fast.all_reduce_fast(x, op, None, comm.timeout) is x
-                check_equal(x, want, f"all_reduce_fast {dt} {op} {count} in place", avg_float=op == "avg")
-                x = ins[comm.rank].copy()
-                out = np.full(count, 7, x.dtype)
-                assert fast.all_reduce_fast(x, op, out, comm.timeout) is out
-                check_equal(out, want, f"all_reduce_fast {dt} {op} {count} out=", avg_float=op == "avg")
-                check_equal(x, ins[comm.rank], "x untouched by all_reduce_fast(out=)")
-                checked += 2
+                ins = [data(r, count, dt, op, salt=salt) for r in range(comm.size)]
+                yield dt, op, count, ins[comm.rank], reduce_ref(ins, op, dt)
+
+
+def _served_all_reduce(comm):
+    fast, checked = _executor(comm), 0
+    for dt, op, count, mine, want in _reductions(comm, 3):
+        x = mine.copy()
+        assert fast.all_reduce_fast(x, op, None, comm.timeout) is x
+        check_equal(x, want, f"all_reduce_fast {dt} {op} {count} in place", avg_float=op == "avg")
+        x = mine.copy()
+        out = np.full(count, 7, x.dtype)
+        assert fast.all_reduce_fast(x, op, out, comm.timeout) is out
+        check_equal(out, want, f"all_reduce_fast {dt} {op} {count} out=", avg_float=op == "avg")
+        check_equal(x, mine, "x untouched by all_reduce_fast(out=)")
+        checked += 2
     return checked
 
 
 def _served_reduce(comm):
-    fast = _executor(comm)
-    n, checked = comm.size, 0
-    for dt in NUMPY_DTYPES:
-        for op in ops_for(dt):
-            for count in (0, 1, 7, 1000):
-                ins = [data(r, count, dt, op, salt=4) for r in range(n)]
-                want = reduce_ref(ins, op, dt)
-                for root in range(n):
-                    x = ins[comm.rank].copy()
-                    assert fast.reduce_fast(x, root, op, None, comm.timeout) is x
-                    check_equal(x, want if comm.rank == root else ins[comm.rank], f"reduce_fast {dt} {op} {count} in place",
-                                avg_float=op == "avg")
-                    x = ins[comm.rank].copy()
-                    x.setflags(write=comm.rank == root)  # only the root's x is written in place
-                    out = np.full(count, 7, x.dtype)
-                    assert fast.reduce_fast(x, root, op, out, comm.timeout) is out
-                    check_equal(x, ins[comm.rank], "x untouched by reduce_fast(out=)")
-                    if comm.rank == root:
-                        check_equal(out, want, f"reduce_fast {dt} {op} {count} out=", avg_float=op == "avg")
-                    else:
-                        check_equal(out, np.full(count, 7, x.dtype), "a non-root's out untouched")
-                    checked += 1
+    fast, checked = _executor(comm), 0
+    for dt, op, count, mine, want in _reductions(comm, 4):
+        for root in range(comm.size):
+            x = mine.copy()
+            assert fast.reduce_fast(x, root, op, None, comm.timeout) is x
+            check_equal(x, want if comm.rank == root else mine, f"reduce_fast {dt} {op} {count} in place",
+                        avg_float=op == "avg")
+            x = mine.copy()
+            x.setflags(write=comm.rank == root)  # only the root's x is written in place
+            out = np.full(count, 7, x.dtype)
+            assert fast.reduce_fast(x, root, op, out, comm.timeout) is out
+            check_equal(x, mine, "x untouched by reduce_fast(out=)")
+            if comm.rank == root:
+                check_equal(out, want, f"reduce_fast {dt} {op} {count} out=", avg_float=op == "avg")
+            else:
+                check_equal(out, np.full(count, 7, x.dtype), "a non-root's out untouched")
+            checked += 1
     return checked
 
 
