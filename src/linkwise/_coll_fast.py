@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._coll_args import _ENV, _FAST_CODES_BY_OP, KINDS, block_shape, gathered_shape
+from ._coll_args import _ENV, _FAST_CODES_BY_OP, KINDS, _dtype_name, block_shape, fast_path_bf16, gathered_shape
 from ._shm_exec import ONE_SHOT_CAP
 
 _ndarray = np.ndarray
+_uint16 = np.uint16
 ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = KINDS["all_gather"], KINDS["reduce_scatter"], KINDS["all_to_all"]
 _MOVED = "biufc"  # dtype kinds moved as they are (bfloat16 and records take the general path)
 
@@ -111,3 +112,25 @@ def scatter_fast(comm, fast, x, root, out):
         comm._skip_call()
         raise
     return out
+
+
+def all_reduce_bf16_fast(comm, fast, x, op, out):
+    """The latency path of a bfloat16 all_reduce (a V2 array, or ml_dtypes' bfloat16 once one
+    was seen), which the executor's all_reduce_fast declines (NumPy exports no buffer of
+    either): its call on uint16 views; NotImplemented where it declines too."""
+    try:
+        code = _FAST_CODES_BY_OP[op][x.dtype]
+    except (KeyError, TypeError):
+        if _dtype_name(x, None) == "bfloat16":
+            fast_path_bf16(x.dtype)  # ml_dtypes' bfloat16: served from the next call
+        return NotImplemented
+    if code >= 0:
+        return NotImplemented  # served natively when it is served at all
+    if out is None:
+        bits = x.view(_uint16)
+        fast.all_reduce(bits, bits, -code, comm.timeout)
+        return x
+    if type(out) is _ndarray and out.dtype == x.dtype:
+        fast.all_reduce(x.view(_uint16), out.view(_uint16), -code, comm.timeout)
+        return out
+    return NotImplemented

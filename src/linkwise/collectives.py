@@ -34,11 +34,11 @@ import numpy as np
 
 from . import _gpu_coll, _shm_exec, config
 from ._coll_fast import ALL_GATHER as _ALL_GATHER, ALL_TO_ALL as _ALL_TO_ALL, REDUCE_SCATTER as _REDUCE_SCATTER
-from ._coll_fast import DECLINED, exchange_fast
+from ._coll_fast import DECLINED, all_reduce_bf16_fast, exchange_fast
 from .plan.schedule import LARGE_PAIR_BCAST, default_schedule
 from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from here
-    _ENV, _FAST_CODES, _FAST_CODES_BY_OP, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, CollectiveRequest, _as_array,
-    _dtype_label, _dtype_name, _env_set, fast_path_bf16, _host_out, _native_module, _raw, _skips_on_argument_error,
+    _ENV, _FAST_CODES, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, CollectiveRequest, _as_array,
+    _dtype_label, _dtype_name, _env_set, _host_out, _native_module, _raw, _skips_on_argument_error,
     block_shape, check_agree, gathered_shape)
 
 
@@ -307,33 +307,13 @@ class CollectivesMixin:
             try:
                 r = fast.all_reduce_fast(x, op, out, self.timeout)
                 if r is NotImplemented and type(x) is _ndarray and x.dtype.kind == "V":
-                    r = self._all_reduce_bf16_fast(fast, x, op, out)
+                    r = all_reduce_bf16_fast(self, fast, x, op, out)
                 if r is not NotImplemented:
                     return r
             except (ValueError, TypeError):  # the buffer checks of the native call
                 self._skip_call()
                 raise
         return self._all_reduce(x, op, out, async_op, dtype, stream)
-
-    def _all_reduce_bf16_fast(self, fast, x, op, out):
-        """The latency path of a bfloat16 all_reduce (a V2 array, or ml_dtypes' bfloat16 once
-        one was seen): the executor's call on uint16 views; NotImplemented where it declines."""
-        try:
-            code = _FAST_CODES_BY_OP[op][x.dtype]
-        except (KeyError, TypeError):
-            if _dtype_name(x, None) == "bfloat16":
-                fast_path_bf16(x.dtype)  # ml_dtypes' bfloat16: served from the next call
-            return NotImplemented
-        if code >= 0:
-            return NotImplemented  # served natively when it is served at all
-        if out is None:
-            bits = x.view(_uint16)
-            fast.all_reduce(bits, bits, -code, self.timeout)
-            return x
-        if type(out) is _ndarray and out.dtype == x.dtype:
-            fast.all_reduce(x.view(_uint16), out.view(_uint16), -code, self.timeout)
-            return out
-        return NotImplemented
 
     @_skips_on_argument_error
     def _all_reduce(self, x: Any, op: str, out: Any, async_op: bool, dtype: Optional[str], stream: Any):
