@@ -3,9 +3,8 @@ shared-memory executor's one-shot exchange (ShmColl::exchange) for plain NumPy a
 most 32 KiB, blocking, with no LINKWISE_ALGO or LINKWISE_CHECK set; of small gather and
 scatter (all blocks within 32 KiB; ShmColl::gather / scatter) likewise. (all_reduce, reduce
 and broadcast make their tests natively: the executor's *_fast entries, bind_shm_fast.cc.)
-The general path
-(CollectivesMixin, then _run) costs ~6 us of Python a call on the 2-core VM against ~1-2 us
-for the exchange itself; here a handful of tests decide.
+The general path (CollectivesMixin, then _run) costs ~6 us of Python a call on the 2-core VM
+against ~1-2 us for the exchange itself; here a handful of tests decide.
 
 Each returns DECLINED where it declines (the caller then takes the general path, which
 reaches the same executor call after its checks, or the point-to-point algorithms). The decision
@@ -116,8 +115,9 @@ def scatter_fast(comm, fast, x, root, out):
 
 def all_reduce_bf16_fast(comm, fast, x, op, out):
     """The latency path of a bfloat16 all_reduce (a V2 array, or ml_dtypes' bfloat16 once one
-    was seen), which the executor's all_reduce_fast declines (NumPy exports no buffer of
-    either): its call on uint16 views; NotImplemented where it declines too."""
+    was seen), which the executor's all_reduce_fast declines (NumPy exports V2 as pad bytes,
+    '2x', and no buffer of ml_dtypes' bfloat16): its call on uint16 views; NotImplemented
+    where it declines too."""
     try:
         code = _FAST_CODES_BY_OP[op][x.dtype]
     except (KeyError, TypeError):
