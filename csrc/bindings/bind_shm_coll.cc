@@ -105,6 +105,7 @@ void shm_broadcast(PyShmColl& s, HeldBuffer& hb, HeldBuffer* hs, int root, doubl
 void bind_shm_coll(nb::module_& m) {
   nb::class_<PyShmColl> cls(m, "ShmColl", "Shared-memory collectives of a single-host communicator.");
   bind_shm_fast(cls);
+  bind_shm_fast_blocks(cls);
   cls.def(nb::new_([](NativeComm& c, const std::string& name, bool create, double spin_us) {
              return std::make_shared<PyShmColl>(c.shared_from_this(), name, create, spin_us);
            }),

@@ -75,8 +75,10 @@ void shm_reduce(PyShmColl& s, HeldBuffer& hx, bool in_place, nanobind::handle ou
 // (nullptr: hb itself, in place); hs must have as many bytes as hb (ValueError).
 void shm_broadcast(PyShmColl& s, HeldBuffer& hb, HeldBuffer* hs, int root, double timeout);
 
-// The latency entries (bind_shm_fast.cc): all_reduce_fast, reduce_fast, broadcast_fast.
+// The latency entries (bind_shm_fast.cc): all_reduce_fast, reduce_fast, broadcast_fast; and
+// (bind_shm_fast_blocks.cc) exchange_fast, gather_fast, scatter_fast.
 void bind_shm_fast(nanobind::class_<PyShmColl>& cls);
+void bind_shm_fast_blocks(nanobind::class_<PyShmColl>& cls);
 
 // The executor's kind for a small all_gather / reduce_scatter / all_to_all, after checking
 // that out has the size that kind needs for in_bytes of x (ValueError, as the general path).

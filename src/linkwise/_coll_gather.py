@@ -11,8 +11,7 @@ from typing import Any
 import numpy as np
 
 from . import _gpu_coll
-from ._coll_args import _as_array, _dtype_label, block_shape
-from ._coll_fast import DECLINED, gather_fast, scatter_fast
+from ._coll_args import _ENV, _as_array, _dtype_label, block_shape
 from .collectives import _skips_on_argument_error
 
 
@@ -21,9 +20,17 @@ class GatherScatterMixin:
 
     def gather(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
         """Concatenate every rank's x onto root; returns out on root and None elsewhere."""
-        fast = self._fast_shm  # the latency path (_coll_fast), as in CollectivesMixin.reduce
-        r = DECLINED if fast is None or async_op else gather_fast(self, fast, x, root, out)
-        return r if r is not DECLINED else self._gather(x, root, out, async_op)
+        fast = self._fast_shm  # the latency path: the executor's gather_fast, as in CollectivesMixin.reduce
+        if (fast is not None and not async_op
+                and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
+            try:
+                r = fast.gather_fast(x, root, out, self.timeout)
+            except (ValueError, TypeError):
+                self._skip_call()
+                raise
+            if r is not NotImplemented:
+                return r
+        return self._gather(x, root, out, async_op)
 
     @_skips_on_argument_error
     def _gather(self, x: Any, root: Any, out: Any, async_op: bool):
@@ -46,8 +53,16 @@ class GatherScatterMixin:
 
         x matters on root only (other ranks may pass None together with out=)."""
         fast = self._fast_shm
-        r = DECLINED if fast is None or async_op else scatter_fast(self, fast, x, root, out)
-        return r if r is not DECLINED else self._scatter(x, root, out, async_op)
+        if (fast is not None and not async_op
+                and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
+            try:
+                r = fast.scatter_fast(x, root, out, self.timeout)
+            except (ValueError, TypeError):
+                self._skip_call()
+                raise
+            if r is not NotImplemented:
+                return r
+        return self._scatter(x, root, out, async_op)
 
     @_skips_on_argument_error
     def _scatter(self, x: Any, root: Any, out: Any, async_op: bool):

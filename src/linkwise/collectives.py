@@ -33,8 +33,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _gpu_coll, _shm_exec, config
-from ._coll_fast import ALL_GATHER as _ALL_GATHER, ALL_TO_ALL as _ALL_TO_ALL, REDUCE_SCATTER as _REDUCE_SCATTER
-from ._coll_fast import DECLINED, all_reduce_bf16_fast, exchange_fast
+from ._coll_fast import all_reduce_bf16_fast
 from .plan.schedule import LARGE_PAIR_BCAST, default_schedule
 from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from here
     _ENV, _FAST_CODES, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, CollectiveRequest, _as_array,
@@ -45,6 +44,7 @@ from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from 
 _BARRIER_CODE = _FAST_CODES[(np.dtype(np.uint8), "sum")]
 _ndarray = np.ndarray  # one global lookup instead of two in the latency paths
 _uint16 = np.uint16
+_ALL_GATHER, _REDUCE_SCATTER, _ALL_TO_ALL = KINDS["all_gather"], KINDS["reduce_scatter"], KINDS["all_to_all"]
 # The executor's defaults live in _shm_exec; importable from here as before.
 _NEVER, _cma_settings, DEFAULT_MAX_THREADS = _shm_exec.NEVER, _shm_exec.cma_settings, _shm_exec.DEFAULT_MAX_THREADS
 
@@ -415,9 +415,17 @@ class CollectivesMixin:
     def all_gather(self, x: Any, out: Any = None, async_op: bool = False, stream: Any = None):
         """Concatenate every rank's x (rank order) into out (size * len(x) elements).
         CUDA arrays: on the GPU, on `stream`."""
-        fast = self._fast_shm
-        r = DECLINED if fast is None or async_op else exchange_fast(self, fast, _ALL_GATHER, x, out)
-        return r if r is not DECLINED else self._all_gather(x, out, async_op, stream)
+        fast = self._fast_shm  # the latency path: the executor's exchange_fast, as all_reduce_fast
+        if (fast is not None and not async_op
+                and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
+            try:
+                r = fast.exchange_fast(_ALL_GATHER, x, out, "", self.timeout)
+            except (ValueError, TypeError):
+                self._skip_call()
+                raise
+            if r is not NotImplemented:
+                return r
+        return self._all_gather(x, out, async_op, stream)
 
     @_skips_on_argument_error
     def _all_gather(self, x: Any, out: Any, async_op: bool, stream: Any):
@@ -432,9 +440,16 @@ class CollectivesMixin:
         """Combine x across ranks; rank r gets block r (x has size * len(out) elements).
         CUDA arrays: on the GPU, on `stream`."""
         fast = self._fast_shm
-        r = (DECLINED if fast is None or async_op or dtype is not None
-             else exchange_fast(self, fast, _REDUCE_SCATTER, x, out, op))
-        return r if r is not DECLINED else self._reduce_scatter(x, op, out, async_op, dtype, stream)
+        if (fast is not None and not async_op and dtype is None
+                and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
+            try:
+                r = fast.exchange_fast(_REDUCE_SCATTER, x, out, op, self.timeout)
+            except (ValueError, TypeError):
+                self._skip_call()
+                raise
+            if r is not NotImplemented:
+                return r
+        return self._reduce_scatter(x, op, out, async_op, dtype, stream)
 
     @_skips_on_argument_error
     def _reduce_scatter(self, x: Any, op: str, out: Any, async_op: bool, dtype: Optional[str], stream: Any):
@@ -461,8 +476,16 @@ class CollectivesMixin:
         """Rank r's block j (x split into size equal blocks) goes to rank j's block r.
         CUDA arrays: on the GPU, on `stream`."""
         fast = self._fast_shm
-        r = DECLINED if fast is None or async_op else exchange_fast(self, fast, _ALL_TO_ALL, x, out)
-        return r if r is not DECLINED else self._all_to_all(x, out, async_op, stream)
+        if (fast is not None and not async_op
+                and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
+            try:
+                r = fast.exchange_fast(_ALL_TO_ALL, x, out, "", self.timeout)
+            except (ValueError, TypeError):
+                self._skip_call()
+                raise
+            if r is not NotImplemented:
+                return r
+        return self._all_to_all(x, out, async_op, stream)
 
     @_skips_on_argument_error
     def _all_to_all(self, x: Any, out: Any, async_op: bool, stream: Any):

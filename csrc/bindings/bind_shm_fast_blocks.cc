@@ -1,0 +1,133 @@
+// The latency entries of the block collectives: exchange_fast (a small all_gather,
+// reduce_scatter or all_to_all), gather_fast and scatter_fast. As bind_shm_fast.cc's entries
+// they take the Python layer's arguments as they come, test them natively (fast_args.h) and
+// return NotImplemented, before touching any shared state, where they do not serve a call:
+// anything but exact NumPy arrays of a dtype moved as it is (bool, integers, floats,
+// complex), more than the executor's one-shot area (ShmColl::kOneMax) in all, a size that
+// does not split into equal blocks, an out of another dtype or size (read-only, for gather and
+// scatter). They make the out the general path would make when the caller passed none
+// (numpy.empty of the gathered or block shape, _coll_args.gathered_shape / block_shape).
+// Argument errors of served calls (read-only or non-contiguous arrays) raise ValueError with
+// the general path's messages. The Python tests they replace cost ~1.3 us of a ~2.3 us 8-byte
+// all_gather on the 2-core VM (docs/benchmarks.md).
+#include <nanobind/nanobind.h>
+
+#include <vector>
+
+#include "algo/coll.h"
+#include "bindings/buffer.h"
+#include "bindings/fast_args.h"
+#include "bindings/shm_coll_py.h"
+
+namespace nb = nanobind;
+
+namespace linkwise {
+
+namespace {
+
+using namespace fast;
+
+// A moved item and at most `cap` bytes once times `factor`.
+bool small_moved(const HeldBuffer& h, size_t factor) {
+  return classify(h.view).kind && h.bytes() * factor <= ShmColl::kOneMax;
+}
+
+nb::object exchange_fast(PyShmColl& s, int kind, nb::handle x, nb::handle out, nb::handle op, double timeout) {
+  const CollKind k = static_cast<CollKind>(kind);
+  if (k != CollKind::AllGather && k != CollKind::ReduceScatter && k != CollKind::AllToAll) return declined();
+  if (!is_array(x) || !(out.is_none() || is_array(out))) return declined();
+  HeldBuffer hx;
+  if (!try_export_buffer(x, hx) || !small_moved(hx, 1)) return declined();
+  const int n = s.shm_.size();
+  if (k != CollKind::AllGather && elements(hx.view) % n) return declined();
+  int code = 0;  // dtype * 8 + op: reduce_scatter only
+  if (k == CollKind::ReduceScatter && (code = reduction_code(hx.view, op)) < 0) return declined();
+  nb::object target;  // out, or the array made for it (x itself: all_to_all in place)
+  if (!out.is_none()) target = nb::borrow(out);
+  else if (k == CollKind::AllGather) target = new_gathered(x, hx.view, n);
+  else if (k == CollKind::ReduceScatter) target = new_block(x, hx.view, n);
+  else target = nb::borrow(x);
+  const size_t want = k == CollKind::AllGather ? hx.bytes() * n : k == CollKind::ReduceScatter ? hx.bytes() / n : hx.bytes();
+  HeldBuffer ho;
+  const bool in_place = target.is(x);
+  if (!in_place && (!try_export_buffer(target, ho) || !same_moved_item(hx.view, ho.view) || ho.bytes() != want))
+    return declined();  // the general path says what differs
+  HeldBuffer& hw = in_place ? hx : ho;
+  check_buffer(hx, in_place, in_place ? "collective output" : "collective input", true);
+  if (!in_place) check_buffer(ho, true, "collective output", true);
+  const ShmColl::CallKind ck = exchange_kind(k, hx.bytes(), hw.bytes(), s.shm_);
+  nb::gil_scoped_release nogil;
+  s.guarded([&] {
+    s.shm_.exchange(ck, hx.ptr(), hx.bytes(), hw.ptr(), static_cast<DType>(code >> 3), static_cast<RedOp>(code & 7),
+                    timeout);
+  });
+  return target;
+}
+
+nb::object gather_fast(PyShmColl& s, nb::handle x, nb::handle root, nb::handle out, double timeout) {
+  const int n = s.shm_.size(), rt = root_of(root, n);
+  if (rt < 0 || !is_array(x) || !(out.is_none() || is_array(out))) return declined();
+  HeldBuffer hx;
+  if (!try_export_buffer(x, hx) || !small_moved(hx, n)) return declined();
+  if (s.shm_.rank() != rt) {
+    if (!out.is_none()) return declined();  // checked on the general path, as on the root
+    check_buffer(hx, false, "collective input", true);
+    nb::gil_scoped_release nogil;
+    s.guarded([&] { s.shm_.gather(hx.ptr(), hx.bytes(), nullptr, rt, timeout); });
+    return nb::none();
+  }
+  nb::object target = out.is_none() ? new_gathered(x, hx.view, n) : nb::borrow(out);
+  HeldBuffer ho;
+  if (!try_export_buffer(target, ho) || !same_moved_item(hx.view, ho.view) || ho.bytes() != hx.bytes() * n ||
+      ho.view.readonly)
+    return declined();
+  check_buffer(hx, false, "collective input", true);
+  check_buffer(ho, true, "collective output", true);
+  std::vector<char> staged;  // x, when it overlaps out other than as the root's own block
+  const void* in = unoverlapped_input(hx.ptr(), hx.bytes(), ho.ptr(), ho.bytes(), staged,
+                                      static_cast<char*>(ho.ptr()) + rt * hx.bytes());
+  nb::gil_scoped_release nogil;
+  s.guarded([&] { s.shm_.gather(in, hx.bytes(), ho.ptr(), rt, timeout); });
+  return target;
+}
+
+nb::object scatter_fast(PyShmColl& s, nb::handle x, nb::handle root, nb::handle out, double timeout) {
+  const int n = s.shm_.size(), rt = root_of(root, n);
+  if (rt < 0 || !(out.is_none() || is_array(out))) return declined();
+  HeldBuffer hx, ho;
+  nb::object target;
+  if (s.shm_.rank() == rt) {
+    if (!is_array(x) || !try_export_buffer(x, hx) || !small_moved(hx, 1) || elements(hx.view) % n) return declined();
+    target = out.is_none() ? new_block(x, hx.view, n) : nb::borrow(out);
+    if (!try_export_buffer(target, ho) || !same_moved_item(hx.view, ho.view) || ho.bytes() * n != hx.bytes())
+      return declined();
+    check_buffer(hx, false, "collective input", true);
+  } else {
+    // A non-root's x (whose shape may size out) takes the general path.
+    if (!x.is_none() || out.is_none() || !try_export_buffer(out, ho) || !small_moved(ho, n)) return declined();
+    target = nb::borrow(out);
+  }
+  if (ho.view.readonly) return declined();
+  check_buffer(ho, true, "collective output", true);
+  nb::gil_scoped_release nogil;
+  s.guarded([&] { s.shm_.scatter(hx.held ? hx.ptr() : nullptr, ho.ptr(), ho.bytes(), rt, timeout); });
+  return target;
+}
+
+}  // namespace
+
+void bind_shm_fast_blocks(nb::class_<PyShmColl>& cls) {
+  cls.def("exchange_fast", &exchange_fast, nb::arg("kind"), nb::arg("x"), nb::arg("out").none(), nb::arg("op"),
+          nb::arg("timeout"),
+          "A small all_gather, reduce_scatter (with op) or all_to_all of NumPy arrays (kind: a CollKind code; "
+          "out made where None, x itself for all_to_all), or NotImplemented where it does not serve it.")
+      .def("gather_fast", &gather_fast, nb::arg("x"), nb::arg("root"), nb::arg("out").none(), nb::arg("timeout"),
+           "A small gather onto root (out made there where None; None returned elsewhere), or NotImplemented "
+           "where it does not serve it.")
+      .def("scatter_fast", &scatter_fast, nb::arg("x").none(), nb::arg("root"), nb::arg("out").none(),
+           nb::arg("timeout"),
+           "A small scatter from root's x (None elsewhere) into out (made on the root where None), or "
+           "NotImplemented where it does not serve it.");
+}
+
+}  // namespace linkwise

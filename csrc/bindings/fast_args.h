@@ -1,0 +1,59 @@
+// The argument tests of the shared-memory executor's latency entries (bind_shm_fast.cc,
+// bind_shm_fast_blocks.cc), made natively because each test in Python cost 25-60 ns of a
+// ~1 us call. Every test here reads only what every rank shares for a correct program (the
+// array type, dtype, op, root, sizes), so ranks decline alike. The GIL is held throughout.
+#pragma once
+
+#include <Python.h>
+#include <nanobind/nanobind.h>
+
+#include "bindings/buffer.h"
+
+namespace linkwise::fast {
+
+// Sets the array type the entries serve (numpy.ndarray) and the function that makes a new one
+// (numpy.empty); once, strong references never dropped. Until then every entry declines.
+void set_array_type(nanobind::handle type, nanobind::handle empty);
+
+// x is exactly the served array type (no subclass).
+bool is_array(nanobind::handle x);
+
+// The entries' "not served here: take the general path" (NotImplemented).
+nanobind::object declined();
+
+// One item of a buffer format as NumPy's dtype kinds see it: 'b' (bool), 'i', 'u', 'f', 'c';
+// 0 for anything else (records, sub-arrays, strings, pointers). `native`: native byte order.
+struct Item {
+  char kind = 0;
+  bool native = true;
+};
+Item classify(const Py_buffer& v);
+
+// The same item (kind, byte order, size) in both buffers, and one NumPy moves as it is.
+bool same_moved_item(const Py_buffer& a, const Py_buffer& b);
+
+// The executor's DType of a buffer (linkwise's dtypes but bfloat16, which NumPy does not
+// export), or -1.
+int reduce_dtype(const Py_buffer& v);
+
+// The RedOp named by op (an exact str), or -1.
+int op_code(nanobind::handle op);
+
+// dtype * 8 + op for a reduction of v with op, or -1 where the executor has none (bitwise
+// ops on integers only).
+int reduction_code(const Py_buffer& v, nanobind::handle op);
+
+// root as an exact int in [0, size), or -1 (declined: the general path explains).
+int root_of(nanobind::handle root, int size);
+
+// Elements of the exported buffer.
+inline Py_ssize_t elements(const Py_buffer& v) { return v.itemsize ? v.len / v.itemsize : 0; }
+
+// A new array (numpy.empty) of x's dtype: `size` stacked arrays of x's shape (all_gather,
+// gather: a shape (k, m) gives (size * k, m), a 0-d one (size,)), or one rank's block of x
+// split into `size` (reduce_scatter, scatter: along the first axis where it divides, else
+// flat). The same shapes as _coll_args.gathered_shape / block_shape.
+nanobind::object new_gathered(nanobind::handle x, const Py_buffer& v, int size);
+nanobind::object new_block(nanobind::handle x, const Py_buffer& v, int size);
+
+}  // namespace linkwise::fast
