@@ -89,9 +89,8 @@ nb::object broadcast_fast(PyShmColl& s, nb::handle x, nb::handle root, nb::handl
 }  // namespace
 
 void bind_shm_fast(nb::class_<PyShmColl>& cls) {
-  cls.def_static("set_fast_array_type", &set_array_type, nb::arg("type"), nb::arg("empty"),
-                 "The array type the fast entries serve and the function that makes a new one "
-                 "(numpy.ndarray, numpy.empty; set once).")
+  cls.def_static("set_fast_array_type", &set_array_type, nb::arg("type"),
+                 "The array type the fast entries serve (numpy.ndarray; set once).")
       .def_rw("fast_bcast_max", &PyShmColl::fast_bcast_max,
               "broadcast_fast declines broadcasts of at least this many bytes.")
       .def("all_reduce_fast", &all_reduce_fast, nb::arg("x"), nb::arg("op"), nb::arg("out").none(),

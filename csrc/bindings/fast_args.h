@@ -11,9 +11,9 @@
 
 namespace linkwise::fast {
 
-// Sets the array type the entries serve (numpy.ndarray) and the function that makes a new one
-// (numpy.empty); once, strong references never dropped. Until then every entry declines.
-void set_array_type(nanobind::handle type, nanobind::handle empty);
+// Sets the array type the entries serve (numpy.ndarray, whose C API it imports); once, a strong
+// reference never dropped. Until then every entry declines.
+void set_array_type(nanobind::handle type);
 
 // x is exactly the served array type (no subclass).
 bool is_array(nanobind::handle x);
@@ -49,11 +49,19 @@ int root_of(nanobind::handle root, int size);
 // Elements of the exported buffer.
 inline Py_ssize_t elements(const Py_buffer& v) { return v.itemsize ? v.len / v.itemsize : 0; }
 
-// A new array (numpy.empty) of x's dtype: `size` stacked arrays of x's shape (all_gather,
-// gather: a shape (k, m) gives (size * k, m), a 0-d one (size,)), or one rank's block of x
-// split into `size` (reduce_scatter, scatter: along the first axis where it divides, else
-// flat). The same shapes as _coll_args.gathered_shape / block_shape.
-nanobind::object new_gathered(nanobind::handle x, const Py_buffer& v, int size);
-nanobind::object new_block(nanobind::handle x, const Py_buffer& v, int size);
+// An array made for a call's output: new, C-contiguous, writable, of x's dtype, uninitialised
+// (as numpy.empty); `data`/`bytes` are its memory, owned by `array`.
+struct NewArray {
+  nanobind::object array;
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
+// The NewArray for x (an exact ndarray, exported as v): `size` stacked arrays of x's shape
+// (all_gather, gather: a shape (k, m) gives (size * k, m), a 0-d one (size,)), or one rank's
+// block of x split into `size` (reduce_scatter, scatter: along the first axis where it
+// divides, else flat). The same shapes as _coll_args.gathered_shape / block_shape.
+NewArray new_gathered(nanobind::handle x, const Py_buffer& v, int size);
+NewArray new_block(nanobind::handle x, const Py_buffer& v, int size);
 
 }  // namespace linkwise::fast
