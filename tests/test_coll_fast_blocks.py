@@ -48,40 +48,40 @@ def _shapes(n, itemsize):
 
 
 def _served_all_gather(comm):
-    fast, n, r, t = _executor(comm), comm.size, comm.rank, comm.timeout
+    fast, n, r = _executor(comm), comm.size, comm.rank
     done = 0
     for dt in MOVED:
         for shape in _shapes(n, dt.itemsize):
             ins = [_block_of(q, shape, dt) for q in range(n)]
             want = np.concatenate([a if a.ndim else a.reshape(1) for a in ins]).astype(dt)  # keeps byte order
             x = ins[r].copy()
-            got = fast.exchange_fast(_ALL_GATHER, x, None, "", t)
+            got = fast.exchange_fast(comm, _ALL_GATHER, x, None, "")
             _same(got, want, f"all_gather {dt} {shape} made out")
             out = np.zeros(want.shape, dt)
-            assert fast.exchange_fast(_ALL_GATHER, x, out, "", t) is out
+            assert fast.exchange_fast(comm, _ALL_GATHER, x, out, "") is out
             _same(out, want, f"all_gather {dt} {shape} out=")
             _same(x, ins[r], "x untouched by all_gather")
             # In place: x is this rank's block of out.
             out = np.zeros(want.size, dt)
             m = ins[r].size
             out[r * m:(r + 1) * m] = ins[r].reshape(-1)
-            assert fast.exchange_fast(_ALL_GATHER, out[r * m:(r + 1) * m], out, "", t) is out
+            assert fast.exchange_fast(comm, _ALL_GATHER, out[r * m:(r + 1) * m], out, "") is out
             _same(out, want.reshape(-1), f"all_gather {dt} {shape} in place")
             done += 3
     return done
 
 
 def _served_all_to_all(comm):
-    fast, n, r, t = _executor(comm), comm.size, comm.rank, comm.timeout
+    fast, n, r = _executor(comm), comm.size, comm.rank
     for dt in MOVED:
         for m in (0, 1, 7, ONE_SHOT // dt.itemsize // n):
             ins = [_block_of(q, (n * m,), dt) for q in range(n)]
             want = np.concatenate([ins[q][r * m:(r + 1) * m] for q in range(n)]).astype(dt)
             out = np.zeros(n * m, dt)
-            assert fast.exchange_fast(_ALL_TO_ALL, ins[r], out, "", t) is out
+            assert fast.exchange_fast(comm, _ALL_TO_ALL, ins[r], out, "") is out
             _same(out, want, f"all_to_all {dt} {m} out=")
             x = ins[r].reshape(n, m).copy()
-            assert fast.exchange_fast(_ALL_TO_ALL, x, None, "", t) is x
+            assert fast.exchange_fast(comm, _ALL_TO_ALL, x, None, "") is x
             _same(x, want.reshape(n, m), f"all_to_all {dt} {m} in place")
     return True
 
@@ -92,41 +92,41 @@ RS_COUNTS = (0, 1, 7, 500)
 
 
 def _served_reduce_scatter(comm):
-    fast, n, r, t = _executor(comm), comm.size, comm.rank, comm.timeout
+    fast, n, r = _executor(comm), comm.size, comm.rank
     done = 0
     for dt, ops in RS_CASES:
         for op in ops:
             for m in RS_COUNTS:
                 ins = [data(q, n * m, dt, op, salt=9) for q in range(n)]
                 want = reduce_ref(ins, op, dt)[r * m:(r + 1) * m]
-                got = fast.exchange_fast(_REDUCE_SCATTER, ins[r].reshape(n, m), None, op, t)
+                got = fast.exchange_fast(comm, _REDUCE_SCATTER, ins[r].reshape(n, m), None, op)
                 assert got.shape == (1, m), got.shape  # block_shape of (n, m)
                 check_equal(got.reshape(-1), want, f"reduce_scatter {dt} {op} {m} made out", avg_float=op == "avg")
                 out = np.full(m, 5, ins[r].dtype)
-                assert fast.exchange_fast(_REDUCE_SCATTER, ins[r], out, op, t) is out
+                assert fast.exchange_fast(comm, _REDUCE_SCATTER, ins[r], out, op) is out
                 check_equal(out, want, f"reduce_scatter {dt} {op} {m} out=", avg_float=op == "avg")
                 done += 1
     return done
 
 
 def _served_gather_scatter(comm):
-    fast, n, r, t = _executor(comm), comm.size, comm.rank, comm.timeout
+    fast, n, r = _executor(comm), comm.size, comm.rank
     for dt in MOVED:
         for shape in ((0,), (1,), (7,), (2, 3), (ONE_SHOT // dt.itemsize // n,)):
             ins = [_block_of(q, shape, dt, salt=5) for q in range(n)]
             want = np.concatenate(ins).astype(dt)
             for root in range(n):
-                got = fast.gather_fast(ins[r], root, None, t)
+                got = fast.gather_fast(comm, ins[r], root, None)
                 if r == root:
                     _same(got, want, f"gather {dt} {shape} root {root} made out")
                 else:
                     assert got is None
                 out = np.zeros(want.shape, dt) if r == root else None
-                assert fast.gather_fast(ins[r], root, out, t) is out
+                assert fast.gather_fast(comm, ins[r], root, out) is out
                 if r == root:
                     _same(out, want, f"gather {dt} {shape} root {root} out=")
                 src = want.copy() if r == root else None
-                got = fast.scatter_fast(src, root, None if r == root else np.zeros(shape, dt), t)
+                got = fast.scatter_fast(comm, src, root, None if r == root else np.zeros(shape, dt))
                 _same(got, ins[r], f"scatter {dt} {shape} root {root}")
                 if r == root:
                     _same(src, want, "root's x untouched by scatter")
@@ -162,49 +162,49 @@ def _read_only(a):
 
 
 def _declined(comm):
-    fast, n, r, t = _executor(comm), comm.size, comm.rank, comm.timeout
+    fast, n, r = _executor(comm), comm.size, comm.rank
     f32 = np.ones(2 * n, np.float32)
     big = np.ones(ONE_SHOT // 4 + 1, np.float32)
     AG, RS, A2A = _ALL_GATHER, _REDUCE_SCATTER, _ALL_TO_ALL
     cases = {
-        "all_gather over the one-shot area": lambda: fast.exchange_fast(AG, big, None, "", t),
-        "all_gather structured": lambda: fast.exchange_fast(AG, np.zeros(2, "i4,f4"), None, "", t),
-        "all_gather object": lambda: fast.exchange_fast(AG, np.empty(2, object), None, "", t),
-        "all_gather str": lambda: fast.exchange_fast(AG, np.array(["a", "b"]), None, "", t),
-        "all_gather V2": lambda: fast.exchange_fast(AG, np.zeros(2, "V2"), None, "", t),
-        "all_gather subclass": lambda: fast.exchange_fast(AG, f32.view(_Sub), None, "", t),
-        "all_gather out other dtype": lambda: fast.exchange_fast(AG, f32, np.ones(2 * n * n, np.int32), "", t),
-        "all_gather out other byte order": lambda: fast.exchange_fast(AG, f32, np.ones(2 * n * n, ">f4"), "", t),
-        "all_gather out other size": lambda: fast.exchange_fast(AG, f32, np.ones(2 * n * n + 1, np.float32), "", t),
-        "all_gather out a list": lambda: fast.exchange_fast(AG, f32, [0.0] * (2 * n * n), "", t),
-        "a kind the entry does not run": lambda: fast.exchange_fast(0, f32, None, "", t),
-        "reduce_scatter size not a multiple": lambda: fast.exchange_fast(RS, np.ones(2 * n + 1, np.float32), None,
-                                                                         "sum", t),
-        "reduce_scatter int16": lambda: fast.exchange_fast(RS, np.ones(2 * n, np.int16), None, "sum", t),
-        "reduce_scatter band on float": lambda: fast.exchange_fast(RS, f32, None, "band", t),
-        "reduce_scatter unknown op": lambda: fast.exchange_fast(RS, f32, None, "mean", t),
-        "reduce_scatter out other size": lambda: fast.exchange_fast(RS, f32, np.ones(3, np.float32), "sum", t),
-        "all_to_all size not a multiple": lambda: fast.exchange_fast(A2A, np.ones(2 * n + 1, np.float32), None, "", t),
-        "all_to_all out other dtype": lambda: fast.exchange_fast(A2A, f32, np.ones(2 * n, np.float64), "", t),
-        "gather over the one-shot area": lambda: fast.gather_fast(np.ones(ONE_SHOT // 4 // n + 1, np.float32), 0,
-                                                                  None, t),
-        "gather root too big": lambda: fast.gather_fast(f32, n, None, t),
-        "gather root np.int64": lambda: fast.gather_fast(f32, np.int64(0), None, t),
+        "all_gather over the one-shot area": lambda: fast.exchange_fast(comm, AG, big, None, ""),
+        "all_gather structured": lambda: fast.exchange_fast(comm, AG, np.zeros(2, "i4,f4"), None, ""),
+        "all_gather object": lambda: fast.exchange_fast(comm, AG, np.empty(2, object), None, ""),
+        "all_gather str": lambda: fast.exchange_fast(comm, AG, np.array(["a", "b"]), None, ""),
+        "all_gather V2": lambda: fast.exchange_fast(comm, AG, np.zeros(2, "V2"), None, ""),
+        "all_gather subclass": lambda: fast.exchange_fast(comm, AG, f32.view(_Sub), None, ""),
+        "all_gather out other dtype": lambda: fast.exchange_fast(comm, AG, f32, np.ones(2 * n * n, np.int32), ""),
+        "all_gather out other byte order": lambda: fast.exchange_fast(comm, AG, f32, np.ones(2 * n * n, ">f4"), ""),
+        "all_gather out other size": lambda: fast.exchange_fast(comm, AG, f32, np.ones(2 * n * n + 1, np.float32), ""),
+        "all_gather out a list": lambda: fast.exchange_fast(comm, AG, f32, [0.0] * (2 * n * n), ""),
+        "a kind the entry does not run": lambda: fast.exchange_fast(comm, 0, f32, None, ""),
+        "reduce_scatter size not a multiple": lambda: fast.exchange_fast(comm, RS, np.ones(2 * n + 1, np.float32), None,
+                                                                         "sum"),
+        "reduce_scatter int16": lambda: fast.exchange_fast(comm, RS, np.ones(2 * n, np.int16), None, "sum"),
+        "reduce_scatter band on float": lambda: fast.exchange_fast(comm, RS, f32, None, "band"),
+        "reduce_scatter unknown op": lambda: fast.exchange_fast(comm, RS, f32, None, "mean"),
+        "reduce_scatter out other size": lambda: fast.exchange_fast(comm, RS, f32, np.ones(3, np.float32), "sum"),
+        "all_to_all size not a multiple": lambda: fast.exchange_fast(comm, A2A, np.ones(2 * n + 1, np.float32), None, ""),
+        "all_to_all out other dtype": lambda: fast.exchange_fast(comm, A2A, f32, np.ones(2 * n, np.float64), ""),
+        "gather over the one-shot area": lambda: fast.gather_fast(comm, np.ones(ONE_SHOT // 4 // n + 1, np.float32), 0,
+                                                                  None),
+        "gather root too big": lambda: fast.gather_fast(comm, f32, n, None),
+        "gather root np.int64": lambda: fast.gather_fast(comm, f32, np.int64(0), None),
         # Declined on the root only (the other ranks would post their blocks): called there only.
-        "gather out on the root other dtype": lambda: fast.gather_fast(f32, 0, np.ones(2 * n * n, np.float64), t)
+        "gather out on the root other dtype": lambda: fast.gather_fast(comm, f32, 0, np.ones(2 * n * n, np.float64))
         if r == 0 else NotImplemented,
-        "gather out read-only": lambda: fast.gather_fast(f32, 0, _read_only(np.ones(2 * n * n, np.float32)), t)
+        "gather out read-only": lambda: fast.gather_fast(comm, f32, 0, _read_only(np.ones(2 * n * n, np.float32)))
         if r == 0 else NotImplemented,
-        "gather out on a non-root": lambda: fast.gather_fast(f32, 0, np.ones(2 * n * n, np.float32), t)
+        "gather out on a non-root": lambda: fast.gather_fast(comm, f32, 0, np.ones(2 * n * n, np.float32))
         if r != 0 else NotImplemented,
-        "scatter root negative": lambda: fast.scatter_fast(f32 if r == 0 else None, -1, np.ones(2, np.float32), t),
-        "scatter x on a non-root": lambda: fast.scatter_fast(f32, 0, np.ones(2, np.float32), t)
+        "scatter root negative": lambda: fast.scatter_fast(comm, f32 if r == 0 else None, -1, np.ones(2, np.float32)),
+        "scatter x on a non-root": lambda: fast.scatter_fast(comm, f32, 0, np.ones(2, np.float32))
         if r != 0 else NotImplemented,
-        "scatter out read-only": lambda: fast.scatter_fast(f32 if r == 0 else None, 0,
-                                                           _read_only(np.ones(2, np.float32)), t),
-        "scatter out other dtype on the root": lambda: fast.scatter_fast(f32, 0, np.ones(2, np.int32), t)
+        "scatter out read-only": lambda: fast.scatter_fast(comm, f32 if r == 0 else None, 0,
+                                                           _read_only(np.ones(2, np.float32))),
+        "scatter out other dtype on the root": lambda: fast.scatter_fast(comm, f32, 0, np.ones(2, np.int32))
         if r == 0 else NotImplemented,
-        "scatter without out on a non-root": lambda: fast.scatter_fast(None, 0, None, t)
+        "scatter without out on a non-root": lambda: fast.scatter_fast(comm, None, 0, None)
         if r != 0 else NotImplemented,
     }
     kept = f32.copy()
@@ -247,3 +247,26 @@ def _argument_errors(comm):
 @pytest.mark.parametrize("n", [2, 3])
 def test_argument_errors_of_served_block_calls(n):
     run_ranks(n, _argument_errors)
+
+
+def _refused_on_either_path(comm):
+    """A call refused on every rank, by the fast entry on some (a plain ndarray) and by the
+    general path on others (a subclass, which the entries decline): every rank numbers it
+    alike, so the next collective matches."""
+    _executor(comm)  # attached: the fast entries serve from here on
+    n, r = comm.size, comm.rank
+    ro = _read_only(np.ones(2 * n, np.float32))
+    if r % 2:
+        ro = ro.view(_Sub)
+    for call in (lambda: comm.all_to_all(ro), lambda: comm.all_reduce(ro), lambda: comm.broadcast(ro, 0),
+                 lambda: comm.reduce_scatter(ro, out=_read_only(np.ones(2, np.float32)))):
+        with pytest.raises(ValueError, match="read-only"):
+            call()
+    got = comm.all_gather(np.full(2, r, np.int32))
+    check_equal(got, np.repeat(np.arange(n, dtype=np.int32), 2), "all_gather after refusals on both paths")
+    return True
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_refusals_numbered_alike_on_the_fast_and_general_paths(n):
+    run_ranks(n, _refused_on_either_path)

@@ -40,11 +40,11 @@ def _served_all_reduce(comm):
     fast, checked = _executor(comm), 0
     for dt, op, count, mine, want in _reductions(comm, 3):
         x = mine.copy()
-        assert fast.all_reduce_fast(x, op, None, comm.timeout) is x
+        assert fast.all_reduce_fast(comm, x, op, None) is x
         check_equal(x, want, f"all_reduce_fast {dt} {op} {count} in place", avg_float=op == "avg")
         x = mine.copy()
         out = np.full(count, 7, x.dtype)
-        assert fast.all_reduce_fast(x, op, out, comm.timeout) is out
+        assert fast.all_reduce_fast(comm, x, op, out) is out
         check_equal(out, want, f"all_reduce_fast {dt} {op} {count} out=", avg_float=op == "avg")
         check_equal(x, mine, "x untouched by all_reduce_fast(out=)")
         checked += 2
@@ -56,13 +56,13 @@ def _served_reduce(comm):
     for dt, op, count, mine, want in _reductions(comm, 4):
         for root in range(comm.size):
             x = mine.copy()
-            assert fast.reduce_fast(x, root, op, None, comm.timeout) is x
+            assert fast.reduce_fast(comm, x, root, op, None) is x
             check_equal(x, want if comm.rank == root else mine, f"reduce_fast {dt} {op} {count} in place",
                         avg_float=op == "avg")
             x = mine.copy()
             x.setflags(write=comm.rank == root)  # only the root's x is written in place
             out = np.full(count, 7, x.dtype)
-            assert fast.reduce_fast(x, root, op, out, comm.timeout) is out
+            assert fast.reduce_fast(comm, x, root, op, out) is out
             check_equal(x, mine, "x untouched by reduce_fast(out=)")
             if comm.rank == root:
                 check_equal(out, want, f"reduce_fast {dt} {op} {count} out=", avg_float=op == "avg")
@@ -92,12 +92,12 @@ def _served_broadcast(comm):
             for root in range(comm.size):
                 ref = (np.arange(count) % 5 + root).astype(dt)
                 x = ref.copy() if comm.rank == root else np.zeros(count, dt)
-                assert fast.broadcast_fast(x, root, None, comm.timeout) is x
+                assert fast.broadcast_fast(comm, x, root, None) is x
                 check_equal(x, ref, f"broadcast_fast {dt} {count} root {root}")
                 x = ref.copy() if comm.rank == root else np.zeros(count, dt)
                 before = x.copy()
                 out = np.ones(count, dt)
-                assert fast.broadcast_fast(x, root, out, comm.timeout) is out
+                assert fast.broadcast_fast(comm, x, root, out) is out
                 check_equal(out, ref, f"broadcast_fast out= {dt} {count} root {root}")
                 check_equal(x, before, "x untouched by broadcast_fast(out=)")
     return True
@@ -118,39 +118,39 @@ def _read_only(count):
 
 
 def _declined(comm):
-    fast, t = _executor(comm), comm.timeout
+    fast = _executor(comm)
     f32 = np.ones(4, np.float32)
     cases = {
-        "int16": lambda: fast.all_reduce_fast(np.ones(4, np.int16), "sum", None, t),
-        "uint32": lambda: fast.all_reduce_fast(np.ones(4, np.uint32), "sum", None, t),
-        "bool": lambda: fast.all_reduce_fast(np.ones(4, bool), "max", None, t),
-        "complex": lambda: fast.all_reduce_fast(np.ones(4, np.complex64), "sum", None, t),
-        "big-endian": lambda: fast.all_reduce_fast(np.ones(4, ">f4"), "sum", None, t),
-        "structured": lambda: fast.all_reduce_fast(np.zeros(4, "i4,f4"), "sum", None, t),
-        "bfloat16 (V2)": lambda: fast.all_reduce_fast(np.zeros(4, "V2"), "sum", None, t),
-        "band on float": lambda: fast.all_reduce_fast(f32, "band", None, t),
-        "unknown op": lambda: fast.all_reduce_fast(f32, "mean", None, t),
-        "op not a str": lambda: fast.all_reduce_fast(f32, b"sum", None, t),
-        "subclass": lambda: fast.all_reduce_fast(f32.view(_Sub), "sum", None, t),
-        "out a list": lambda: fast.all_reduce_fast(f32, "sum", [0.0] * 4, t),
-        "reduce int16": lambda: fast.reduce_fast(np.ones(4, np.int16), 0, "sum", None, t),
-        "reduce bxor on float": lambda: fast.reduce_fast(f32, 0, "bxor", None, t),
-        "reduce root too big": lambda: fast.reduce_fast(f32, comm.size, "sum", None, t),
-        "reduce root a float": lambda: fast.reduce_fast(f32, 0.0, "sum", None, t),
-        "reduce out other dtype": lambda: fast.reduce_fast(f32, 0, "sum", np.ones(4, np.float64), t),
-        "reduce out other size": lambda: fast.reduce_fast(f32, 0, "sum", np.ones(3, np.float32), t),
-        "reduce out read-only": lambda: fast.reduce_fast(f32, 0, "sum", _read_only(4), t),
-        "bcast object": lambda: fast.broadcast_fast(np.empty(4, object), 0, None, t),
-        "bcast str": lambda: fast.broadcast_fast(np.array(["ab", "cd"]), 0, None, t),
-        "bcast structured": lambda: fast.broadcast_fast(np.zeros(4, "i4,f4"), 0, None, t),
-        "bcast root too big": lambda: fast.broadcast_fast(f32, comm.size, None, t),
-        "bcast root negative": lambda: fast.broadcast_fast(f32, -1, None, t),
-        "bcast root np.int64": lambda: fast.broadcast_fast(f32, np.int64(0), None, t),
-        "bcast root bool": lambda: fast.broadcast_fast(f32, True, None, t),
-        "bcast out other dtype": lambda: fast.broadcast_fast(f32, 0, np.ones(4, np.int32), t),
-        "bcast out other byte order": lambda: fast.broadcast_fast(f32, 0, np.ones(4, ">f4"), t),
-        "bcast out other size": lambda: fast.broadcast_fast(f32, 0, np.ones(5, np.float32), t),
-        "bcast subclass": lambda: fast.broadcast_fast(f32.view(_Sub), 0, None, t),
+        "int16": lambda: fast.all_reduce_fast(comm, np.ones(4, np.int16), "sum", None),
+        "uint32": lambda: fast.all_reduce_fast(comm, np.ones(4, np.uint32), "sum", None),
+        "bool": lambda: fast.all_reduce_fast(comm, np.ones(4, bool), "max", None),
+        "complex": lambda: fast.all_reduce_fast(comm, np.ones(4, np.complex64), "sum", None),
+        "big-endian": lambda: fast.all_reduce_fast(comm, np.ones(4, ">f4"), "sum", None),
+        "structured": lambda: fast.all_reduce_fast(comm, np.zeros(4, "i4,f4"), "sum", None),
+        "bfloat16 (V2)": lambda: fast.all_reduce_fast(comm, np.zeros(4, "V2"), "sum", None),
+        "band on float": lambda: fast.all_reduce_fast(comm, f32, "band", None),
+        "unknown op": lambda: fast.all_reduce_fast(comm, f32, "mean", None),
+        "op not a str": lambda: fast.all_reduce_fast(comm, f32, b"sum", None),
+        "subclass": lambda: fast.all_reduce_fast(comm, f32.view(_Sub), "sum", None),
+        "out a list": lambda: fast.all_reduce_fast(comm, f32, "sum", [0.0] * 4),
+        "reduce int16": lambda: fast.reduce_fast(comm, np.ones(4, np.int16), 0, "sum", None),
+        "reduce bxor on float": lambda: fast.reduce_fast(comm, f32, 0, "bxor", None),
+        "reduce root too big": lambda: fast.reduce_fast(comm, f32, comm.size, "sum", None),
+        "reduce root a float": lambda: fast.reduce_fast(comm, f32, 0.0, "sum", None),
+        "reduce out other dtype": lambda: fast.reduce_fast(comm, f32, 0, "sum", np.ones(4, np.float64)),
+        "reduce out other size": lambda: fast.reduce_fast(comm, f32, 0, "sum", np.ones(3, np.float32)),
+        "reduce out read-only": lambda: fast.reduce_fast(comm, f32, 0, "sum", _read_only(4)),
+        "bcast object": lambda: fast.broadcast_fast(comm, np.empty(4, object), 0, None),
+        "bcast str": lambda: fast.broadcast_fast(comm, np.array(["ab", "cd"]), 0, None),
+        "bcast structured": lambda: fast.broadcast_fast(comm, np.zeros(4, "i4,f4"), 0, None),
+        "bcast root too big": lambda: fast.broadcast_fast(comm, f32, comm.size, None),
+        "bcast root negative": lambda: fast.broadcast_fast(comm, f32, -1, None),
+        "bcast root np.int64": lambda: fast.broadcast_fast(comm, f32, np.int64(0), None),
+        "bcast root bool": lambda: fast.broadcast_fast(comm, f32, True, None),
+        "bcast out other dtype": lambda: fast.broadcast_fast(comm, f32, 0, np.ones(4, np.int32)),
+        "bcast out other byte order": lambda: fast.broadcast_fast(comm, f32, 0, np.ones(4, ">f4")),
+        "bcast out other size": lambda: fast.broadcast_fast(comm, f32, 0, np.ones(5, np.float32)),
+        "bcast subclass": lambda: fast.broadcast_fast(comm, f32.view(_Sub), 0, None),
     }
     kept = f32.copy()
     for what, call in cases.items():

@@ -9,7 +9,9 @@
 // on what every rank shares for a correct program (type, dtype, op, root, size), so all ranks
 // decline alike. Argument errors of served calls (read-only or non-contiguous arrays, an out
 // of another size) raise ValueError with the general path's messages, as the executor's
-// plain entries do.
+// plain entries do, after numbering the call as refused on this rank (comm._skip_call(),
+// fast_args.h's refusing). Each entry takes the calling Communicator first: its timeout and
+// its _skip_call.
 #include <nanobind/nanobind.h>
 
 #include "bindings/buffer.h"
@@ -93,17 +95,29 @@ void bind_shm_fast(nb::class_<PyShmColl>& cls) {
                  "The array type the fast entries serve (numpy.ndarray; set once).")
       .def_rw("fast_bcast_max", &PyShmColl::fast_bcast_max,
               "broadcast_fast declines broadcasts of at least this many bytes.")
-      .def("all_reduce_fast", &all_reduce_fast, nb::arg("x"), nb::arg("op"), nb::arg("out").none(),
-           nb::arg("timeout"),
-           "all_reduce of a NumPy array (in place, or into out), or NotImplemented where it does not serve it.")
-      .def("reduce_fast", &reduce_fast, nb::arg("x"), nb::arg("root"), nb::arg("op"), nb::arg("out").none(),
-           nb::arg("timeout"),
-           "reduce of a NumPy array onto root (into x, or out, on the root), or NotImplemented where it does "
-           "not serve it.")
-      .def("broadcast_fast", &broadcast_fast, nb::arg("x"), nb::arg("root"), nb::arg("out").none(),
-           nb::arg("timeout"),
-           "broadcast of a NumPy array (in place, or from the root's x into out), or NotImplemented where it "
-           "does not serve it.");
+      .def(
+          "all_reduce_fast",
+          [](PyShmColl& s, nb::handle comm, nb::handle x, nb::handle op, nb::handle out) {
+            return refusing(comm, [&] { return all_reduce_fast(s, x, op, out, comm_timeout(comm)); });
+          },
+          nb::arg("comm"), nb::arg("x"), nb::arg("op"), nb::arg("out").none(),
+          "all_reduce of a NumPy array (in place, or into out), or NotImplemented where it does not serve it.")
+      .def(
+          "reduce_fast",
+          [](PyShmColl& s, nb::handle comm, nb::handle x, nb::handle root, nb::handle op, nb::handle out) {
+            return refusing(comm, [&] { return reduce_fast(s, x, root, op, out, comm_timeout(comm)); });
+          },
+          nb::arg("comm"), nb::arg("x"), nb::arg("root"), nb::arg("op"), nb::arg("out").none(),
+          "reduce of a NumPy array onto root (into x, or out, on the root), or NotImplemented where it does "
+          "not serve it.")
+      .def(
+          "broadcast_fast",
+          [](PyShmColl& s, nb::handle comm, nb::handle x, nb::handle root, nb::handle out) {
+            return refusing(comm, [&] { return broadcast_fast(s, x, root, out, comm_timeout(comm)); });
+          },
+          nb::arg("comm"), nb::arg("x"), nb::arg("root"), nb::arg("out").none(),
+          "broadcast of a NumPy array (in place, or from the root's x into out), or NotImplemented where it "
+          "does not serve it.");
 }
 
 }  // namespace linkwise

@@ -8,7 +8,7 @@
 // scatter). They make the out the general path would make when the caller passed none (of the
 // gathered or block shape, _coll_args.gathered_shape / block_shape; fast_args.h).
 // Argument errors of served calls (read-only or non-contiguous arrays) raise ValueError with
-// the general path's messages. The Python tests they replace cost ~1.3 us of a ~2.3 us 8-byte
+// the general path's messages, the call numbered as refused here (bind_shm_fast.cc). The Python tests they replace cost ~1.3 us of a ~2.3 us 8-byte
 // all_gather on the 2-core VM (docs/benchmarks.md).
 #include <nanobind/nanobind.h>
 
@@ -147,17 +147,30 @@ nb::object scatter_fast(PyShmColl& s, nb::handle x, nb::handle root, nb::handle 
 }  // namespace
 
 void bind_shm_fast_blocks(nb::class_<PyShmColl>& cls) {
-  cls.def("exchange_fast", &exchange_fast, nb::arg("kind"), nb::arg("x"), nb::arg("out").none(), nb::arg("op"),
-          nb::arg("timeout"),
-          "A small all_gather, reduce_scatter (with op) or all_to_all of NumPy arrays (kind: a CollKind code; "
-          "out made where None, x itself for all_to_all), or NotImplemented where it does not serve it.")
-      .def("gather_fast", &gather_fast, nb::arg("x"), nb::arg("root"), nb::arg("out").none(), nb::arg("timeout"),
-           "A small gather onto root (out made there where None; None returned elsewhere), or NotImplemented "
-           "where it does not serve it.")
-      .def("scatter_fast", &scatter_fast, nb::arg("x").none(), nb::arg("root"), nb::arg("out").none(),
-           nb::arg("timeout"),
-           "A small scatter from root's x (None elsewhere) into out (made on the root where None), or "
-           "NotImplemented where it does not serve it.");
+  cls.def(
+         "exchange_fast",
+         [](PyShmColl& s, nb::handle comm, int kind, nb::handle x, nb::handle out, nb::handle op) {
+           return refusing(comm, [&] { return exchange_fast(s, kind, x, out, op, comm_timeout(comm)); });
+         },
+         nb::arg("comm"), nb::arg("kind"), nb::arg("x"), nb::arg("out").none(), nb::arg("op"),
+         "A small all_gather, reduce_scatter (with op) or all_to_all of NumPy arrays (kind: a CollKind code; "
+         "out made where None, x itself for all_to_all), or NotImplemented where it does not serve it.")
+      .def(
+          "gather_fast",
+          [](PyShmColl& s, nb::handle comm, nb::handle x, nb::handle root, nb::handle out) {
+            return refusing(comm, [&] { return gather_fast(s, x, root, out, comm_timeout(comm)); });
+          },
+          nb::arg("comm"), nb::arg("x"), nb::arg("root"), nb::arg("out").none(),
+          "A small gather onto root (out made there where None; None returned elsewhere), or NotImplemented "
+          "where it does not serve it.")
+      .def(
+          "scatter_fast",
+          [](PyShmColl& s, nb::handle comm, nb::handle x, nb::handle root, nb::handle out) {
+            return refusing(comm, [&] { return scatter_fast(s, x, root, out, comm_timeout(comm)); });
+          },
+          nb::arg("comm"), nb::arg("x").none(), nb::arg("root"), nb::arg("out").none(),
+          "A small scatter from root's x (None elsewhere) into out (made on the root where None), or "
+          "NotImplemented where it does not serve it.");
 }
 
 }  // namespace linkwise

@@ -17,6 +17,8 @@ namespace linkwise::fast {
 
 namespace {
 PyTypeObject* g_array_type = nullptr;  // numpy.ndarray, once NumPy's C API is imported
+PyObject* g_timeout_name = nullptr;    // "timeout", interned
+PyObject* g_skip_name = nullptr;       // "_skip_call", interned
 
 bool integer_dtype(int t) { return t == int(DType::I8) || t == int(DType::U8) || t == int(DType::I32) || t == int(DType::I64); }
 
@@ -46,10 +48,28 @@ void set_array_type(nb::handle type) {
   if (!PyType_Check(type.ptr())) throw nb::type_error("set_fast_array_type: expected a type");
   if (g_array_type) return;
   if (_import_array() < 0) throw nb::python_error();  // also NumPy 1.x's headers
+  g_timeout_name = PyUnicode_InternFromString("timeout");
+  g_skip_name = PyUnicode_InternFromString("_skip_call");
+  if (!g_timeout_name || !g_skip_name) throw nb::python_error();
   if (type.ptr() != reinterpret_cast<PyObject*>(&PyArray_Type))
     throw nb::type_error("set_fast_array_type: the entries serve numpy.ndarray only");
   Py_INCREF(type.ptr());
   g_array_type = reinterpret_cast<PyTypeObject*>(type.ptr());
+}
+
+double comm_timeout(nb::handle comm) {
+  if (!g_timeout_name) throw nb::type_error("the fast entries serve nothing before set_fast_array_type");
+  nb::object t = nb::steal(PyObject_GetAttr(comm.ptr(), g_timeout_name));
+  if (!t.is_valid()) throw nb::python_error();
+  const double v = PyFloat_AsDouble(t.ptr());
+  if (v == -1.0 && PyErr_Occurred()) throw nb::python_error();
+  return v;
+}
+
+void skip_call(nb::handle comm) {
+  PyObject* r = PyObject_CallMethodNoArgs(comm.ptr(), g_skip_name);
+  if (r) Py_DECREF(r);
+  else PyErr_WriteUnraisable(comm.ptr());
 }
 
 bool is_array(nb::handle x) { return g_array_type && Py_TYPE(x.ptr()) == g_array_type; }

@@ -8,8 +8,38 @@
 #include <nanobind/nanobind.h>
 
 #include "bindings/buffer.h"
+#include "core/status.h"
 
 namespace linkwise::fast {
+
+// The calling communicator's `timeout` (seconds).
+double comm_timeout(nanobind::handle comm);
+
+// comm._skip_call(): a collective refused on this rank numbers its call as if it had run, as
+// the general path's refusals do (collectives._skips_on_argument_error). An error it raises
+// is reported as unraisable (the refusal's own error is the one to see).
+void skip_call(nanobind::handle comm);
+
+// Runs an entry's body; where it throws what Python sees as ValueError or TypeError (the
+// argument checks: read-only or non-contiguous arrays, an out of another size), calls
+// skip_call(comm) first. Other failures (the executor's: a peer gone, a timeout, a mismatch)
+// stop the communicator's collectives anyway. The GIL is held where it catches.
+template <class F>
+nanobind::object refusing(nanobind::handle comm, F&& body) {
+  try {
+    return body();
+  } catch (const nanobind::builtin_exception& e) {
+    if (e.type() == nanobind::exception_type::value_error || e.type() == nanobind::exception_type::type_error)
+      skip_call(comm);
+    throw;
+  } catch (const Error& e) {
+    if (e.kind() == ErrorKind::Invalid || e.kind() == ErrorKind::Type) skip_call(comm);
+    throw;
+  } catch (nanobind::python_error& e) {
+    if (e.matches(PyExc_ValueError) || e.matches(PyExc_TypeError)) skip_call(comm);
+    throw;
+  }
+}
 
 // Sets the array type the entries serve (numpy.ndarray, whose C API it imports); once, a strong
 // reference never dropped. Until then every entry declines.

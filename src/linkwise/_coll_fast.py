@@ -24,11 +24,15 @@ def all_reduce_bf16_fast(comm, fast, x, op, out):
         return NotImplemented
     if code >= 0:
         return NotImplemented  # served natively when it is served at all
-    if out is None:
-        bits = x.view(_uint16)
-        fast.all_reduce(bits, bits, -code, comm.timeout)
-        return x
-    if type(out) is _ndarray and out.dtype == x.dtype:
+    if out is not None and (type(out) is not _ndarray or out.dtype != x.dtype):
+        return NotImplemented
+    try:
+        if out is None:
+            bits = x.view(_uint16)
+            fast.all_reduce(bits, bits, -code, comm.timeout)
+            return x
         fast.all_reduce(x.view(_uint16), out.view(_uint16), -code, comm.timeout)
         return out
-    return NotImplemented
+    except (ValueError, TypeError):  # the buffer checks of the native call
+        comm._skip_call()
+        raise

@@ -23,11 +23,7 @@ class GatherScatterMixin:
         fast = self._fast_shm  # the latency path: the executor's gather_fast, as in CollectivesMixin.reduce
         if (fast is not None and not async_op
                 and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
-            try:
-                r = fast.gather_fast(x, root, out, self.timeout)
-            except (ValueError, TypeError):
-                self._skip_call()
-                raise
+            r = fast.gather_fast(self, x, root, out)
             if r is not NotImplemented:
                 return r
         return self._gather(x, root, out, async_op)
@@ -55,11 +51,7 @@ class GatherScatterMixin:
         fast = self._fast_shm
         if (fast is not None and not async_op
                 and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
-            try:
-                r = fast.scatter_fast(x, root, out, self.timeout)
-            except (ValueError, TypeError):
-                self._skip_call()
-                raise
+            r = fast.scatter_fast(self, x, root, out)
             if r is not NotImplemented:
                 return r
         return self._scatter(x, root, out, async_op)

@@ -298,21 +298,18 @@ class CollectivesMixin:
         fast = self._fast_shm  # None once closed
         # The latency paths: straight to shared memory. The executor's all_reduce_fast makes the
         # tests (NumPy array, dtype, op, out) natively and returns NotImplemented where it does
-        # not serve the call; bfloat16 forms go through uint16 views here. `in` on the
-        # environment's dict costs ~0.3 us less a call than .get() lookups
+        # not serve the call (an argument error it raises, after numbering the call as refused
+        # here through self._skip_call); bfloat16 forms go through uint16 views here. `in` on
+        # the environment's dict costs ~0.3 us less a call than .get() lookups
         # (bench/shm_latency_split.py); a variable set to anything, even empty, sends calls down
         # the general path.
         if (fast is not None and not async_op and dtype is None
                 and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
-            try:
-                r = fast.all_reduce_fast(x, op, out, self.timeout)
-                if r is NotImplemented and type(x) is _ndarray and x.dtype.kind == "V":
-                    r = all_reduce_bf16_fast(self, fast, x, op, out)
-                if r is not NotImplemented:
-                    return r
-            except (ValueError, TypeError):  # the buffer checks of the native call
-                self._skip_call()
-                raise
+            r = fast.all_reduce_fast(self, x, op, out)
+            if r is NotImplemented and type(x) is _ndarray and x.dtype.kind == "V":
+                r = all_reduce_bf16_fast(self, fast, x, op, out)
+            if r is not NotImplemented:
+                return r
         return self._all_reduce(x, op, out, async_op, dtype, stream)
 
     @_skips_on_argument_error
@@ -347,11 +344,7 @@ class CollectivesMixin:
         # two-rank broadcasts that go point-to-point as one single-copy message).
         if (fast is not None and not async_op
                 and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
-            try:
-                r = fast.broadcast_fast(x, root, out, self.timeout)
-            except (ValueError, TypeError):
-                self._skip_call()
-                raise
+            r = fast.broadcast_fast(self, x, root, out)
             if r is not NotImplemented:
                 return r
         return self._broadcast(x, root, out, async_op, stream)
@@ -383,11 +376,7 @@ class CollectivesMixin:
         fast = self._fast_shm  # the latency path: the executor's reduce_fast, as all_reduce_fast
         if (fast is not None and not async_op and dtype is None
                 and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
-            try:
-                r = fast.reduce_fast(x, root, op, out, self.timeout)
-            except (ValueError, TypeError):
-                self._skip_call()
-                raise
+            r = fast.reduce_fast(self, x, root, op, out)
             if r is not NotImplemented:
                 return r
         return self._reduce(x, root, op, out, async_op, dtype)
@@ -418,11 +407,7 @@ class CollectivesMixin:
         fast = self._fast_shm  # the latency path: the executor's exchange_fast, as all_reduce_fast
         if (fast is not None and not async_op
                 and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
-            try:
-                r = fast.exchange_fast(_ALL_GATHER, x, out, "", self.timeout)
-            except (ValueError, TypeError):
-                self._skip_call()
-                raise
+            r = fast.exchange_fast(self, _ALL_GATHER, x, out, "")
             if r is not NotImplemented:
                 return r
         return self._all_gather(x, out, async_op, stream)
@@ -442,11 +427,7 @@ class CollectivesMixin:
         fast = self._fast_shm
         if (fast is not None and not async_op and dtype is None
                 and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
-            try:
-                r = fast.exchange_fast(_REDUCE_SCATTER, x, out, op, self.timeout)
-            except (ValueError, TypeError):
-                self._skip_call()
-                raise
+            r = fast.exchange_fast(self, _REDUCE_SCATTER, x, out, op)
             if r is not NotImplemented:
                 return r
         return self._reduce_scatter(x, op, out, async_op, dtype, stream)
@@ -478,11 +459,7 @@ class CollectivesMixin:
         fast = self._fast_shm
         if (fast is not None and not async_op
                 and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
-            try:
-                r = fast.exchange_fast(_ALL_TO_ALL, x, out, "", self.timeout)
-            except (ValueError, TypeError):
-                self._skip_call()
-                raise
+            r = fast.exchange_fast(self, _ALL_TO_ALL, x, out, "")
             if r is not NotImplemented:
                 return r
         return self._all_to_all(x, out, async_op, stream)
