@@ -67,6 +67,7 @@ double comm_timeout(nb::handle comm) {
 }
 
 void skip_call(nb::handle comm) {
+  if (!g_skip_name) return;  // no entry served anything yet (set_array_type not called)
   PyObject* r = PyObject_CallMethodNoArgs(comm.ptr(), g_skip_name);
   if (r) Py_DECREF(r);
   else PyErr_WriteUnraisable(comm.ptr());
