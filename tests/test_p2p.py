@@ -227,6 +227,50 @@ def test_async_and_test(transport_env):
     assert res == [[8, 800, 2_400_000]] * 2
 
 
+def _requests(comm):
+    """isend / irecv return the native request: a linkwise.Request with the communicator's
+    timeout (or the call's), whose wait() and await give the bytes moved; a wait without a
+    timeout uses the request's (here 0.2 s, on a receive nobody sends to)."""
+    import linkwise
+    peer = 1 - comm.rank
+    x, y = np.full(5, comm.rank, np.int16), np.zeros(5, np.int16)
+    r, s = comm.irecv(y, peer, tag=3), comm.isend(x, peer, tag=3)
+    assert isinstance(r, linkwise.Request) and isinstance(s, linkwise.Request)
+    assert r.timeout == comm.timeout and s.timeout == comm.timeout
+    assert s.wait() == 10 and r.wait() == 10 and y.tolist() == [peer] * 5 and r.done and r.nbytes == 10
+
+    async def awaited():
+        z = np.zeros(5, np.int16)
+        got = await asyncio.gather(comm.isend(x, peer, tag=4), comm.irecv(z, peer, tag=4))
+        return got, z.tolist()
+
+    assert asyncio.run(awaited()) == ([10, 10], [peer] * 5)
+    short = comm.irecv(np.zeros(1), peer, tag=5, timeout=0.2)
+    assert short.timeout == 0.2
+    t0 = time.monotonic()
+    with pytest.raises(linkwise.TimeoutError):
+        short.wait()
+    assert time.monotonic() - t0 < 5
+    # Awaited (polled: no progress thread drives an irecv), timed out, withdrawn: the next
+    # message on that tag goes to the next receive, not into the abandoned buffer.
+    abandoned, later = np.zeros(2), np.zeros(2)
+    with pytest.raises(linkwise.TimeoutError, match="within 0.2 s"):
+        asyncio.run(asyncio.wait_for(_awaited(comm.irecv(abandoned, peer, tag=6, timeout=0.2)), 10))
+    comm.barrier()
+    comm.isend(np.full(2, 9.0), peer, tag=6).wait()
+    comm.recv(later, peer, tag=6)
+    assert later.tolist() == [9.0, 9.0] and abandoned.tolist() == [0.0, 0.0]
+    return True
+
+
+async def _awaited(request):
+    return await request
+
+
+def test_requests_are_native_with_their_timeout():
+    run_ranks(2, _requests)
+
+
 def _awaited_receive_that_timed_out(comm):
     """An awaited receive that times out must not stay posted: a later message goes to the
     later receive, never into the abandoned buffer (before: it landed in the first one)."""

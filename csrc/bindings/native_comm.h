@@ -22,15 +22,21 @@ class NativeComm;
 
 class PyRequest {
  public:
-  PyRequest(std::shared_ptr<NativeComm> comm, std::shared_ptr<Request> req, nb::object owner)
-      : comm_(std::move(comm)), req_(std::move(req)), owner_(std::move(owner)) {}
+  PyRequest(std::shared_ptr<NativeComm> comm, std::shared_ptr<Request> req, nb::object owner, double timeout_s)
+      : timeout(timeout_s), comm_(std::move(comm)), req_(std::move(req)), owner_(std::move(owner)) {}
   ~PyRequest();
   size_t wait(double timeout_s);  // the bytes moved
   bool test();
   int fileno() { return req_->event_fd(); }
   size_t nbytes() const { return req_->transferred(); }
   bool done() const { return req_->done(); }
+  // The engine's progress thread drives it (posted async and not done at once); set under the
+  // engine's lock before post() returned, never changed after.
+  bool driven() const { return req_->is_async; }
   HeldBuffer& buffer() { return buf_; }
+  // Seconds wait() and await give it when not told otherwise (the communicator's timeout, or
+  // the isend/irecv timeout= argument).
+  double timeout;
 
  private:
   std::shared_ptr<NativeComm> comm_;
@@ -65,13 +71,14 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
     engine_.set_link(peer, tcp_->adopt(peer, fd), tcp_.get());
   }
 
-  std::unique_ptr<PyRequest> post(nb::handle obj, int peer, uint64_t tag, bool is_send, bool is_async) {
+  std::unique_ptr<PyRequest> post(nb::handle obj, int peer, uint64_t tag, bool is_send, bool is_async,
+                                  double timeout_s) {
     auto held = std::make_unique<HeldBuffer>();
     acquire_buffer(obj, !is_send, is_send ? "send" : "recv", *held);
     std::shared_ptr<Request> req =
         is_send ? engine_.isend(peer, held->ptr(), held->bytes(), tag, held->dtype(), is_async)
                 : engine_.irecv(peer, held->ptr(), held->bytes(), tag, held->dtype(), is_async);
-    auto py = std::make_unique<PyRequest>(shared_from_this(), std::move(req), nb::borrow(obj));
+    auto py = std::make_unique<PyRequest>(shared_from_this(), std::move(req), nb::borrow(obj), timeout_s);
     std::swap(py->buffer().view, held->view);
     py->buffer().held = held->held;
     held->held = false;

@@ -8,6 +8,8 @@ event recorded on the stream after the operation, polled from the loop.
 from __future__ import annotations
 
 import asyncio
+import time
+from abc import ABCMeta
 from typing import Any, Optional
 
 from .errors import TimeoutError
@@ -15,8 +17,11 @@ from .errors import TimeoutError
 _POLL_MIN_S, _POLL_MAX_S = 50e-6, 2e-3  # GpuRequest.__await__: first and longest nap
 
 
-class Request:
-    """A non-blocking send or receive. Keep the array alive and untouched until done."""
+class Request(metaclass=ABCMeta):
+    """A non-blocking operation. isend / irecv return the native request
+    (linkwise._native.Request, registered as a Request by adopt_native: wait(timeout=None),
+    test(), done, nbytes, await); async collectives a CollectiveRequest, this class's wrapper of
+    the executor's or worker's request. Keep the arrays alive and untouched until done."""
 
     __slots__ = ("_native", "_timeout", "_keep")
 
@@ -89,6 +94,10 @@ async def _await_native(native_request, timeout: float) -> int:
             raise
         finally:
             loop.remove_reader(fd)
+    return _finished(native_request, timeout)
+
+
+def _finished(native_request, timeout: float) -> int:
     try:
         # Done: returns at once, or raises the operation's error. Not done (timed out): a
         # send or receive is cancelled (or, mid-transfer, the communicator aborted), so that
@@ -98,6 +107,37 @@ async def _await_native(native_request, timeout: float) -> int:
         raise TimeoutError(f"async operation did not complete within {timeout:g} s; raise "
                            "LINKWISE_TIMEOUT or pass timeout=") from None
     return native_request.nbytes
+
+
+def await_request(native_request):
+    """The iterator `await` runs for a native send / receive request (its __await__), with the
+    request's timeout, giving the bytes moved: _await_native where the engine's progress thread
+    drives it (asend / arecv), else _poll_native (isend / irecv: only test() and wait()
+    progress those, so an eventfd wait alone would never end)."""
+    if native_request.driven or native_request.done:
+        return _await_native(native_request, native_request.timeout).__await__()
+    return _poll_native(native_request).__await__()
+
+
+async def _poll_native(native_request) -> int:
+    """Await an isend / irecv request: test() it, with naps growing from 50 us to 2 ms between
+    tries so that the loop never blocks, until done or its timeout; then as _await_native."""
+    nap, deadline = _POLL_MIN_S, time.monotonic() + native_request.timeout
+    try:
+        while not native_request.test() and time.monotonic() < deadline:
+            await asyncio.sleep(nap)
+            nap = min(2 * nap, _POLL_MAX_S)
+    except asyncio.CancelledError:
+        _withdraw(native_request)  # as _await_native: never written or sent later
+        raise
+    return _finished(native_request, native_request.timeout)
+
+
+def adopt_native(native) -> None:
+    """Once the native module is loaded: its send / receive requests count as Requests, and
+    `await` on one runs await_request."""
+    Request.register(native.Request)
+    native.set_request_awaiter(await_request)
 
 
 def _withdraw(native_request) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 from . import bootstrap, config
 from . import _bf16, _setup
 from ._setup import new_job_id
-from ._request import Request
+from ._request import Request, adopt_native  # noqa: F401 - Request is linkwise.Request
 from ._coll_args import _raw
 from ._coll_coroutines import CoroutineCollectivesMixin
 from ._coll_gather import GatherScatterMixin
@@ -34,8 +34,15 @@ MAX_TAG = (1 << 62) - 1
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 
 
+_native_adopted = False
+
+
 def _native():
+    global _native_adopted
     from . import _native as native
+    if not _native_adopted:
+        adopt_native(native)  # its requests count as linkwise.Request; await on them works
+        _native_adopted = True
     return native
 
 
@@ -201,7 +208,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         self._check(peer, tag, op)  # isend / irecv check plain arguments inline before this
         post = self._native.isend if is_send else self._native.irecv
         try:
-            native_req = post(x, peer, tag, is_async)
+            native_req = post(x, peer, tag, is_async, self._timeout(timeout))
         except TypeError as exc:
             if "buffer protocol" not in str(exc):
                 raise
@@ -211,8 +218,8 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
                 req._timeout = self._timeout(timeout)
                 return req
             x = _raw(_as_buffer(x, op))
-            native_req = post(x, peer, tag, is_async)
-        return Request(native_req, self._timeout(timeout), x)
+            native_req = post(x, peer, tag, is_async, self._timeout(timeout))
+        return native_req  # it holds x (and its buffer) until done
 
     def isend(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None,
               stream: Any = None):
@@ -226,8 +233,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         if (type(dst) is int and type(tag) is int and 0 <= dst < self.size and 0 <= tag <= MAX_TAG
                 and not self._closed):
             try:
-                return Request(self._native.isend(x, dst, tag, False),
-                               self.timeout if timeout is None else float(timeout), x)
+                return self._native.isend(x, dst, tag, False, self.timeout if timeout is None else float(timeout))
             except TypeError:
                 pass
         return self._post(x, dst, tag, True, False, timeout, stream)
@@ -239,8 +245,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         if (type(src) is int and type(tag) is int and 0 <= src < self.size and 0 <= tag <= MAX_TAG
                 and not self._closed):  # as isend
             try:
-                return Request(self._native.irecv(x, src, tag, False),
-                               self.timeout if timeout is None else float(timeout), x)
+                return self._native.irecv(x, src, tag, False, self.timeout if timeout is None else float(timeout))
             except TypeError:
                 pass
         return self._post(x, src, tag, False, False, timeout, stream)
