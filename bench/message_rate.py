@@ -3,7 +3,7 @@ isends to rank 1, which posts as many irecvs; both wait for all, then rank 1 ack
 one message. Prints the µs per message of five timed runs of `R` windows. Run under both
 launchers, one after the other:
     linkwise launch -n 2 bench/message_rate.py lw
-    linkwise launch -n 2 bench/message_rate.py raw    # the native posts, no Python Request
+    linkwise launch -n 2 bench/message_rate.py raw    # the native posts, without comm.isend's checks
     mpirun -n 2 --allow-run-as-root python bench/message_rate.py mpi
 """
 import sys

@@ -91,8 +91,9 @@ nb::object broadcast_fast(PyShmColl& s, nb::handle x, nb::handle root, nb::handl
 }  // namespace
 
 void bind_shm_fast(nb::class_<PyShmColl>& cls) {
-  cls.def_static("set_fast_array_type", &set_array_type, nb::arg("type"),
-                 "The array type the fast entries serve (numpy.ndarray; set once).")
+  cls.def_static("enable_fast_entries", &enable,
+                 "Import NumPy's C API for the fast entries, which serve exact numpy.ndarray arrays; until "
+                 "then they decline every call (idempotent).")
       .def_rw("fast_bcast_max", &PyShmColl::fast_bcast_max,
               "broadcast_fast declines broadcasts of at least this many bytes.")
       .def(

@@ -84,7 +84,7 @@ nb::object exchange_fast(PyShmColl& s, int kind, nb::handle x, nb::handle out, n
   if (in_place) o.alias(x, hx);
   else if (out.is_none()) o.made(k == CollKind::AllGather ? new_gathered(x, hx.view, n) : new_block(x, hx.view, n));
   else if (!o.take(out) || !o.fits(hx, want, false)) return declined();  // the general path says what differs
-  if (o.bytes != want) return declined();
+  if (o.bytes != want) return declined();  // out is x, where a block size differs from x's
   check_buffer(hx, in_place, in_place ? "collective output" : "collective input", true);
   o.check();
   const ShmColl::CallKind ck = exchange_kind(k, hx.bytes(), o.bytes, s.shm_);

@@ -2,7 +2,7 @@
 #include "bindings/fast_args.h"
 
 // The NumPy C API, in this file only (its function table is static to it, filled by
-// set_array_type): numpy.empty through Python cost ~280 ns and the new array's first buffer
+// enable()): numpy.empty through Python cost ~280 ns and the new array's first buffer
 // export ~190 ns more (NumPy builds its format string then), of a ~1.2 us all_gather.
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <numpy/arrayobject.h>
@@ -16,7 +16,7 @@ namespace nb = nanobind;
 namespace linkwise::fast {
 
 namespace {
-PyTypeObject* g_array_type = nullptr;  // numpy.ndarray, once NumPy's C API is imported
+PyTypeObject* g_array_type = nullptr;  // numpy.ndarray, once enable() imported NumPy's C API
 PyObject* g_timeout_name = nullptr;    // "timeout", interned
 PyObject* g_skip_name = nullptr;       // "_skip_call", interned
 
@@ -44,21 +44,17 @@ NewArray new_with_first(nb::handle x, const Py_buffer& v, Py_ssize_t first) {
 }
 }  // namespace
 
-void set_array_type(nb::handle type) {
-  if (!PyType_Check(type.ptr())) throw nb::type_error("set_fast_array_type: expected a type");
+void enable() {
   if (g_array_type) return;
   if (_import_array() < 0) throw nb::python_error();  // also NumPy 1.x's headers
   g_timeout_name = PyUnicode_InternFromString("timeout");
   g_skip_name = PyUnicode_InternFromString("_skip_call");
   if (!g_timeout_name || !g_skip_name) throw nb::python_error();
-  if (type.ptr() != reinterpret_cast<PyObject*>(&PyArray_Type))
-    throw nb::type_error("set_fast_array_type: the entries serve numpy.ndarray only");
-  Py_INCREF(type.ptr());
-  g_array_type = reinterpret_cast<PyTypeObject*>(type.ptr());
+  g_array_type = &PyArray_Type;
 }
 
 double comm_timeout(nb::handle comm) {
-  if (!g_timeout_name) throw nb::type_error("the fast entries serve nothing before set_fast_array_type");
+  if (!g_timeout_name) throw nb::type_error("the fast entries serve nothing before enable_fast_entries()");
   nb::object t = nb::steal(PyObject_GetAttr(comm.ptr(), g_timeout_name));
   if (!t.is_valid()) throw nb::python_error();
   const double v = PyFloat_AsDouble(t.ptr());
@@ -67,7 +63,7 @@ double comm_timeout(nb::handle comm) {
 }
 
 void skip_call(nb::handle comm) {
-  if (!g_skip_name) return;  // no entry served anything yet (set_array_type not called)
+  if (!g_skip_name) return;  // no entry served anything yet (enable() not called)
   PyObject* r = PyObject_CallMethodNoArgs(comm.ptr(), g_skip_name);
   if (r) Py_DECREF(r);
   else PyErr_WriteUnraisable(comm.ptr());

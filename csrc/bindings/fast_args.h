@@ -41,11 +41,10 @@ nanobind::object refusing(nanobind::handle comm, F&& body) {
   }
 }
 
-// Sets the array type the entries serve (numpy.ndarray, whose C API it imports); once, a strong
-// reference never dropped. Until then every entry declines.
-void set_array_type(nanobind::handle type);
+// Imports NumPy's C API (idempotent). Until then every entry declines (is_array is false).
+void enable();
 
-// x is exactly the served array type (no subclass).
+// x is exactly a numpy.ndarray (no subclass), once enable() ran.
 bool is_array(nanobind::handle x);
 
 // The entries' "not served here: take the general path" (NotImplemented).

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from . import config
 from ._coll_args import _ENV, _native_module
 from .plan.schedule import LARGE_PAIR_BCAST
@@ -160,7 +158,7 @@ def attach(comm):
             shm.unlink()  # every rank has mapped it (or setup failed): no one else may open it
     shm.connect(comm.timeout, *cma_settings(comm._cpus_per_rank, comm.size))
     comm._pair_bcast_p2p = shm.cma_bcast_min > LARGE_PAIR_BCAST  # agreed: same on every rank
-    shm.set_fast_array_type(np.ndarray)
+    shm.enable_fast_entries()
     shm.fast_bcast_max = LARGE_PAIR_BCAST if comm.size == 2 and comm._pair_bcast_p2p else NEVER
     if comm.__dict__.get("_coll_worker") is None and _ENV is not None:
         comm._fast_shm = shm
