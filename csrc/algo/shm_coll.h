@@ -176,9 +176,11 @@ class ShmColl {
   void stop_for_peer(int peer) { mark_failed(Error(ErrorKind::Peer, "stopped", peer)); }
   // A collective refused its arguments on this rank before reaching the executor: number the
   // calls as if it had run, so that where only this rank refused it, the next call meets the
-  // peers' pending one under another number (a mismatch) rather than pairing with it. Owner
-  // thread, in issue order (the Python layer queues it behind pending async calls).
-  void skip_call() { ++call_; }
+  // peers' pending one under another number (a mismatch) rather than pairing with it, and
+  // publish the refusal, so that peers waiting in that call raise within ~0.1 s (their slow
+  // waits' check_calls) instead of at the timeout. Owner thread, in issue order (the Python
+  // layer queues it behind pending async calls).
+  void skip_call();
   const std::string& segment_name() const { return seg_.name(); }  // what the others open
 
   void all_reduce(const void* in, void* out, size_t count, DType t, RedOp op, double timeout);
@@ -301,7 +303,8 @@ class ShmColl {
   static constexpr uint32_t kStoppedByPeer = 1u << 16;  // in `stopped`: a peer died or failed
   // Mismatch checks (shm_coll_check.cc): begin_call numbers this call and publishes its
   // descriptor; check_line throws when a peer's stamp of the same round differs;
-  // check_calls (slow waits only) when a peer in the same call has another descriptor.
+  // check_calls (slow waits only) when a peer in the same call has another descriptor or
+  // refused it (skip_call).
   // Throws CommAbortedError when an earlier call failed on any rank (stopped() is true).
   void begin_call(CallKind kind, size_t bytes, DType t, RedOp op, int root);
   bool stopped() const;

@@ -80,12 +80,26 @@ void ShmColl::check_line(int q, const Stamp& s, bool strict) const {
   if (seq == call_ ? desc != desc_ : strict) mismatch(q, seq, desc);
 }
 
+void ShmColl::skip_call() {
+  ++call_;
+  slot(rank_)->h().refused.v.store(call_, std::memory_order_release);
+}
+
 // Called every ~100 ms of a slow wait (possibly from helper threads: reads atomics and the
-// owner's desc_/call_, fixed for the call). A peer in the same call with another descriptor
-// is a mismatch; a peer in another call may just be slow (or done: broadcast roots run ahead).
+// owner's desc_/call_, fixed for the call). A peer in the same call with another descriptor,
+// or that refused this call, is a mismatch; a peer in another call may just be slow (or
+// done: broadcast roots run ahead).
 void ShmColl::check_calls() const {
   for (int q = 0; q < n_; ++q) {
     if (q == rank_) continue;
+    // 0 is "none" (a fresh segment); a call numbered 0 after 2^32 calls is not checked here.
+    if (call_ != 0 && slot(q)->h().refused.v.load(std::memory_order_acquire) == call_)
+      throw Error(ErrorKind::Invalid,
+                  "rank " + std::to_string(rank_) + ": shared-memory collective number " + std::to_string(call_) +
+                      " differs between ranks: this rank called " + describe(desc_) + ", rank " + std::to_string(q) +
+                      " refused its arguments (its ValueError or TypeError says why) and will not take part. "
+                      "Call each collective with the same arguments, in the same order, on every rank.",
+                  -1);
     auto& call = slot(q)->h().call;
     const uint32_t seq = call.seq.load(std::memory_order_acquire);
     const uint64_t desc = call.desc.load(std::memory_order_relaxed);

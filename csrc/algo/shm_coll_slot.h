@@ -91,6 +91,10 @@ struct ShmColl::Slot {
     Line sleepers;
     Line failed;  // 1 + the rank blamed, once a collective failed on the owner (then never cleared)
     CallLine call;
+    // The owner's latest call refused before it reached the executor (skip_call; 0: none).
+    // Peers waiting in that call read it in their slow waits (check_calls) and raise instead
+    // of waiting for the timeout; it outlives the owner's later calls, unlike `call`.
+    Line refused;
     // Slot 0's only: 1 + the first rank whose executor call failed (any rank sets it, once).
     // Every later call on every rank raises: the counters are no longer in step.
     Line stopped;

@@ -114,7 +114,18 @@ void bind_p2p(nb::module_& m) {
              return c.post(obj, peer, tag, false, is_async, timeout);
            }, nb::arg("obj"), nb::arg("peer"), nb::arg("tag"), nb::arg("is_async"), nb::arg("timeout"))
       .def("describe_link", [](NativeComm& c, int peer) { return c.engine().describe_link(peer); })
-      .def("abort", [](NativeComm& c, const std::string& why) { c.engine().abort(why); })
+      .def("abort",
+           [](NativeComm& c, const std::string& why, bool notify) {
+             if (notify) c.engine().abort_and_notify(why, -1);
+             else c.engine().abort(why);
+           },
+           nb::arg("why"), nb::arg("notify") = false,
+           "fail every pending request and refuse new ones; with notify, also send the peers an abort notice")
+      .def("notify_refused", [](NativeComm& c, uint64_t number) { c.engine().notify_refused(number); },
+           nb::arg("number"),
+           "this rank refused collective `number` (its arguments): the peers' receives of it from this rank fail")
+      .def("refused_by", [](NativeComm& c, uint64_t number) { return c.engine().refused_by(number); },
+           nb::arg("number"), "the lowest rank whose refusal notice of collective `number` was read; -1: none")
       .def("poll", [](NativeComm& c) { c.engine().poll(); }, nb::call_guard<nb::gil_scoped_release>(),
            "one progress pass over every link")
       .def_prop_ro("abort_reason", [](NativeComm& c) { return c.engine().abort_reason(); },

@@ -130,6 +130,8 @@ std::shared_ptr<Request> Engine::irecv(int peer, void* buf, size_t capacity, uin
     Peer& p = *peers_[peer];
     if (aborted_) {
       fail_locked(*req, abort_kind_, abort_reason_, abort_peer_);
+    } else if (is_coll_tag(tag) && std::find(p.refused.begin(), p.refused.end(), coll_number(tag)) != p.refused.end()) {
+      fail_refused_locked(p, *req);
     } else if (!match_unexpected_locked(p, req)) {
       if (p.dead)
         fail_locked(*req, ErrorKind::Peer, "rank " + std::to_string(rank_) + ": cannot receive from rank " +
@@ -164,14 +166,14 @@ bool Engine::progress_send(Peer& p) {
   while (!p.send_queue.empty()) {
     Request& r = *p.send_queue.front();
     if (!p.front_started) {
-      bool pull = r.bytes >= opt_.pull_threshold && link.can_pull();
+      bool pull = !r.notice && r.bytes >= opt_.pull_threshold && link.can_pull();
       if (pull && p.awaiting_ack.size() >= PeerLink::kMaxPullsInFlight) break;  // acks first
       uint32_t seq = 0;
       if (pull) {
         seq = ++p.pulls_sent;
         if (seq == 0) seq = ++p.pulls_sent;  // 0 marks an empty ack slot
       }
-      p.out_hdr = MsgHeader{kHeaderMagic, pull ? kPull : kEager, r.tag, r.bytes,
+      p.out_hdr = MsgHeader{kHeaderMagic, r.notice ? r.notice : pull ? kPull : kEager, r.tag, r.bytes,
                             pull ? reinterpret_cast<uint64_t>(r.buf) : 0, r.dtype, seq};
       p.front_started = true;
       p.wire_pos = 0;
@@ -346,6 +348,27 @@ void Engine::abort_and_notify(const std::string& why, int blame) {
   else
     abort_locked(own_abort_reason(why), ErrorKind::Aborted, -1);
   notify_abort_locked(blame);
+}
+
+void Engine::notify_refused(uint64_t number) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (aborted_) return;  // the peers raise already
+  for (auto& pp : peers_) {
+    Peer& p = *pp;
+    if (!p.link || p.dead || p.rank == rank_) continue;
+    auto notice = std::make_shared<Request>(Request::Kind::Send, p.rank, number & kCollNumberMask, nullptr, 0, 0);
+    notice->notice = kRefused;  // 0 bytes: never pulled; completes once written (nobody waits for it)
+    p.send_queue.push_back(std::move(notice));
+    progress_send(p);
+  }
+}
+
+int Engine::refused_by(uint64_t number) {
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto& pp : peers_)
+    if (std::find(pp->refused.begin(), pp->refused.end(), number & kCollNumberMask) != pp->refused.end())
+      return pp->rank;
+  return -1;
 }
 
 void Engine::poll() {

@@ -23,7 +23,8 @@
 // with the blamed rank (PeerError) and passing the notice on, so survivors never wait on a
 // rank that has given up. A peer whose stream is in the middle of a message gets no notice
 // (it would corrupt the stream): its link is closed instead, and it raises PeerError naming
-// this rank.
+// this rank. A collective refused on one rank (notify_refused) fails the receives the others
+// post for it from that rank, as a mismatch would.
 #pragma once
 
 #include <atomic>
@@ -44,7 +45,7 @@ namespace linkwise {
 
 struct MsgHeader {
   uint32_t magic;
-  uint32_t kind;   // kEager or kPull
+  uint32_t kind;   // kEager or kPull (or a header-only notice: engine_internal.h)
   uint64_t tag;
   uint64_t size;
   uint64_t addr;   // kPull: the payload's address in the sender
@@ -84,6 +85,15 @@ class Engine {
   // abort(why), and an abort notice blaming rank `blame` (-1: none, e.g. a timeout) to every
   // live peer; after a collective failed on this rank (algo/coll.h). Notices go out once.
   void abort_and_notify(const std::string& why, int blame);
+  // A collective this rank refused before any of its data moved (an argument error): a
+  // refusal notice (a kRefused header carrying `number`, the collective's seq as its tags
+  // carry it: algo/coll.h) goes to every live peer behind what is already queued to it. A
+  // peer's receives of that collective from this rank, posted or yet to come, then fail
+  // (ErrorKind::Invalid) instead of waiting for the timeout; ranks that refused it too never
+  // post any, so where every rank refused a call nothing fails.
+  void notify_refused(uint64_t number);
+  // The lowest rank whose refusal notice of collective `number` has been read (-1: none).
+  int refused_by(uint64_t number);
   // Called once, under the engine's lock, when a collective failure aborts this engine (its
   // own, abort_and_notify, or a peer's notice); `blame` as there. The shared-memory executor
   // of the same communicator stops through it, so its calls cannot pair with calls the
@@ -116,6 +126,8 @@ class Engine {
   std::string own_abort_reason(const std::string& why) const;
   void notify_abort_locked(int blame);
   void take_abort_notice_locked(Peer& from, int blame);
+  void take_refusal_locked(Peer& from, uint64_t number);
+  void fail_refused_locked(Peer& from, Request& req);
   void complete_locked(Request& req, size_t transferred);
   void fail_locked(Request& req, ErrorKind kind, const std::string& msg, int peer);
   bool match_unexpected_locked(Peer& p, const std::shared_ptr<Request>& req);

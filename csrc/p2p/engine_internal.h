@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstring>
+#include <deque>
 #include <list>
 #include <memory>
 #include <string>
@@ -17,6 +18,8 @@ constexpr uint32_t kHeaderMagic = 0x314d574c;  // "LWM1"
 constexpr uint32_t kEager = 1;
 constexpr uint32_t kPull = 2;
 constexpr uint32_t kAbort = 3;  // abort notice: tag = blamed rank + 1 (0: none), no payload
+constexpr uint32_t kRefused = 4;  // refusal notice: tag = the refused collective's number, no payload
+constexpr size_t kRefusalsKept = 64;  // a peer's latest refusals a receive posted later is checked against
 constexpr size_t kStage = 4096;          // header + payload up to this go out in one write
 constexpr int kMessagesPerPass = 16;     // incoming messages one progress pass may finish per peer
 // Payload bytes one progress pass may read from one peer's byte stream (TCP): a large message
@@ -25,10 +28,11 @@ constexpr int kMessagesPerPass = 16;     // incoming messages one progress pass 
 constexpr size_t kBytesPerPass = size_t{8} << 20;
 // Collective tags (bit 63; algo/coll.h) read as the collective's number and step.
 inline bool is_coll_tag(uint64_t tag) { return tag >> 63; }
+constexpr uint64_t kCollNumberMask = (uint64_t{1} << 38) - 1;
+inline uint64_t coll_number(uint64_t tag) { return (tag >> 24) & kCollNumberMask; }
 inline std::string tag_text(uint64_t tag) {
   if (!is_coll_tag(tag)) return "tag " + std::to_string(tag);
-  return "collective number " + std::to_string((tag >> 24) & ((uint64_t{1} << 38) - 1)) + ", step " +
-         std::to_string(tag & 0xffff);
+  return "collective number " + std::to_string(coll_number(tag)) + ", step " + std::to_string(tag & 0xffff);
 }
 
 }  // namespace engine_detail
@@ -70,6 +74,7 @@ struct Engine::Peer {
   std::list<Unexpected>::iterator in_unexp;      // where the message is buffered
   size_t in_got = 0;
   std::string failure;  // why the peer failed (fail_peer_locked), for its failed messages
+  std::deque<uint64_t> refused;  // the collective numbers of its latest refusal notices (kRefusalsKept)
 
   bool has_work() const {
     return !send_queue.empty() || !awaiting_ack.empty() || !posted.empty() || in_msg;

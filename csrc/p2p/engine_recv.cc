@@ -43,6 +43,32 @@ static std::string misfit(const Request& req, const MsgHeader& h, int me, ErrorK
   return "";
 }
 
+// Peer `from` refused collective `number` (Engine::notify_refused): its receives of that
+// collective from `from` fail now, and those posted later at irecv (while it is among the
+// kRefusalsKept latest).
+void Engine::take_refusal_locked(Peer& from, uint64_t number) {
+  from.refused.push_back(number);
+  if (from.refused.size() > kRefusalsKept) from.refused.pop_front();
+  for (auto it = from.posted.begin(); it != from.posted.end();) {
+    if (is_coll_tag((*it)->tag) && coll_number((*it)->tag) == number) {
+      std::shared_ptr<Request> req = std::move(*it);
+      it = from.posted.erase(it);
+      fail_refused_locked(from, *req);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Engine::fail_refused_locked(Peer& from, Request& req) {
+  fail_locked(req, ErrorKind::Invalid,
+              "rank " + std::to_string(rank_) + ": rank " + std::to_string(from.rank) + " refused its arguments of collective number " +
+                  std::to_string(coll_number(req.tag)) +
+                  " (its ValueError or TypeError says why) and will not send its part, which this rank waits "
+                  "for; call each collective with the same arguments, in the same order, on every rank",
+              -1);
+}
+
 bool Engine::match_unexpected_locked(Peer& p, const std::shared_ptr<Request>& req) {
   for (auto it = p.unexpected.begin(); it != p.unexpected.end(); ++it) {
     if (it->hdr.tag != req->tag || it->bound) continue;
@@ -92,6 +118,11 @@ bool Engine::progress_recv(Peer& p) {
         if (p.in_hdr.kind == kAbort) {
           take_abort_notice_locked(p, static_cast<int>(p.in_hdr.tag) - 1);
           return true;
+        }
+        if (p.in_hdr.kind == kRefused) {
+          take_refusal_locked(p, p.in_hdr.tag);
+          moved = true;
+          continue;
         }
         start_incoming(p);
       }

@@ -43,6 +43,7 @@ class Request {
   // Engine-private progress state (under the Engine's lock).
   uint64_t pull_seq = 0;  // the kPull header's seq of a send awaiting its ack
   bool helped = false;    // this sender has done its share of the receiver's copy
+  uint32_t notice = 0;    // a header-only notice of this kind (kRefused), sent in turn, instead of a message
 
  private:
   friend class Engine;

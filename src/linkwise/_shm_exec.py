@@ -87,12 +87,21 @@ def refuse(comm, why: str) -> None:
 
 
 def _raise_if_aborted(comm) -> None:
-    """CommAbortedError when an abort notice has reached this rank (read now)."""
+    """CommAbortedError when an abort notice has reached this rank (read now); ValueError
+    when a peer refused the arguments of the call this rank attaches for (its refusal notice,
+    Engine::notify_refused: collectives through the executor leave the point-to-point number
+    as it is, so this call's is the communicator's current one), since it would never come."""
     from .errors import CommAbortedError
     comm._native.poll()
     why = comm._native.abort_reason
     if why:
         raise CommAbortedError(why) from None
+    who = comm._native.refused_by(comm._coll_seq)
+    if who >= 0:
+        raise ValueError(f"rank {comm.rank}: rank {who} refused its arguments of the collective this rank sets "
+                         "up the shared-memory executor for (its ValueError or TypeError says why) and will not "
+                         "take part; call each collective with the same arguments, in the same order, on every "
+                         "rank")
 
 
 def _state_of(comm, key: str) -> bytes:

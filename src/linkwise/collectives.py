@@ -182,8 +182,15 @@ class CollectivesMixin:
 
     def _skip_call(self) -> None:
         """A collective refused on this rank: its point-to-point number and its shared-memory
-        executor call number move on as if it had run (see _skips_on_argument_error)."""
-        self._coll_seq += 1
+        executor call number move on as if it had run (see _skips_on_argument_error), and the
+        peers waiting in it for this rank raise instead of waiting for the timeout (the
+        executor's refused word; over messages, a refusal notice that fails their receives of
+        it from this rank)."""
+        seq = self._coll_seq
+        self._coll_seq = seq + 1
+        native = self.__dict__.get("_native")
+        if native is not None:
+            native.notify_refused(seq)
         shm = self.__dict__.get("_shm")
         if shm is None:  # not attached yet: applied once it is
             self._shm_skips = self.__dict__.get("_shm_skips", 0) + 1
@@ -244,8 +251,9 @@ class CollectivesMixin:
         except BaseException as exc:
             # The ranks left the setup step at different points: no later collective of this
             # communicator can be trusted to pair up (nor would setup be retried in step), so
-            # every later one raises CommAbortedError.
-            self._native.abort(f"setting up the shared-memory collectives failed: {exc}")
+            # every later one raises CommAbortedError, here and (the notice) on the peers: a
+            # peer that refused the call this setup was for must not wait at the next one.
+            self._native.abort(f"setting up the shared-memory collectives failed: {exc}", notify=True)
             raise
 
     def _root(self, root: Any, op: str) -> int:
