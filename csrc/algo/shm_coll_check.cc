@@ -82,7 +82,11 @@ void ShmColl::check_line(int q, const Stamp& s, bool strict) const {
 
 void ShmColl::skip_call() {
   ++call_;
-  slot(rank_)->h().refused.v.store(call_, std::memory_order_release);
+  // Once stopped (a call failed on some rank), every later call raises anyway: a refusal
+  // published now would only turn the peers' PeerError or CommAbortedError into a misleading
+  // ValueError. (The latency entries number the executor's own mismatch ValueError as a
+  // refusal too, after it stopped the executor: fast_args.h's refusing.)
+  if (!stopped()) slot(rank_)->h().refused.v.store(call_, std::memory_order_release);
 }
 
 // Called every ~100 ms of a slow wait (possibly from helper threads: reads atomics and the

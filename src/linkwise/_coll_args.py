@@ -207,10 +207,11 @@ def _skips_on_argument_error(method):
     """Wraps a collective: when its arguments raise on this rank (ValueError, TypeError) before
     it reached the native layer, this rank numbers its calls as if it had run (_skip_call). If
     every rank refused it (the same arguments everywhere), they stay in step and go on; if only
-    this rank did, the others are in the call, and this rank's next call meets it under another
-    number, which raises on both sides (a mismatch, or the timeout where the protocols do not
-    meet) instead of pairing with it. A call that raised natively has already failed the
-    communicator (every later call raises), so the skip changes nothing there."""
+    this rank did, the others are in the call: those waiting there for this rank raise at once
+    (_skip_call tells them), and this rank's next call meets it under another number, which
+    raises on both sides (a mismatch) instead of pairing with it. A call that raised natively
+    has already failed the communicator (every later call raises), so the skip changes nothing
+    there (nor is a refusal published then)."""
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
         seq = self._coll_seq
