@@ -165,6 +165,7 @@ void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, co
     if (seconds_since(last_check) >= 0.1) {
       last_check = Clock::now();
       check_calls();  // a peer in this call with other arguments: it may never publish `word`
+      if (interrupted()) throw_interrupted(rank_, std::string("shared-memory ") + what);  // Ctrl-C
       // Stopped from another thread of this rank (close(), or another collective of the
       // communicator failed: the engine's failure hook): this call can no longer complete.
       if (slot(rank_)->h().failed.v.load(std::memory_order_acquire) && !reached(word.load(std::memory_order_acquire), target))

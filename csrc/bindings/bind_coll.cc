@@ -19,6 +19,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -32,6 +33,7 @@
 #include "bindings/bindings.h"
 #include "bindings/native_comm.h"
 #include "bindings/shm_coll_py.h"
+#include "core/wait.h"
 
 namespace nb = nanobind;
 
@@ -130,10 +132,23 @@ class CollRequest {
   void wait(double timeout_s) {
     {
       nb::gil_scoped_release nogil;
-      std::unique_lock<std::mutex> l(job_->mu);
-      if (!job_->cv.wait_for(l, std::chrono::duration<double>(timeout_s), [&] { return job_->done.load(); }))
-        throw Error(ErrorKind::Timeout, "async collective did not complete within " + seconds_text(timeout_s) +
-                                            "; check that every rank calls it, or raise LINKWISE_TIMEOUT");
+      // In slices of 0.1 s, for Ctrl-C (core/wait.h; checked without job_->mu, since the check
+      // takes the GIL): the job goes on in the worker, as after a timeout (the Python layer
+      // stops the executor then).
+      const auto t0 = Clock::now();
+      while (true) {
+        const double left = timeout_s - seconds_since(t0);
+        {
+          std::unique_lock<std::mutex> l(job_->mu);
+          if (job_->cv.wait_for(l, std::chrono::duration<double>(std::clamp(left, 0.0, 0.1)),
+                                [&] { return job_->done.load(); }))
+            break;
+        }
+        if (left <= 0.1)
+          throw Error(ErrorKind::Timeout, "async collective did not complete within " + seconds_text(timeout_s) +
+                                              "; check that every rank calls it, or raise LINKWISE_TIMEOUT");
+        if (interrupted()) throw_interrupted(comm_->engine().rank(), "an async collective's wait");
+      }
     }
     finish();
   }

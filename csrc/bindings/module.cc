@@ -5,30 +5,72 @@
 #include "bindings/bindings.h"
 #include "core/copy.h"
 #include "core/status.h"
+#include "core/wait.h"
 
 namespace nb = nanobind;
 
 namespace linkwise {
 
-// Maps linkwise::Error to the classes of linkwise.errors (imported on first use).
-void bind_errors(nb::module_& m) {
+namespace {
+// Ctrl-C in long waits (core/wait.h). Only the main thread runs Python's signal handlers, so
+// only it checks; what a handler raised waits here (GIL held to touch it) for the translator.
+unsigned long g_main_thread = 0;  // PyThread_get_thread_ident() of the main thread
+PyObject *g_raised_type = nullptr, *g_raised_value = nullptr, *g_raised_trace = nullptr;
+
+bool python_interrupted() {
+  if (PyThread_get_thread_ident() != g_main_thread || !Py_IsInitialized()) return false;
+  nb::gil_scoped_acquire gil;  // the waiting thread released it; this takes it back briefly
+  if (PyErr_CheckSignals() == 0) return false;
+  Py_XDECREF(g_raised_type);
+  Py_XDECREF(g_raised_value);
+  Py_XDECREF(g_raised_trace);
+  PyErr_Fetch(&g_raised_type, &g_raised_value, &g_raised_trace);
+  return true;
+}
+
+// Sets what python_interrupted() kept (KeyboardInterrupt if nothing is kept).
+void raise_interrupt() {
+  if (!g_raised_type) {
+    PyErr_SetNone(PyExc_KeyboardInterrupt);
+    return;
+  }
+  PyErr_Restore(g_raised_type, g_raised_value, g_raised_trace);
+  g_raised_type = g_raised_value = g_raised_trace = nullptr;
+}
+
+// Sets the Python exception of e (not Interrupted).
+void translate(const Error& e) {
+  const char* cls = "LinkwiseError";
+  switch (e.kind()) {
+    case ErrorKind::Invalid: PyErr_SetString(PyExc_ValueError, e.what()); return;
+    case ErrorKind::Type: PyErr_SetString(PyExc_TypeError, e.what()); return;
+    case ErrorKind::Timeout: cls = "TimeoutError"; break;
+    case ErrorKind::Peer: cls = "PeerError"; break;
+    case ErrorKind::Aborted: cls = "CommAbortedError"; break;
+    case ErrorKind::Internal: case ErrorKind::Interrupted: cls = "LinkwiseError"; break;
+  }
+  nb::object type = nb::module_::import_("linkwise.errors").attr(cls);
+  nb::object exc = e.kind() == ErrorKind::Peer ? type(e.what(), -1, e.peer()) : type(e.what());
+  PyErr_SetObject(type.ptr(), exc.ptr());
+}
+}  // namespace
+
+// Maps linkwise::Error to the classes of linkwise.errors (imported on first use). Making the
+// exception runs Python code: a signal handler that raises meanwhile (Ctrl-C as the wait
+// ended) wins, as it would in Python, rather than turning into a RuntimeError.
+void bind_errors(nb::module_&) {
+  g_main_thread = nb::cast<unsigned long>(nb::module_::import_("threading").attr("main_thread")().attr("ident"));
+  set_interrupt_check(&python_interrupted);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
     } catch (const Error& e) {
-      nb::module_ errors = nb::module_::import_("linkwise.errors");
-      const char* cls = "LinkwiseError";
-      switch (e.kind()) {
-        case ErrorKind::Invalid: PyErr_SetString(PyExc_ValueError, e.what()); return;
-        case ErrorKind::Type: PyErr_SetString(PyExc_TypeError, e.what()); return;
-        case ErrorKind::Timeout: cls = "TimeoutError"; break;
-        case ErrorKind::Peer: cls = "PeerError"; break;
-        case ErrorKind::Aborted: cls = "CommAbortedError"; break;
-        case ErrorKind::Internal: cls = "LinkwiseError"; break;
+      if (e.kind() == ErrorKind::Interrupted) return raise_interrupt();
+      try {
+        translate(e);
+      } catch (nb::python_error& raised) {
+        raised.restore();
       }
-      nb::object type = errors.attr(cls);
-      nb::object exc = e.kind() == ErrorKind::Peer ? type(e.what(), -1, e.peer()) : type(e.what());
-      PyErr_SetObject(type.ptr(), exc.ptr());
     }
   });
 }

@@ -3,7 +3,9 @@
 // Contract: recoverable failures throw linkwise::Error with a Kind that the bindings map to
 // a Python exception (Timeout -> linkwise.TimeoutError, Peer -> linkwise.PeerError, Invalid ->
 // ValueError, Type -> TypeError, Aborted -> linkwise.CommAbortedError, Internal ->
-// linkwise.LinkwiseError). Invariants that can only fail through a bug use LW_CHECK.
+// linkwise.LinkwiseError, Interrupted -> the exception a Python signal handler raised while
+// the call waited, KeyboardInterrupt for Ctrl-C: core/wait.h's interrupted()). Invariants that
+// can only fail through a bug use LW_CHECK.
 #pragma once
 
 #include <stdexcept>
@@ -11,7 +13,7 @@
 
 namespace linkwise {
 
-enum class ErrorKind { Internal, Timeout, Peer, Invalid, Type, Aborted };
+enum class ErrorKind { Internal, Timeout, Peer, Invalid, Type, Aborted, Interrupted };
 
 class Error : public std::runtime_error {
  public:

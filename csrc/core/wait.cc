@@ -5,8 +5,26 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <string>
+
+#include "core/status.h"
 
 namespace linkwise {
+
+namespace {
+std::atomic<InterruptCheck> g_interrupt_check{nullptr};
+}  // namespace
+
+void set_interrupt_check(InterruptCheck check) { g_interrupt_check.store(check, std::memory_order_release); }
+
+bool interrupted() {
+  const InterruptCheck check = g_interrupt_check.load(std::memory_order_acquire);
+  return check && check();
+}
+
+void throw_interrupted(int rank, const std::string& what) {
+  throw Error(ErrorKind::Interrupted, "rank " + std::to_string(rank) + ": " + what + " was interrupted");
+}
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_us) {
   struct timespec ts;

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <string>
 
 namespace linkwise {
 
@@ -19,6 +20,18 @@ inline double seconds_since(Clock::time_point t0) {
 // futex_wait returns when *word != expected, on a wake, or after timeout_us.
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_us);
 void futex_wake_all(std::atomic<uint32_t>* word);
+
+// Ctrl-C while a call waits. The waits that may last (past their spin: Engine::wait,
+// ShmColl::wait_ge, an async collective's wait) call interrupted() every ~0.1 s and, when it
+// is true, give up as on a timeout but throw ErrorKind::Interrupted. The Python bindings set
+// the check (bindings/module.cc): on the main thread only, it runs the pending signal
+// handlers (a SIGINT's raises KeyboardInterrupt) and keeps what they raised for the error
+// translator. Without a check set, never interrupted. Safe from any thread.
+using InterruptCheck = bool (*)();
+void set_interrupt_check(InterruptCheck check);
+bool interrupted();
+// The Error an interrupted wait throws (`what`: the call that waited).
+[[noreturn]] void throw_interrupted(int rank, const std::string& what);
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)

@@ -125,9 +125,18 @@ void Engine::wait(Request& req, double timeout_s, const char* op) {
       }
       sleep_once(std::min<int64_t>(kSliceUs, static_cast<int64_t>(left * 1e6) + 1), [&] { return req.done(); });
       if (seconds_since(last_reap) >= 0.1 && !req.done()) {
-        std::lock_guard<std::mutex> g(mu_);
-        reap_dead_peers_locked();
-        last_reap = Clock::now();
+        {
+          std::lock_guard<std::mutex> g(mu_);
+          reap_dead_peers_locked();
+          last_reap = Clock::now();
+        }
+        // Ctrl-C: given up as on a timeout (a request that started moving aborts the engine).
+        // Its handler's exception is taken, so it is raised even if req completed meanwhile.
+        if (interrupted()) {
+          if (!cancel(req) && !req.done()) abort("an operation was interrupted in the middle of a transfer");
+          throw_interrupted(rank_, std::string(op) + " with rank " + std::to_string(req.peer) + " (" +
+                                       tag_text(req.tag) + ")");
+        }
       }
     }
     if (slept) adapt_spin(budget_us, seconds_since(sleep_start) * 1e6);
