@@ -316,6 +316,8 @@ class ShmColl {
   void check_line(int q, const Stamp& s, bool strict) const;
   void check_calls() const;
   [[noreturn]] void mismatch(int q, uint32_t their_call, uint64_t theirs) const;
+  // The ValueError of a call that differs: "... this rank called <this call>, rank q <theirs>."
+  [[noreturn]] void differs(int q, const std::string& theirs) const;
   // A broadcast piece's stamp: this call's number and its byte count modulo 2^32 (the root
   // and kind are implied: only the root's broadcasts write pieces to its slot). A reader
   // compares it strictly, since the piece belongs to this very call; piece_mismatch names

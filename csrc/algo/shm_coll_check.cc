@@ -98,12 +98,7 @@ void ShmColl::check_calls() const {
     if (q == rank_) continue;
     // 0 is "none" (a fresh segment); a call numbered 0 after 2^32 calls is not checked here.
     if (call_ != 0 && slot(q)->h().refused.v.load(std::memory_order_acquire) == call_)
-      throw Error(ErrorKind::Invalid,
-                  "rank " + std::to_string(rank_) + ": shared-memory collective number " + std::to_string(call_) +
-                      " differs between ranks: this rank called " + describe(desc_) + ", rank " + std::to_string(q) +
-                      " refused its arguments (its ValueError or TypeError says why) and will not take part. "
-                      "Call each collective with the same arguments, in the same order, on every rank.",
-                  -1);
+      differs(q, "refused its arguments (its ValueError or TypeError says why) and will not take part");
     auto& call = slot(q)->h().call;
     const uint32_t seq = call.seq.load(std::memory_order_acquire);
     const uint64_t desc = call.desc.load(std::memory_order_relaxed);
@@ -123,12 +118,7 @@ void ShmColl::piece_mismatch(int root) const {
   const uint64_t desc = call.desc.load(std::memory_order_relaxed);
   if (seq == call_ && call.seq.load(std::memory_order_acquire) == seq) mismatch(root, seq, desc);
   // The root already went on to later calls: its descriptor of this one is gone.
-  throw Error(ErrorKind::Invalid,
-              "rank " + std::to_string(rank_) + ": shared-memory collective number " + std::to_string(call_) +
-                  " differs between ranks: this rank called " + describe(desc_) + ", rank " + std::to_string(root) +
-                  " (the root) a broadcast of another size or root, or another collective. Call each "
-                  "collective with the same arguments, in the same order, on every rank.",
-              -1);
+  differs(root, "(the root) a broadcast of another size or root, or another collective");
 }
 
 void ShmColl::mismatch(int q, uint32_t their_call, uint64_t theirs) const {
@@ -137,12 +127,14 @@ void ShmColl::mismatch(int q, uint32_t their_call, uint64_t theirs) const {
                           : describe(theirs) + " as its shared-memory collective number " + std::to_string(their_call) +
                                 " (the ranks' sequences of calls differ: a call missing on one rank, or one "
                                 "whose arguments were refused on one rank only)";
+  differs(q, theirs_text + " (a barrier is a 1-byte uint8 all_reduce)");
+}
+
+void ShmColl::differs(int q, const std::string& theirs) const {
   throw Error(ErrorKind::Invalid,
               "rank " + std::to_string(rank_) + ": shared-memory collective number " + std::to_string(call_) +
                   " differs between ranks: this rank called " + describe(desc_) + ", rank " + std::to_string(q) +
-                  " " + theirs_text +
-                  " (a barrier is a 1-byte uint8 all_reduce). Call each collective with the same arguments, "
-                  "in the same order, on every rank.",
+                  " " + theirs + ". Call each collective with the same arguments, in the same order, on every rank.",
               -1);
 }
 

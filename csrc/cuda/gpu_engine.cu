@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/status.h"
+#include "core/wait.h"
 #include "cuda/gpu_engine.h"
 #include "cuda/engine_impl.h"
 #include "cuda/launch.h"
@@ -373,11 +374,16 @@ bool GpuEngine::event_wait(uintptr_t ev, double timeout_s) {
   // Polls with a growing nap (2..500 us) rather than cudaEventSynchronize so that the timeout
   // holds; device waits are bounded anyway (gpu_device.cuh), so this rarely runs long.
   auto t0 = std::chrono::steady_clock::now();
+  double checked = 0;  // when (seconds after t0) Ctrl-C was last looked for
   long nap_ns = 0;
   for (;;) {
     if (event_query(ev)) return true;
     double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (waited >= timeout_s) return false;
+    if (waited - checked >= 0.1) {  // core/wait.h: the work stays queued on its stream
+      checked = waited;
+      if (interrupted()) throw_interrupted(rank_, "a GPU request's wait");
+    }
     nap_ns = nap_ns ? (nap_ns < 500000 ? nap_ns * 2 : 500000) : 2000;
     timespec ts{0, nap_ns};
     nanosleep(&ts, nullptr);
