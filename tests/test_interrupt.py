@@ -105,7 +105,8 @@ def _collective(comm, path):
     return got, later
 
 
-@pytest.mark.parametrize("path,env", [("executor", {}), ("large", {}), ("async", {}),
+@pytest.mark.parametrize("path,env", [("executor", {}), ("large", {}), ("large", {"LINKWISE_COLL_THREADS": "2"}),
+                                      ("async", {}),
                                       ("messages", {"LINKWISE_ALGO": "ring"}),
                                       ("tcp", {"LINKWISE_TRANSPORT": "tcp"})])
 def test_an_interrupted_collective_raises_and_stops_the_collectives(path, env):

@@ -1,6 +1,7 @@
 #include "algo/fork_join.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "core/wait.h"
 
@@ -60,7 +61,7 @@ void ForkJoin::helper(int index) {
   }
 }
 
-void ForkJoin::run(int parts, const std::function<void(int, int)>& f) {
+void ForkJoin::run(int parts, const std::function<void(int, int)>& f, const std::function<void()>& on_interrupt) {
   const int want = std::min(threads_, parts) - 1;  // helpers with work in this job
   if (want <= 0) {
     for (int i = 0; i < parts; ++i) f(i, 0);
@@ -84,7 +85,17 @@ void ForkJoin::run(int parts, const std::function<void(int, int)>& f) {
   auto done = [&] { return busy_.load(std::memory_order_acquire) == 0; };
   if (!spin_until(done)) {
     std::unique_lock<std::mutex> l(mu_);
-    done_cv_.wait(l, done);
+    bool told = !on_interrupt;
+    // In slices of 0.1 s while Ctrl-C may still matter (interrupted() takes the GIL: not under mu_).
+    while (!done_cv_.wait_for(l, std::chrono::milliseconds(told ? 1000 : 100), done)) {
+      if (told) continue;
+      l.unlock();
+      if (interrupted()) {
+        told = true;
+        on_interrupt();
+      }
+      l.lock();
+    }
   }
   job_ = nullptr;
   std::lock_guard<std::mutex> g(mu_);

@@ -39,7 +39,11 @@ class ForkJoin {
   ForkJoin& operator=(const ForkJoin&) = delete;
 
   int threads() const { return threads_; }
-  void run(int parts, const std::function<void(int, int)>& f);
+  // on_interrupt (optional): called once, on the owner's thread, when core/wait.h's
+  // interrupted() turns true while the owner waits for helpers still in f (its own parts
+  // done); it must make their f return soon (ShmColl: marks the rank failed, so their waits
+  // give up). run() still returns only after every helper left f.
+  void run(int parts, const std::function<void(int, int)>& f, const std::function<void()>& on_interrupt = {});
 
  private:
   void helper(int index);

@@ -354,14 +354,29 @@ int ShmColl::lanes_for(size_t bytes) const {
 // Runs lane(0..lanes-1) on this rank's threads; one lane runs on the calling thread alone.
 void ShmColl::run_lanes(int lanes, const std::function<void(int)>& lane) {
   if (lanes == 1) return lane(0);
-  pool_->run(lanes, [&](int l, int) {
-    try {
-      lane(l);
-    } catch (const Error& e) {
-      mark_failed(e);  // now, so peers waiting on my other lanes give up too
-      throw;
-    }
-  });
+  bool interrupted_here = false;  // the owner's thread only: helpers never look for Ctrl-C
+  try {
+    pool_->run(
+        lanes,
+        [&](int l, int) {
+          try {
+            lane(l);
+          } catch (const Error& e) {
+            // A helper's error (its wait saw this rank failed) may be stored before the
+            // owner's interrupt: the interrupt is what the caller raises either way.
+            if (e.kind() == ErrorKind::Interrupted) interrupted_here = true;
+            mark_failed(e);  // now, so peers waiting on my other lanes give up too
+            throw;
+          }
+        },
+        [&] {  // Ctrl-C while helpers wait (off the main thread, they do not look for it)
+          interrupted_here = true;
+          mark_failed(Error(ErrorKind::Interrupted, "interrupted"));  // their waits see it and give up
+        });
+  } catch (const Error&) {
+    if (interrupted_here) throw_interrupted(rank_, std::string("shared-memory ") + call_what());
+    throw;
+  }
 }
 
 void ShmColl::broadcast(const void* src, void* buf, size_t bytes, int root, double timeout) {
