@@ -315,3 +315,32 @@ def test_survivors_handle_peer_error_before_being_stopped(tmp_path):
     assert p.returncode == 128 + 9 and "rank 1 was killed by signal SIGKILL" in p.stderr, p.stderr[-2000:]
     assert p.stdout.count("handled PeerError from rank 1") == 2, p.stdout[-2000:]
     assert elapsed < 15
+
+
+def test_ctrl_c_interrupts_ranks_blocked_in_a_receive(tmp_path):
+    """Both ranks wait to receive from each other (a deadlock) with a 60 s timeout: the
+    forwarded SIGINT must end each rank's wait at once with KeyboardInterrupt and the
+    traceback of that receive (before, the ranks sat out the timeout: Ctrl-C did nothing)."""
+    script = tmp_path / "prog.py"
+    script.write_text("import numpy as np, linkwise\n"
+                      "comm = linkwise.init()\n"
+                      "comm.barrier()\n"
+                      "print('ready', flush=True)\n"
+                      "comm.recv(np.zeros(4, np.float32), 1 - comm.rank)\n")
+    env = dict(os.environ, PYTHONPATH=SRC, LINKWISE_TIMEOUT="60")
+    p = subprocess.Popen([sys.executable, "-m", "linkwise.cli", "launch", "-n", "2", str(script)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(2):
+            assert "ready" in p.stdout.readline()
+        time.sleep(0.5)  # both are in the receive's slow wait by now
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=20)
+    finally:
+        p.kill()
+    assert time.monotonic() - t0 < 5, (out, err)
+    for rank in range(2):
+        lines = [line for line in (out + err).splitlines() if line.startswith(f"[rank {rank}]")]
+        assert any(line.endswith("KeyboardInterrupt") for line in lines), (out, err)
+        assert any("comm.recv(" in line for line in lines), (out, err)
