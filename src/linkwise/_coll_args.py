@@ -225,3 +225,15 @@ def _skips_on_argument_error(method):
             self._skip_call()
             raise
     return guarded
+
+
+def _check_tunables() -> None:
+    """Raise ValueError (naming the variable and its value) when LINKWISE_CHUNK_SIZE or
+    LINKWISE_ALGO is set to something that does not parse. The shared-memory branch of _run,
+    the GPU dispatch and the setup of the latency paths (the first collective) call it; the
+    point-to-point branch parses both in _schedule. So a bad value fails every kind of
+    collective alike, even those it would not change."""
+    if _env_set(b"LINKWISE_CHUNK_SIZE"):
+        config.get("LINKWISE_CHUNK_SIZE")
+    if _env_set(b"LINKWISE_ALGO"):
+        config.get("LINKWISE_ALGO")

@@ -1,14 +1,15 @@
 """The shared-memory collective executor of a communicator (csrc/algo/shm_coll.h): its
-default settings (single-copy thresholds, helper threads, one-shot limit), and attaching it.
-Used by collectives.py; the settings are rank 0's once connected, so every rank takes the
-same protocol.
+default settings (single-copy thresholds, helper threads, one-shot limit), attaching it, and
+ExecutorMixin, the Communicator's side of it (which calls it runs, calls refused on this
+rank). Used by collectives.py; the settings are rank 0's once connected, so every rank takes
+the same protocol.
 """
 from __future__ import annotations
 
 import time
 
 from . import config
-from ._coll_args import _ENV, _native_module
+from ._coll_args import _ENV, _check_tunables, _env_set, _native_module
 from .plan.schedule import LARGE_PAIR_BCAST
 
 NEVER = (1 << 63) - 1
@@ -172,3 +173,92 @@ def attach(comm):
     if comm.__dict__.get("_coll_worker") is None and _ENV is not None:
         comm._fast_shm = shm
     return shm
+
+
+# Collectives the shared-memory executor runs at every size within a host (the block ones:
+# its one-shot area when small, rounds in its two-shot areas when larger).
+_EXECUTOR_KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "gather")
+# scatter only while its blocks fit the one-shot area: through the executor the root would
+# post every block (n x the bytes on one rank), where messages let each rank copy its block
+# straight out of the root's x (16 ranks, 32-core host: 4-9x slower from 1 MiB).
+
+
+class ExecutorMixin:
+    """The executor's side of CollectivesMixin: which calls it runs, attaching it, and numbering
+    calls refused on this rank (uses self._native, self._coll_seq, self.size, self.timeout)."""
+
+    def _skip_call(self) -> None:
+        """A collective refused on this rank: its point-to-point number and its shared-memory
+        executor call number move on as if it had run (see _skips_on_argument_error), and the
+        peers waiting in it for this rank raise instead of waiting for the timeout (the
+        executor's refused word; over messages, a refusal notice that fails their receives of
+        it from this rank)."""
+        seq = self._coll_seq
+        self._coll_seq = seq + 1
+        native = self.__dict__.get("_native")
+        if native is not None:
+            native.notify_refused(seq)
+        shm = self.__dict__.get("_shm")
+        if shm is None:  # not attached yet: applied once it is
+            self._shm_skips = self.__dict__.get("_shm_skips", 0) + 1
+        elif shm:
+            worker = self.__dict__.get("_coll_worker")
+            if worker is not None and worker.pending:
+                worker.submit_skip(shm)  # behind the pending async calls: issue order
+            else:
+                shm.skip_call()
+
+    def _stop_shm(self) -> None:
+        """This rank gave up on a collective: the ranks' collective sequences may no longer
+        agree, so stop the shared-memory executor too (its waiting peers raise PeerError, and
+        every later call there raises), rather than let the next call pair with a different
+        call on another rank."""
+        shm = self.__dict__.get("_shm")
+        if shm:
+            shm.stop()
+
+    def _shm_for(self, kind: str, nbytes: int):
+        """The shared-memory executor for this call, or None for the point-to-point algorithms.
+
+        Used for all_reduce, reduce and broadcast when every peer is on this host (shared-memory
+        links) and LINKWISE_ALGO does not force a point-to-point algorithm ("direct" = one-shot
+        through shared memory for all_reduce), for reduce_scatter, all_gather, all_to_all and
+        gather (one round through the segment while all the blocks have at most 32 KiB, else
+        rounds in the two-shot areas), and for scatter whose size blocks have at most 32 KiB
+        (nbytes is one block's). The same on every rank, so all ranks reach the first such
+        call together and attach the segment there (a collective step)."""
+        if self.size == 1:
+            return None
+        if kind == "scatter":
+            if nbytes * self.size > ONE_SHOT_CAP:
+                return None
+        elif kind not in _EXECUTOR_KINDS:
+            return None
+        if kind == "broadcast" and self.size == 2 and nbytes >= LARGE_PAIR_BCAST and self._pair_bcast_p2p:
+            return None  # without CMA in the executor: one single-copy message beats two copies
+        algo = config.get("LINKWISE_ALGO") if _env_set(b"LINKWISE_ALGO") else ""
+        if algo and not (algo == "direct" and kind == "all_reduce"):
+            return None
+        shm = self.__dict__.get("_shm")
+        if shm is None:
+            why = self._native.abort_reason
+            if why:  # the ranks may be out of step: attaching (a collective step) could hang
+                from .errors import CommAbortedError
+                refuse(self, why)
+                raise CommAbortedError(why)
+            shm = self._shm = self._attach_shm() or False
+            for _ in range(self.__dict__.pop("_shm_skips", 0) if shm else 0):
+                shm.skip_call()  # calls refused on this rank before the executor existed
+        return shm or None
+
+    def _attach_shm(self):
+        _check_tunables()  # before the latency paths, which never read them, are set up
+        try:
+            return attach(self)
+        except BaseException as exc:
+            # The ranks left the setup step at different points: no later collective of this
+            # communicator can be trusted to pair up (nor would setup be retried in step), so
+            # every later one raises CommAbortedError, here and (the notice) on the peers: a
+            # peer that refused the call this setup was for must not wait at the next one.
+            self._native.abort(f"setting up the shared-memory collectives failed: {exc}", notify=True)
+            raise

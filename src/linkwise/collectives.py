@@ -34,10 +34,11 @@ import numpy as np
 
 from . import _gpu_coll, _shm_exec, config
 from ._coll_fast import all_reduce_bf16_fast
-from .plan.schedule import LARGE_PAIR_BCAST, default_schedule
+from .plan.schedule import default_schedule
 from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from here
     _ENV, _FAST_CODES, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, CollectiveRequest, _as_array,
-    _dtype_label, _dtype_name, _env_set, _host_out, _native_module, _raw, _skips_on_argument_error,
+    _check_tunables, _dtype_label, _dtype_name, _env_set, _host_out, _native_module, _raw,
+    _skips_on_argument_error,
     block_shape, check_agree, gathered_shape)
 
 
@@ -49,32 +50,12 @@ _ALL_GATHER, _REDUCE_SCATTER, _ALL_TO_ALL = KINDS["all_gather"], KINDS["reduce_s
 _NEVER, _cma_settings, DEFAULT_MAX_THREADS = _shm_exec.NEVER, _shm_exec.cma_settings, _shm_exec.DEFAULT_MAX_THREADS
 
 
-def _check_tunables() -> None:
-    """Raise ValueError (naming the variable and its value) when LINKWISE_CHUNK_SIZE or
-    LINKWISE_ALGO is set to something that does not parse. The shared-memory branch of _run,
-    the GPU dispatch and the setup of the latency paths (the first collective) call it; the
-    point-to-point branch parses both in _schedule. So a bad value fails every kind of
-    collective alike, even those it would not change."""
-    if _env_set(b"LINKWISE_CHUNK_SIZE"):
-        config.get("LINKWISE_CHUNK_SIZE")
-    if _env_set(b"LINKWISE_ALGO"):
-        config.get("LINKWISE_ALGO")
-
-
 def _gpu_dispatch(comm, kind: str, x: Any, **kw):
     _check_tunables()
     return _gpu_coll.dispatch(comm, kind, x, **kw)
 
 
-# Collectives the shared-memory executor runs at every size within a host (the block ones:
-# its one-shot area when small, rounds in its two-shot areas when larger).
-_EXECUTOR_KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "gather")
-# scatter only while its blocks fit the one-shot area: through the executor the root would
-# post every block (n x the bytes on one rank), where messages let each rank copy its block
-# straight out of the root's x (16 ranks, 32-core host: 4-9x slower from 1 MiB).
-
-
-class CollectivesMixin:
+class CollectivesMixin(_shm_exec.ExecutorMixin):
     """Mixed into Communicator; uses self._native, self.rank, self.size, self.timeout."""
 
     # The shared-memory executor while the latency paths (all_reduce, reduce, broadcast) may use it: set
@@ -178,82 +159,6 @@ class CollectivesMixin:
             # A collective that failed stopped the shared-memory executor natively already;
             # this wait may also give up first (its own timeout), leaving the call behind.
             self._stop_shm()
-            raise
-
-    def _skip_call(self) -> None:
-        """A collective refused on this rank: its point-to-point number and its shared-memory
-        executor call number move on as if it had run (see _skips_on_argument_error), and the
-        peers waiting in it for this rank raise instead of waiting for the timeout (the
-        executor's refused word; over messages, a refusal notice that fails their receives of
-        it from this rank)."""
-        seq = self._coll_seq
-        self._coll_seq = seq + 1
-        native = self.__dict__.get("_native")
-        if native is not None:
-            native.notify_refused(seq)
-        shm = self.__dict__.get("_shm")
-        if shm is None:  # not attached yet: applied once it is
-            self._shm_skips = self.__dict__.get("_shm_skips", 0) + 1
-        elif shm:
-            worker = self.__dict__.get("_coll_worker")
-            if worker is not None and worker.pending:
-                worker.submit_skip(shm)  # behind the pending async calls: issue order
-            else:
-                shm.skip_call()
-
-    def _stop_shm(self) -> None:
-        """This rank gave up on a collective: the ranks' collective sequences may no longer
-        agree, so stop the shared-memory executor too (its waiting peers raise PeerError, and
-        every later call there raises), rather than let the next call pair with a different
-        call on another rank."""
-        shm = self.__dict__.get("_shm")
-        if shm:
-            shm.stop()
-
-    def _shm_for(self, kind: str, nbytes: int):
-        """The shared-memory executor for this call, or None for the point-to-point algorithms.
-
-        Used for all_reduce, reduce and broadcast when every peer is on this host (shared-memory
-        links) and LINKWISE_ALGO does not force a point-to-point algorithm ("direct" = one-shot
-        through shared memory for all_reduce), for reduce_scatter, all_gather, all_to_all and
-        gather (one round through the segment while all the blocks have at most 32 KiB, else
-        rounds in the two-shot areas), and for scatter whose size blocks have at most 32 KiB
-        (nbytes is one block's). The same on every rank, so all ranks reach the first such
-        call together and attach the segment there (a collective step)."""
-        if self.size == 1:
-            return None
-        if kind == "scatter":
-            if nbytes * self.size > _shm_exec.ONE_SHOT_CAP:
-                return None
-        elif kind not in _EXECUTOR_KINDS:
-            return None
-        if kind == "broadcast" and self.size == 2 and nbytes >= LARGE_PAIR_BCAST and self._pair_bcast_p2p:
-            return None  # without CMA in the executor: one single-copy message beats two copies
-        algo = config.get("LINKWISE_ALGO") if _env_set(b"LINKWISE_ALGO") else ""
-        if algo and not (algo == "direct" and kind == "all_reduce"):
-            return None
-        shm = self.__dict__.get("_shm")
-        if shm is None:
-            why = self._native.abort_reason
-            if why:  # the ranks may be out of step: attaching (a collective step) could hang
-                from .errors import CommAbortedError
-                _shm_exec.refuse(self, why)
-                raise CommAbortedError(why)
-            shm = self._shm = self._attach_shm() or False
-            for _ in range(self.__dict__.pop("_shm_skips", 0) if shm else 0):
-                shm.skip_call()  # calls refused on this rank before the executor existed
-        return shm or None
-
-    def _attach_shm(self):
-        _check_tunables()  # before the latency paths, which never read them, are set up
-        try:
-            return _shm_exec.attach(self)
-        except BaseException as exc:
-            # The ranks left the setup step at different points: no later collective of this
-            # communicator can be trusted to pair up (nor would setup be retried in step), so
-            # every later one raises CommAbortedError, here and (the notice) on the peers: a
-            # peer that refused the call this setup was for must not wait at the next one.
-            self._native.abort(f"setting up the shared-memory collectives failed: {exc}", notify=True)
             raise
 
     def _root(self, root: Any, op: str) -> int:
