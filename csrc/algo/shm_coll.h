@@ -177,8 +177,8 @@ class ShmColl {
   // A collective refused its arguments on this rank before reaching the executor: number the
   // calls as if it had run, so that where only this rank refused it, the next call meets the
   // peers' pending one under another number (a mismatch) rather than pairing with it, and
-  // publish the refusal, so that peers waiting in that call raise within ~0.1 s (their slow
-  // waits' check_calls) instead of at the timeout. Owner thread, in issue order (the Python
+  // (unless the executor already stopped) publish the refusal, so that peers waiting in that
+  // call raise within ~0.1 s (their slow waits' check_calls) instead of at the timeout. Owner thread, in issue order (the Python
   // layer queues it behind pending async calls).
   void skip_call();
   const std::string& segment_name() const { return seg_.name(); }  // what the others open

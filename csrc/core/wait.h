@@ -22,8 +22,9 @@ void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_
 void futex_wake_all(std::atomic<uint32_t>* word);
 
 // Ctrl-C while a call waits. The waits that may last (past their spin: Engine::wait,
-// ShmColl::wait_ge, an async collective's wait) call interrupted() every ~0.1 s and, when it
-// is true, give up as on a timeout but throw ErrorKind::Interrupted. The Python bindings set
+// ShmColl::wait_ge, an async collective's wait, a GPU request's event_wait, ForkJoin::run's
+// owner waiting for helpers) call interrupted() every ~0.1 s and, when it is true, give up
+// as on a timeout but throw ErrorKind::Interrupted. The Python bindings set
 // the check (bindings/module.cc): on the main thread only, it runs the pending signal
 // handlers (a SIGINT's raises KeyboardInterrupt) and keeps what they raised for the error
 // translator. Without a check set, never interrupted. Safe from any thread.
