@@ -233,3 +233,52 @@ def _bitwise_int_ops(comm):
 
 def test_bitwise_ops_on_integers_through_the_communicator():
     run_ranks(5, _bitwise_int_ops)
+
+
+def _env_forces_the_general_path(comm):
+    """LINKWISE_ALGO or LINKWISE_CHECK set while the executor is attached (os.environ, as a
+    user would between calls): every entry declines, so the general path honours the
+    variable; unset, the entries serve again."""
+    import os
+    from linkwise.collectives import _ALL_GATHER, _ALL_TO_ALL, _REDUCE_SCATTER
+    fast, n = _executor(comm), comm.size
+    f = np.ones(2 * n, np.float32)
+    entries = {
+        "all_reduce_fast": lambda: fast.all_reduce_fast(comm, f.copy(), "sum", None),
+        "reduce_fast": lambda: fast.reduce_fast(comm, f.copy(), 0, "sum", None),
+        "broadcast_fast": lambda: fast.broadcast_fast(comm, f.copy(), 0, None),
+        "all_gather": lambda: fast.exchange_fast(comm, _ALL_GATHER, f.copy(), None, ""),
+        "reduce_scatter": lambda: fast.exchange_fast(comm, _REDUCE_SCATTER, f.copy(), None, "sum"),
+        "all_to_all": lambda: fast.exchange_fast(comm, _ALL_TO_ALL, f.copy(), None, ""),
+        "gather_fast": lambda: fast.gather_fast(comm, f.copy(), 0, None),
+        "scatter_fast": lambda: fast.scatter_fast(comm, f.copy() if comm.rank == 0 else None, 0, f[:2].copy()),
+    }
+    for name in ("LINKWISE_CHECK", "LINKWISE_ALGO"):
+        os.environ[name] = ""  # set to anything, even empty
+        try:
+            for entry, call in entries.items():
+                assert call() is NotImplemented, (name, entry)
+        finally:
+            del os.environ[name]
+    served = {entry: call() for entry, call in entries.items()}
+    assert [e for e, r in served.items() if r is NotImplemented] == []
+    check_equal(served["all_reduce_fast"], np.full(2 * n, float(n), np.float32), "all_reduce after the variables")
+    # Through the communicator, an invalid LINKWISE_ALGO now reaches the general path's check,
+    # for bfloat16 (V2) all_reduce too, whose latency path is Python's.
+    os.environ["LINKWISE_ALGO"] = "foo"
+    try:
+        for call in (lambda: comm.all_reduce(f.copy()), lambda: comm.all_reduce(np.zeros(4, "V2")),
+                     lambda: comm.broadcast(f.copy()), lambda: comm.all_gather(f.copy()),
+                     lambda: comm.gather(f.copy(), root=0)):
+            with pytest.raises(ValueError, match="LINKWISE_ALGO='foo'"):
+                call()
+    finally:
+        del os.environ["LINKWISE_ALGO"]
+    x = np.full(3, comm.rank + 1.0)
+    comm.all_reduce(x)
+    check_equal(x, np.full(3, n * (n + 1) / 2), "all_reduce after the refused calls")
+    return True
+
+
+def test_algo_or_check_set_at_run_time_takes_the_general_path():
+    assert run_ranks(2, _env_forces_the_general_path) == [True, True]

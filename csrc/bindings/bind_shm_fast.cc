@@ -7,7 +7,8 @@
 // serve they decline by returning NotImplemented (never a collective's result), before
 // touching any shared state, so the caller takes the general path; the decision depends only
 // on what every rank shares for a correct program (type, dtype, op, root, size), so all ranks
-// decline alike. Argument errors of served calls (read-only or non-contiguous arrays, an out
+// decline alike; so does every call while LINKWISE_ALGO or LINKWISE_CHECK is set (fast_args.h's
+// serving), since only the general path honours them. Argument errors of served calls (read-only or non-contiguous arrays, an out
 // of another size) raise ValueError with the general path's messages, as the executor's
 // plain entries do, after numbering the call as refused on this rank (comm._skip_call(),
 // fast_args.h's refusing). Each entry takes the calling Communicator first: its timeout and
@@ -99,14 +100,14 @@ void bind_shm_fast(nb::class_<PyShmColl>& cls) {
       .def(
           "all_reduce_fast",
           [](PyShmColl& s, nb::handle comm, nb::handle x, nb::handle op, nb::handle out) {
-            return refusing(comm, [&] { return all_reduce_fast(s, x, op, out, comm_timeout(comm)); });
+            return serving(comm, [&] { return all_reduce_fast(s, x, op, out, comm_timeout(comm)); });
           },
           nb::arg("comm"), nb::arg("x"), nb::arg("op"), nb::arg("out").none(),
           "all_reduce of a NumPy array (in place, or into out), or NotImplemented where it does not serve it.")
       .def(
           "reduce_fast",
           [](PyShmColl& s, nb::handle comm, nb::handle x, nb::handle root, nb::handle op, nb::handle out) {
-            return refusing(comm, [&] { return reduce_fast(s, x, root, op, out, comm_timeout(comm)); });
+            return serving(comm, [&] { return reduce_fast(s, x, root, op, out, comm_timeout(comm)); });
           },
           nb::arg("comm"), nb::arg("x"), nb::arg("root"), nb::arg("op"), nb::arg("out").none(),
           "reduce of a NumPy array onto root (into x, or out, on the root), or NotImplemented where it does "
@@ -114,7 +115,7 @@ void bind_shm_fast(nb::class_<PyShmColl>& cls) {
       .def(
           "broadcast_fast",
           [](PyShmColl& s, nb::handle comm, nb::handle x, nb::handle root, nb::handle out) {
-            return refusing(comm, [&] { return broadcast_fast(s, x, root, out, comm_timeout(comm)); });
+            return serving(comm, [&] { return broadcast_fast(s, x, root, out, comm_timeout(comm)); });
           },
           nb::arg("comm"), nb::arg("x"), nb::arg("root"), nb::arg("out").none(),
           "broadcast of a NumPy array (in place, or from the root's x into out), or NotImplemented where it "

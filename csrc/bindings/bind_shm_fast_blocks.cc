@@ -150,7 +150,7 @@ void bind_shm_fast_blocks(nb::class_<PyShmColl>& cls) {
   cls.def(
          "exchange_fast",
          [](PyShmColl& s, nb::handle comm, int kind, nb::handle x, nb::handle out, nb::handle op) {
-           return refusing(comm, [&] { return exchange_fast(s, kind, x, out, op, comm_timeout(comm)); });
+           return serving(comm, [&] { return exchange_fast(s, kind, x, out, op, comm_timeout(comm)); });
          },
          nb::arg("comm"), nb::arg("kind"), nb::arg("x"), nb::arg("out").none(), nb::arg("op"),
          "A small all_gather, reduce_scatter (with op) or all_to_all of NumPy arrays (kind: a CollKind code; "
@@ -158,7 +158,7 @@ void bind_shm_fast_blocks(nb::class_<PyShmColl>& cls) {
       .def(
           "gather_fast",
           [](PyShmColl& s, nb::handle comm, nb::handle x, nb::handle root, nb::handle out) {
-            return refusing(comm, [&] { return gather_fast(s, x, root, out, comm_timeout(comm)); });
+            return serving(comm, [&] { return gather_fast(s, x, root, out, comm_timeout(comm)); });
           },
           nb::arg("comm"), nb::arg("x"), nb::arg("root"), nb::arg("out").none(),
           "A small gather onto root (out made there where None; None returned elsewhere), or NotImplemented "
@@ -166,7 +166,7 @@ void bind_shm_fast_blocks(nb::class_<PyShmColl>& cls) {
       .def(
           "scatter_fast",
           [](PyShmColl& s, nb::handle comm, nb::handle x, nb::handle root, nb::handle out) {
-            return refusing(comm, [&] { return scatter_fast(s, x, root, out, comm_timeout(comm)); });
+            return serving(comm, [&] { return scatter_fast(s, x, root, out, comm_timeout(comm)); });
           },
           nb::arg("comm"), nb::arg("x").none(), nb::arg("root"), nb::arg("out").none(),
           "A small scatter from root's x (None elsewhere) into out (made on the root where None), or "

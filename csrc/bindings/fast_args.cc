@@ -19,6 +19,9 @@ namespace {
 PyTypeObject* g_array_type = nullptr;  // numpy.ndarray, once enable() imported NumPy's C API
 PyObject* g_timeout_name = nullptr;    // "timeout", interned
 PyObject* g_skip_name = nullptr;       // "_skip_call", interned
+PyObject* g_environ = nullptr;         // os.environ._data (a dict; a strong reference, kept for good)
+PyObject* g_algo_key = nullptr;        // os.environ._data's keys for LINKWISE_ALGO and LINKWISE_CHECK
+PyObject* g_check_key = nullptr;
 
 bool integer_dtype(int t) { return t == int(DType::I8) || t == int(DType::U8) || t == int(DType::I32) || t == int(DType::I64); }
 
@@ -50,7 +53,22 @@ void enable() {
   g_timeout_name = PyUnicode_InternFromString("timeout");
   g_skip_name = PyUnicode_InternFromString("_skip_call");
   if (!g_timeout_name || !g_skip_name) throw nb::python_error();
+  // os.environ keeps its variables in _data, keyed by os.environ.encodekey(name) (bytes on
+  // POSIX); the keys are made by that same function, so the lookups match what it stores.
+  nb::object environ = nb::module_::import_("os").attr("environ");
+  g_algo_key = environ.attr("encodekey")("LINKWISE_ALGO").release().ptr();
+  g_check_key = environ.attr("encodekey")("LINKWISE_CHECK").release().ptr();
+  g_environ = nb::object(environ.attr("_data")).release().ptr();
+  if (!PyDict_Check(g_environ)) throw nb::type_error("os.environ._data is not a dict");
   g_array_type = &PyArray_Type;
+}
+
+bool general_path_forced() {
+  if (!g_environ) return false;
+  const int algo = PyDict_Contains(g_environ, g_algo_key);
+  const int check = algo == 0 ? PyDict_Contains(g_environ, g_check_key) : 0;
+  if (algo < 0 || check < 0) throw nb::python_error();
+  return algo > 0 || check > 0;
 }
 
 double comm_timeout(nb::handle comm) {

@@ -7,6 +7,8 @@
 #include <Python.h>
 #include <nanobind/nanobind.h>
 
+#include <utility>
+
 #include "bindings/buffer.h"
 #include "core/status.h"
 
@@ -44,14 +46,29 @@ nanobind::object refusing(nanobind::handle comm, F&& body) {
   }
 }
 
-// Imports NumPy's C API (idempotent). Until then every entry declines (is_array is false).
+// The entries' "not served here: take the general path" (NotImplemented).
+nanobind::object declined();
+
+// True while LINKWISE_ALGO or LINKWISE_CHECK is in the environment, set to anything (even
+// empty): the general path honours them, so the entries decline. Two lookups in os.environ's
+// own dict (bytes keys on POSIX, what os.environ[...] = ... updates), ~20 ns; false before
+// enable().
+bool general_path_forced();
+
+// An entry's body run as refusing() runs it, unless general_path_forced() (then declined()).
+template <class F>
+nanobind::object serving(nanobind::handle comm, F&& body) {
+  if (general_path_forced()) return declined();
+  return refusing(comm, std::forward<F>(body));
+}
+
+// Imports NumPy's C API and finds os.environ's dict (idempotent). Until then every entry
+// declines (is_array is false).
 void enable();
 
 // x is exactly a numpy.ndarray (no subclass), once enable() ran.
 bool is_array(nanobind::handle x);
 
-// The entries' "not served here: take the general path" (NotImplemented).
-nanobind::object declined();
 
 // One item of a buffer format as NumPy's dtype kinds see it: 'b' (bool), 'i', 'u', 'f', 'c';
 // 0 for anything else (records, sub-arrays, strings, pointers). `native`: native byte order.

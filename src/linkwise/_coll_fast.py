@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._coll_args import _FAST_CODES_BY_OP, _dtype_name, fast_path_bf16
+from ._coll_args import _ENV, _FAST_CODES_BY_OP, _dtype_name, fast_path_bf16
 
 _ndarray, _uint16 = np.ndarray, np.uint16
 
@@ -15,7 +15,10 @@ def all_reduce_bf16_fast(comm, fast, x, op, out):
     """The latency path of a bfloat16 all_reduce (a V2 array, or ml_dtypes' bfloat16 once one
     was seen), which the executor's all_reduce_fast declines (NumPy exports V2 as pad bytes,
     '2x', and no buffer of ml_dtypes' bfloat16): its call on uint16 views; NotImplemented
-    where it declines too."""
+    where it declines too, and while LINKWISE_ALGO or LINKWISE_CHECK is set (as the native
+    entries do)."""
+    if b"LINKWISE_ALGO" in _ENV or b"LINKWISE_CHECK" in _ENV:
+        return NotImplemented
     try:
         code = _FAST_CODES_BY_OP[op][x.dtype]
     except (KeyError, TypeError):

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from . import _gpu_coll
-from ._coll_args import _ENV, _as_array, _dtype_label, block_shape
+from ._coll_args import _as_array, _dtype_label, block_shape
 from .collectives import _skips_on_argument_error
 
 
@@ -21,8 +21,7 @@ class GatherScatterMixin:
     def gather(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
         """Concatenate every rank's x onto root; returns out on root and None elsewhere."""
         fast = self._fast_shm  # the latency path: the executor's gather_fast, as in CollectivesMixin.reduce
-        if (fast is not None and not async_op
-                and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
+        if fast is not None and not async_op:
             r = fast.gather_fast(self, x, root, out)
             if r is not NotImplemented:
                 return r
@@ -49,8 +48,7 @@ class GatherScatterMixin:
 
         x matters on root only (other ranks may pass None together with out=)."""
         fast = self._fast_shm
-        if (fast is not None and not async_op
-                and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
+        if fast is not None and not async_op:
             r = fast.scatter_fast(self, x, root, out)
             if r is not NotImplemented:
                 return r

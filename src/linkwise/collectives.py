@@ -212,12 +212,10 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         # The latency paths: straight to shared memory. The executor's all_reduce_fast makes the
         # tests (NumPy array, dtype, op, out) natively and returns NotImplemented where it does
         # not serve the call (an argument error it raises, after numbering the call as refused
-        # here through self._skip_call); bfloat16 forms go through uint16 views here. `in` on
-        # the environment's dict costs ~0.3 us less a call than .get() lookups
-        # (bench/shm_latency_split.py); a variable set to anything, even empty, sends calls down
-        # the general path.
-        if (fast is not None and not async_op and dtype is None
-                and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
+        # here through self._skip_call); bfloat16 forms go through uint16 views here. Every
+        # *_fast entry also declines while LINKWISE_ALGO or LINKWISE_CHECK is set (to anything,
+        # even empty): the general path honours them.
+        if fast is not None and not async_op and dtype is None:
             r = fast.all_reduce_fast(self, x, op, out)
             if r is NotImplemented and type(x) is _ndarray and x.dtype.kind == "V":
                 r = all_reduce_bf16_fast(self, fast, x, op, out)
@@ -255,8 +253,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         # The latency path: the executor's broadcast_fast tests x, root and out natively (as
         # all_reduce_fast) and returns NotImplemented where it does not serve the call (also
         # two-rank broadcasts that go point-to-point as one single-copy message).
-        if (fast is not None and not async_op
-                and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
+        if fast is not None and not async_op:
             r = fast.broadcast_fast(self, x, root, out)
             if r is not NotImplemented:
                 return r
@@ -287,8 +284,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
                dtype: Optional[str] = None):
         """Combine x across ranks onto root (into x, or out, on root; other ranks' x is untouched)."""
         fast = self._fast_shm  # the latency path: the executor's reduce_fast, as all_reduce_fast
-        if (fast is not None and not async_op and dtype is None
-                and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
+        if fast is not None and not async_op and dtype is None:
             r = fast.reduce_fast(self, x, root, op, out)
             if r is not NotImplemented:
                 return r
@@ -318,8 +314,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         """Concatenate every rank's x (rank order) into out (size * len(x) elements).
         CUDA arrays: on the GPU, on `stream`."""
         fast = self._fast_shm  # the latency path: the executor's exchange_fast, as all_reduce_fast
-        if (fast is not None and not async_op
-                and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
+        if fast is not None and not async_op:
             r = fast.exchange_fast(self, _ALL_GATHER, x, out, "")
             if r is not NotImplemented:
                 return r
@@ -338,8 +333,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         """Combine x across ranks; rank r gets block r (x has size * len(out) elements).
         CUDA arrays: on the GPU, on `stream`."""
         fast = self._fast_shm
-        if (fast is not None and not async_op and dtype is None
-                and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
+        if fast is not None and not async_op and dtype is None:
             r = fast.exchange_fast(self, _REDUCE_SCATTER, x, out, op)
             if r is not NotImplemented:
                 return r
@@ -370,8 +364,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         """Rank r's block j (x split into size equal blocks) goes to rank j's block r.
         CUDA arrays: on the GPU, on `stream`."""
         fast = self._fast_shm
-        if (fast is not None and not async_op
-                and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV):
+        if fast is not None and not async_op:
             r = fast.exchange_fast(self, _ALL_TO_ALL, x, out, "")
             if r is not NotImplemented:
                 return r
