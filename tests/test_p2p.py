@@ -157,6 +157,24 @@ def _argument_errors(comm):
     peer = (comm.rank + 1) % comm.size
     comm.send(np.zeros(1), peer, tag=100)
     comm.recv(np.zeros(1), peer, tag=100)
+    # NumPy integers serve as ranks and tags in every form (as for roots); bool and float do not
+    got = np.zeros(2, np.int64)
+    r = comm.irecv(got, np.int64(peer), tag=np.uint8(7))
+    comm.send(np.full(2, comm.rank, np.int64), np.int32(peer), tag=np.int64(7))
+    r.wait()
+    assert got.tolist() == [peer, peer]
+    comm.isend(np.full(2, comm.rank + 10, np.int64), np.int16(peer), np.int64(8)).wait()
+    comm.recv(got, np.intp(peer), tag=np.int32(8))
+    assert got.tolist() == [peer + 10] * 2
+    got2 = np.zeros(2, np.int64)
+    comm.sendrecv(np.full(2, comm.rank + 20, np.int64), np.int64(peer), got2, np.int64(peer),
+                  send_tag=np.int64(9), recv_tag=np.int64(9))
+    assert got2.tolist() == [peer + 20] * 2
+    for bad in (True, 1.0, "1"):
+        with pytest.raises(ValueError, match="rank must be an integer"):
+            comm.send(x, bad)
+    with pytest.raises(ValueError, match="tag"):
+        comm.irecv(x, peer, tag=True)
     # self send/recv, also with odd Python buffers
     comm.send(bytearray(b"hello"), comm.rank, tag=5)
     out = bytearray(5)

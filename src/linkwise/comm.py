@@ -118,13 +118,18 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         _live.add(self)
 
     # -- argument checks ------------------------------------------------------------------
-    def _check(self, peer: int, tag: int, op: str) -> None:
+    def _check(self, peer: Any, tag: Any, op: str) -> tuple[int, int]:
+        """(peer, tag) as Python ints (NumPy integers accepted, as for roots), or the error."""
         if self._closed:
             raise CommAbortedError(f"rank {self.rank}: {op} on a closed communicator")
-        if not isinstance(peer, int) or not 0 <= peer < self.size:
+        if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)):  # True is an int
+            raise ValueError(f"{op}: rank must be an integer 0..{self.size - 1}, got {peer!r} "
+                             f"({type(peer).__name__})")
+        if not 0 <= peer < self.size:
             raise ValueError(f"{op}: rank {peer!r} is out of range; this communicator has ranks 0..{self.size - 1}")
-        if not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
+        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag <= MAX_TAG:
             raise ValueError(f"{op}: tag must be an int in 0..2**62-1, got {tag!r}")
+        return int(peer), int(tag)
 
     def _timeout(self, timeout: Optional[float]) -> float:
         return self.timeout if timeout is None else float(timeout)
@@ -136,7 +141,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
 
         A CUDA array goes GPU to GPU (CUDA IPC / NVLink), enqueued on `stream` (else the array's
         current stream) like NCCL: it returns before the GPU has moved the data."""
-        self._check(dst, tag, "send")
+        dst, tag = self._check(dst, tag, "send")
         try:
             self._native.send(x, dst, tag, self._timeout(timeout))
         except TypeError as exc:
@@ -153,7 +158,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
 
         A message larger than x raises ValueError (and stays queued for a larger receive).
         A CUDA array is received GPU to GPU, enqueued on `stream` as for send."""
-        self._check(src, tag, "recv")
+        src, tag = self._check(src, tag, "recv")
         try:
             return self._native.recv(x, src, tag, self._timeout(timeout))
         except TypeError as exc:
@@ -174,8 +179,8 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         if not (type(dst) is int and type(src) is int and type(send_tag) is int and type(recv_tag) is int
                 and 0 <= dst < n and 0 <= src < n and 0 <= send_tag <= MAX_TAG and 0 <= recv_tag <= MAX_TAG
                 and not self._closed):  # the full checks say what is wrong
-            self._check(dst, send_tag, "sendrecv")
-            self._check(src, recv_tag, "sendrecv")
+            dst, send_tag = self._check(dst, send_tag, "sendrecv")
+            src, recv_tag = self._check(src, recv_tag, "sendrecv")
         t = self.timeout if timeout is None else float(timeout)
         try:
             return self._native.sendrecv(x, dst, send_tag, out, src, recv_tag, t)
@@ -205,7 +210,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
     def _post(self, x: Any, peer: int, tag: int, is_send: bool, is_async: bool,
               timeout: Optional[float], stream: Any = None):
         op = "isend" if is_send else "irecv"
-        self._check(peer, tag, op)  # isend / irecv check plain arguments inline before this
+        peer, tag = self._check(peer, tag, op)  # isend / irecv check plain arguments inline before this
         post = self._native.isend if is_send else self._native.irecv
         try:
             native_req = post(x, peer, tag, is_async, self._timeout(timeout))
