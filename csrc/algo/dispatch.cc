@@ -55,6 +55,16 @@ void run_collective(Engine& engine, const CollParams& p, const void* send, size_
     call_bytes = recv_bytes;
   else if (p.kind == CollKind::Barrier)
     call_bytes = 0;
+  // An x that overlaps out without being it (out = x shifted by an element, say): the
+  // algorithms read x while out fills (all_to_all's received blocks, reduce's partial sums),
+  // so they read a copy of x instead. In place (send == recv) is each kind's own case below.
+  std::vector<char> staged;
+  const char* sx = static_cast<const char*>(send);
+  const char* rx = static_cast<const char*>(recv);
+  if (sx && rx && sx != rx && send_bytes && recv_bytes && sx < rx + recv_bytes && rx < sx + send_bytes) {
+    staged.assign(sx, sx + send_bytes);
+    send = staged.data();
+  }
   CollCtx c(engine, p, call_bytes);
   const int n = engine.size(), me = engine.rank();
   const size_t es = dtype_size(p.dtype);
