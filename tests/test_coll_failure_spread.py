@@ -238,3 +238,46 @@ def _fortran_order(comm):
 def test_fortran_order_is_refused_on_every_path():
     # Before: the latency path took it, the general path (async, LINKWISE_CHECK) refused it.
     assert run_ranks(2, _fortran_order, timeout=60) == [(["C-contiguous"] * 2, 2.0)] * 2
+
+
+def _dies_before_the_first_collective(comm, call, split):
+    """Rank 2 is SIGKILLed before any collective of the communicator (or, with split, after
+    a split communicator's PeerError, before the parent's first collective); the others then
+    call one. Returns (seconds, the error's name, the rank it names)."""
+    import os
+    import signal
+
+    import linkwise
+    if split:
+        sub = comm.split(0, comm.rank)
+        if comm.rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        with pytest.raises(linkwise.PeerError):
+            sub.all_reduce(np.ones(4))
+    elif comm.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)  # rank 2 is gone by now
+    t0 = time.monotonic()
+    try:
+        if call == "barrier":
+            comm.barrier()
+        else:
+            comm.all_reduce(np.ones(4))
+    except linkwise.LinkwiseError as exc:
+        return time.monotonic() - t0, type(exc).__name__, getattr(exc, "peer", None)
+    return time.monotonic() - t0, "no error", None
+
+
+@pytest.mark.parametrize("call,split", [("all_reduce", False), ("barrier", False), ("all_reduce", True)])
+def test_rank_dead_before_the_executor_is_set_up(call, split):
+    """The executor's setup waits in slices and looks whether the rank it waits for died:
+    PeerError naming rank 2 on both survivors, well before LINKWISE_TIMEOUT (20 s here; before,
+    one survivor raised TimeoutError at it and the other CommAbortedError naming a survivor)."""
+    got = run_ranks(3, _dies_before_the_first_collective, call, split, env={"LINKWISE_TIMEOUT": "20"},
+                    timeout=60, expect_fail=True)
+    assert got[2][0] == "died", got[2]
+    for status, value in got[:2]:
+        assert status == "ok", value
+        seconds, name, peer = value
+        assert (name, peer) == ("PeerError", 2), value
+        assert seconds < 5, value

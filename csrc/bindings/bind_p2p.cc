@@ -114,13 +114,16 @@ void bind_p2p(nb::module_& m) {
              return c.post(obj, peer, tag, false, is_async, timeout);
            }, nb::arg("obj"), nb::arg("peer"), nb::arg("tag"), nb::arg("is_async"), nb::arg("timeout"))
       .def("describe_link", [](NativeComm& c, int peer) { return c.engine().describe_link(peer); })
+      .def("peer_alive", [](NativeComm& c, int peer) { return c.engine().peer_alive(peer); },
+           "False once peer's process is known to have exited or closed its link.")
       .def("abort",
-           [](NativeComm& c, const std::string& why, bool notify) {
-             if (notify) c.engine().abort_and_notify(why, -1);
+           [](NativeComm& c, const std::string& why, bool notify, int blame) {
+             if (notify) c.engine().abort_and_notify(why, blame);
              else c.engine().abort(why);
            },
-           nb::arg("why"), nb::arg("notify") = false,
-           "fail every pending request and refuse new ones; with notify, also send the peers an abort notice")
+           nb::arg("why"), nb::arg("notify") = false, nb::arg("blame") = -1,
+           "fail every pending request and refuse new ones; with notify, also send the peers an abort notice "
+           "(blame: the rank that died or failed, which the peers' PeerError names; -1: none)")
       .def("notify_refused", [](NativeComm& c, uint64_t number) { c.engine().notify_refused(number); },
            nb::arg("number"),
            "this rank refused collective `number` (its arguments): the peers' receives of it from this rank fail")
@@ -129,7 +132,9 @@ void bind_p2p(nb::module_& m) {
       .def("poll", [](NativeComm& c) { c.engine().poll(); }, nb::call_guard<nb::gil_scoped_release>(),
            "one progress pass over every link")
       .def_prop_ro("abort_reason", [](NativeComm& c) { return c.engine().abort_reason(); },
-                   "why the communicator was aborted; empty while it was not");
+                   "why the communicator was aborted; empty while it was not")
+      .def_prop_ro("abort_peer", [](NativeComm& c) { return c.engine().abort_peer(); },
+                   "the rank whose death or failure aborted the communicator; -1: none (or not aborted)");
 }
 
 }  // namespace linkwise

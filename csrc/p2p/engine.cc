@@ -86,6 +86,13 @@ std::string Engine::describe_link(int peer) {
   return peers_[peer]->link->describe();
 }
 
+bool Engine::peer_alive(int peer) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (peer < 0 || peer >= size_ || peer == rank_ || !peers_[peer]->link) return true;
+  const Peer& p = *peers_[peer];
+  return !p.dead && p.link->alive();
+}
+
 void Engine::check_peer_arg(int peer, const char* op) {
   if (peer < 0 || peer >= size_)
     throw Error(ErrorKind::Invalid, std::string(op) + ": rank " + std::to_string(peer) +
@@ -379,6 +386,11 @@ void Engine::poll() {
 std::string Engine::abort_reason() {
   std::lock_guard<std::mutex> g(mu_);
   return aborted_ ? abort_reason_ : std::string();
+}
+
+int Engine::abort_peer() {
+  std::lock_guard<std::mutex> g(mu_);
+  return aborted_ && abort_kind_ == ErrorKind::Peer ? abort_peer_ : -1;
 }
 
 void Engine::set_failure_hook(std::function<void(int blame)> hook) {

@@ -101,8 +101,14 @@ class Engine {
   // Must not block or call the engine. Empty: none.
   void set_failure_hook(std::function<void(int blame)> hook);
   std::string describe_link(int peer);
+  // False once peer's process is known to have exited or closed its link (also when its link
+  // already failed); true for this rank and for peers without a link. Thread-safe.
+  bool peer_alive(int peer);
   // Why the engine was aborted; empty while it was not.
   std::string abort_reason();
+  // The rank whose death or failure aborted the engine (its requests fail with PeerError);
+  // -1 while not aborted, or aborted for another reason.
+  int abort_peer();
   // One progress pass over every link (reads abort notices that arrived while nobody waited).
   void poll();
 

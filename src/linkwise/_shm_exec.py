@@ -96,6 +96,10 @@ def _raise_if_aborted(comm) -> None:
     comm._native.poll()
     why = comm._native.abort_reason
     if why:
+        peer = comm._native.abort_peer
+        if peer >= 0:  # a rank died or failed (a peer's notice names it): as the engine's own errors
+            from .errors import PeerError
+            raise PeerError(why, comm.rank, peer, "collective setup") from None
         raise CommAbortedError(why) from None
     who = comm._native.refused_by(comm._coll_seq)
     if who >= 0:
@@ -105,25 +109,40 @@ def _raise_if_aborted(comm) -> None:
                          "rank")
 
 
-def _state_of(comm, key: str) -> bytes:
-    """A rank's state for attach, waited for in short slices: between them the engine reads
+def _raise_if_gone(comm, peer: int) -> None:
+    """PeerError when peer's process is known to have exited (or closed its link)."""
+    if not comm._native.peer_alive(peer):
+        from .errors import PeerError
+        raise PeerError(f"rank {comm.rank}: peer rank {peer} died or left ({comm._native.describe_link(peer)}) "
+                        "before this communicator's shared-memory collectives were set up. Look at that "
+                        "rank's output for the cause.", comm.rank, peer, "collective setup") from None
+
+
+def _state_of(comm, r: int) -> bytes:
+    """Rank r's state for attach, waited for in short slices: between them the engine reads
     abort notices, since a peer whose collective failed may not come here at all (it may
-    call something else, or sleep) while its notice is already on the way. Rank 0 hosts the
-    store: when it stopped the collectives and then exited, the store is gone, and the abort
+    call something else, or sleep) while its notice is already on the way, and looks whether
+    r (or rank 0, the store's host) died, which it would otherwise learn only at the timeout.
+    When rank 0 stopped the collectives and then exited, the store is gone, and the abort
     notice it sent first is what this rank reports (not the closed store)."""
     from .errors import TimeoutError
     from .store import StoreClosedError
+    key = _state_key(comm, r)
     deadline = time.monotonic() + comm.timeout
     while True:
         try:
             return comm._store.get(key, max(0.0, min(0.1, deadline - time.monotonic())))
         except StoreClosedError:
             _raise_if_aborted(comm)
+            _raise_if_gone(comm, 0)
             raise
         except TimeoutError:
             _raise_if_aborted(comm)
+            _raise_if_gone(comm, r)
             if time.monotonic() >= deadline:
-                raise
+                raise TimeoutError(f"rank {comm.rank}: rank {r} did not reach this communicator's first "
+                                   f"shared-memory collective within {comm.timeout:g} s (LINKWISE_TIMEOUT); "
+                                   "every rank must make the same collective calls in the same order") from None
 
 
 def attach(comm):
@@ -148,7 +167,7 @@ def attach(comm):
         _raise_if_aborted(comm)
         raise
     for r in range(comm.size):
-        state = _state_of(comm, _state_key(comm, r))
+        state = _state_of(comm, r)
         if state != b"ok":
             raise CommAbortedError(f"rank {comm.rank}: rank {r} had stopped this communicator's collectives "
                                    f"when they were to be set up here ({state.decode(errors='replace')})")
@@ -260,5 +279,7 @@ class ExecutorMixin:
             # communicator can be trusted to pair up (nor would setup be retried in step), so
             # every later one raises CommAbortedError, here and (the notice) on the peers: a
             # peer that refused the call this setup was for must not wait at the next one.
-            self._native.abort(f"setting up the shared-memory collectives failed: {exc}", notify=True)
+            from .errors import PeerError
+            blame = exc.peer if isinstance(exc, PeerError) else -1  # the peers' PeerError names it
+            self._native.abort(f"setting up the shared-memory collectives failed: {exc}", notify=True, blame=blame)
             raise
