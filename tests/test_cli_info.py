@@ -100,7 +100,16 @@ def test_build_from_native(clean_env, capsys):
 def test_missing_subcommand_module(capsys, monkeypatch):
     monkeypatch.setitem(cli.COMMANDS, "tune", ("linkwise.nosuchpkg.cli", "x"))
     assert cli.main(["tune", "--anything"]) == 2
-    assert "linkwise tune: not available in this build" in capsys.readouterr().err
+    assert "linkwise tune: not in this version yet" in capsys.readouterr().err
+
+
+def test_help_marks_missing_subcommands(capsys, monkeypatch):
+    monkeypatch.setitem(cli.COMMANDS, "tune", ("linkwise.nosuchpkg.cli", "pick things"))
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "pick things (not in this version yet)" in out
+    assert "measure latency and bandwidth (" not in out  # bench is there
 
 
 def test_dispatch_to_module(capsys, monkeypatch):
