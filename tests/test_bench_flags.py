@@ -235,6 +235,27 @@ def test_bad_sizes_and_steps(argv, start):
     _one_error(bench("all_reduce", "-b", "8", "-e", "64", *FAST, *argv), start)
 
 
+@pytest.mark.parametrize("argv,sizes", [
+    (["-i", "1K"], [1024, 2048, 3072, 4096]),              # -i alone steps by bytes (nccl-tests)
+    (["-f", "1", "-i", "1K"], [1024, 2048, 3072, 4096]),
+    ([], [1024, 2048, 4096]),                               # default: doubling
+    (["-f", "2", "-i", "1K"], [1024, 2048, 4096])])         # -f > 1 wins over -i
+def test_step_by_factor_or_bytes(argv, sizes):
+    r = bench("all_reduce", "-b", "1K", "-e", "4K", *FAST, *argv)
+    assert r.returncode == 0, r.stderr
+    assert [int(row[0]) for row in _data_rows(r.stdout)] == sizes
+
+
+@pytest.mark.parametrize("argv,start", [
+    (["--tests", "foo"], "--tests 'foo': expected one or more of latency,bw,bibw (unknown: foo)"),
+    (["--tests", "latency,foo"], "--tests 'latency,foo': expected one or more of latency,bw,bibw"),
+    (["--tests", ""], "--tests '': expected one or more of"),
+    (["--window", "0"], "--window 0: need at least 1 message in flight"),
+    (["--window", "-5"], "--window -5: need at least 1")])
+def test_bad_p2p_tests_and_window(argv, start):
+    _one_error(bench("p2p", "-b", "8", "-e", "8", *FAST, *argv), start)
+
+
 def test_step_zero_is_fine_for_one_size():
     r = bench("all_reduce", "-b", "8", "-e", "8", *FAST, "-f", "1", "-i", "0")
     assert r.returncode == 0 and len(_data_rows(r.stdout)) == 1, r.stderr

@@ -21,17 +21,19 @@ import sys
 from . import common, compare, report
 
 TESTS = ("p2p",) + common.COLLECTIVES
+P2P_TESTS = ("latency", "bw", "bibw")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("test", choices=TESTS, help="p2p, or a collective as in nccl-tests")
     p.add_argument("-b", "--minbytes", default=None, help="smallest size (default 1 for p2p, 8)")
     p.add_argument("-e", "--maxbytes", default="64M", help="largest size (default 64M)")
-    p.add_argument("-f", "--stepfactor", type=float, default=2.0,
-                   help="multiply the size by this (default 2); 1: add -i instead; below 1: "
-                        "an error")
-    p.add_argument("-i", "--stepbytes", default="1M",
-                   help="size step when -f is 1 (at least 1 byte when -e > -b)")
+    p.add_argument("-f", "--stepfactor", type=float, default=None,
+                   help="multiply the size by this (default 2, or 1 when -i is given); 1: add "
+                        "-i instead; below 1: an error")
+    p.add_argument("-i", "--stepbytes", default=None,
+                   help="size step when -f is 1 (default 1M; at least 1 byte when -e > -b); "
+                        "-i without -f steps by it, as in nccl-tests")
     p.add_argument("-n", "--iters", type=int, default=None,
                    help="timed iterations (default 20; p2p 10000, fewer for large sizes)")
     p.add_argument("-w", "--warmup_iters", type=int, default=None,
@@ -82,6 +84,10 @@ def _normalise(args) -> list[str]:
     if args.minbytes is None:
         args.minbytes = "1" if args.test == "p2p" else "8"
     lo, hi = common.parse_size(args.minbytes, "-b"), common.parse_size(args.maxbytes, "-e")
+    if args.stepfactor is None:  # nccl-tests' -f defaults to 1, so -i alone steps by bytes
+        args.stepfactor = 1.0 if args.stepbytes is not None else 2.0
+    if args.stepbytes is None:
+        args.stepbytes = "1M"
     step = common.parse_size(args.stepbytes, "-i")
     common.sweep(lo, hi)  # -e < -b
     f = args.stepfactor
@@ -89,6 +95,14 @@ def _normalise(args) -> list[str]:
         raise ValueError(f"-f {f:g}: the size factor must be at least 1 (1: step by -i bytes)")
     if f <= 1 and step < 1 and hi > lo:
         raise ValueError(f"-i {args.stepbytes}: with -f 1 sizes grow by -i bytes; need at least 1")
+    if args.test == "p2p":
+        tests = [t.strip() for t in args.tests.split(",") if t.strip()]
+        unknown = [t for t in tests if t not in P2P_TESTS]
+        if unknown or not tests:
+            raise ValueError(f"--tests {args.tests!r}: expected one or more of {','.join(P2P_TESTS)}"
+                             + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+        if args.window < 1:
+            raise ValueError(f"--window {args.window}: need at least 1 message in flight")
     if args.nranks < 1:
         raise ValueError(f"-N {args.nranks}: need at least 1 rank")
     if args.iters is not None and args.iters < 1:
