@@ -109,6 +109,28 @@ def test_module_mode(tmp_path):
     assert "[rank 1] mod 1 ['--help']" in p.stdout.splitlines()
 
 
+def test_program_mode(tmp_path):
+    """mpirun's form (a program on PATH, then its arguments) and --no-python: run as given; a
+    script path still runs with this Python."""
+    (tmp_path / "s.py").write_text("import os, sys\nprint('py', os.environ['LINKWISE_RANK'], sys.argv[1:])\n"
+                                   "sys.exit(int(sys.argv[1]))\n")
+    env = dict(os.environ, PYTHONPATH=SRC)
+    exe_dir = os.path.dirname(sys.executable)
+    env["PATH"] = exe_dir + os.pathsep + env.get("PATH", "")
+    py = os.path.basename(sys.executable)
+    p = subprocess.run([sys.executable, "-m", "linkwise.cli", "launch", "-n", "2", py, str(tmp_path / "s.py"), "4"],
+                       env=env, capture_output=True, text=True, timeout=20)
+    assert p.returncode == 4, p.stderr
+    assert "[rank 1] py 1 ['4']" in p.stdout.splitlines()
+    p = subprocess.run([sys.executable, "-m", "linkwise.cli", "launch", "-n", "2", "--no-python", "sh", "-c",
+                        "echo sh $LINKWISE_RANK $LINKWISE_SIZE"], env=env, capture_output=True, text=True, timeout=20)
+    assert p.returncode == 0, p.stderr
+    assert sorted(ln for ln in p.stdout.splitlines() if " sh " in ln) == ["[rank 0] sh 0 2", "[rank 1] sh 1 2"]
+    p = subprocess.run([sys.executable, "-m", "linkwise.cli", "launch", "-n", "1", "no-such-script.py"],
+                       env=env, capture_output=True, text=True, timeout=20)
+    assert p.returncode != 0 and "no-such-script.py" in p.stdout + p.stderr  # Python says it is missing
+
+
 PIDS = ("open(os.path.join({d!r}, str(RANK)), 'w').write(str(os.getpid()))\n")
 
 

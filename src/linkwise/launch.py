@@ -29,6 +29,7 @@ import glob
 import os
 import queue
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -55,8 +56,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="port of rank 0's rendezvous store (default: a free port)")
     p.add_argument("-m", dest="module", action="store_true",
                    help="the first argument is a module to run, as with python -m")
-    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="script.py|module args...",
+    p.add_argument("--no-python", action="store_true",
+                   help="run the first argument as a program, not as a Python script (as torchrun's "
+                        "--no-python); implied when it is not a file but a command on PATH, such as "
+                        "python3 (mpirun's form: linkwise launch -n 2 python3 script.py)")
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="script.py|module|program args...",
                    help="the program and its arguments")
+
+
+def _is_command(first: str) -> bool:
+    """A first argument that is no file here but a program on PATH (python3, say): run as is."""
+    return not os.path.exists(first) and shutil.which(first) is not None
 
 
 def _free_port() -> int:
@@ -192,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
         argv = argv[1:]
     if args.module and argv:
         cmd = [sys.executable, "-u", "-m", *argv]
+    elif argv and (args.no_python or _is_command(argv[0])):
+        cmd = argv
     elif argv:
         cmd = [sys.executable, "-u", *argv]
     else:
