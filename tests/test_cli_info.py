@@ -143,3 +143,23 @@ def test_command_line_entry():
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["version"] == linkwise.__version__
+
+
+def test_every_variable_the_code_reads_is_a_declared_tunable():
+    """`linkwise info` lists config.TUNABLES as "every LINKWISE_* tunable": each variable the
+    native code (std::getenv) or the Python package (config.get, os.environ) reads must be
+    declared there."""
+    import re
+    from pathlib import Path
+
+    from linkwise import config
+    root = Path(__file__).resolve().parents[1]
+    read = set()
+    for path in list((root / "csrc").rglob("*.c*")) + list((root / "csrc").rglob("*.h")):
+        read |= set(re.findall(r'getenv\("(LINKWISE_[A-Z0-9_]+)"\)', path.read_text()))
+    for path in (root / "src" / "linkwise").rglob("*.py"):
+        text = path.read_text()
+        read |= set(re.findall(r'(?:config\.get|environ\.get|getenv)\(\s*"(LINKWISE_[A-Z0-9_]+)"', text))
+    assert len(read) > 20, read  # the scan found the code
+    internal = {v for v in read if v.startswith("LINKWISE_BENCH_")}  # bench's own hand-off to its ranks
+    assert sorted(read - internal - set(config.TUNABLES)) == []

@@ -110,7 +110,8 @@ declare("LINKWISE_MASTER_PORT", None, int,
 declare("LINKWISE_MASTER_PORT_SPARE", None, int,
         "how many ports above the store's port rank 0 may move to when that one is taken (the "
         "others find it by a job token); default 8 for a derived port, 0 for a given one")
-declare("LINKWISE_JOB_ID", "", str, "job identifier; names shared-memory segments /dev/shm/linkwise-<id>-*")
+declare("LINKWISE_JOB_ID", "", str, "job identifier: in the rendezvous handshake (two jobs on one port stay "
+        "apart) and the labels of the shared-memory segments (anonymous memfds, never in /dev/shm)")
 declare("LINKWISE_LAUNCH_CPUS", "", str,
         "CPUs given to `linkwise launch` (comma list; set by it for ranks it binds): where a bound "
         "rank starts helper processes such as the benchmark's mpirun")
@@ -178,6 +179,17 @@ declare("LINKWISE_GPU_PCHAIN_BLOCKS", 0, int,
 declare("LINKWISE_GPU_PCHAIN_SLICE", 0, int,
         "tuning: bytes (a plain number) per block per piece of the push-chain broadcast; 0 = 64 KiB "
         "below 128 MiB, 128 KiB from it")
+declare("LINKWISE_GPU_PCHAIN_THREADS", 512, int,
+        "tuning: threads per block of the push-chain broadcast, 512 or 1024 (read natively)")
+declare("LINKWISE_GPU_PCHAIN_TRACE", 0, int,
+        "diagnostics: 1 = the push-chain broadcast stamps per-block progress (GpuEngine::pchain_trace)")
+declare("LINKWISE_GPU_DCHAIN_BLOCKS", 32, int,
+        "tuning: blocks of the work-claiming chain broadcast (read natively, at most 1024)")
+declare("LINKWISE_GPU_DCHAIN_ITEM", 128 << 10, int,
+        "tuning: bytes per claimed item of the work-claiming chain broadcast (rounded up to 4096, and "
+        "to at least the size / the items kept)")
+declare("LINKWISE_GPU_DCHAIN_THREADS", 1024, int,
+        "tuning: threads per block of the work-claiming chain broadcast, 1024 or 512")
 declare("LINKWISE_GPU_AR_ALGO", "", str,
         "large registered GPU all_reduce: 'rsag' = registered reduce_scatter then all_gather, "
         "'direct' = the one-kernel form, 'prs' = push reduce-scatter + push all-gather in one "

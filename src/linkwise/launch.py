@@ -14,9 +14,9 @@ Contract:
     the signal number).
   * SIGINT/SIGTERM received by the launcher are forwarded to every rank; a second one escalates
     to SIGKILL.
-  * Whatever happens, /dev/shm/linkwise-<job_id>-* (named segments: the GPU host-staging
-    channels; the CPU transports' memory is anonymous and never named) are removed at
-    the end, so ranks killed by SIGKILL leave nothing behind.
+  * Whatever happens, any /dev/shm/linkwise-<job_id>-* is removed at the end. linkwise's own
+    shared memory (CPU transports, executor, GPU host staging) is anonymous memfds and never
+    named there; the sweep only guards against a build or extension that names segments.
 
 Threading: the main thread spawns, waits and signals; one daemon thread per child pipe forwards
 output (writes are serialised by a lock); one daemon thread per child waits for its exit.
