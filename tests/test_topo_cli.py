@@ -36,8 +36,12 @@ def test_json_save_load(tmp_path, capsys):
 
 def test_bad_inputs_exit_2(tmp_path, capsys):
     assert run(["--fixture", "nope"]) == 2
+    assert capsys.readouterr().err.startswith("linkwise topo: no topology fixture 'nope'")  # no KeyError quotes
     assert run(["--load", str(tmp_path / "missing.json")]) == 2
     assert "linkwise topo" in capsys.readouterr().err
+    for bad in ("0", "-1"):
+        assert run(["--fixture", "dgx1", "--ranks", bad]) == 2
+        assert f"--ranks {bad}: need at least 1 rank" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(no_probe_reason() is None, reason="a GPU is present")

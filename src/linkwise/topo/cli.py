@@ -59,10 +59,14 @@ def _topology(args) -> Topology:
 
 
 def run(args) -> int:
+    if args.ranks is not None and args.ranks < 1:
+        print(f"linkwise topo: --ranks {args.ranks}: need at least 1 rank", file=sys.stderr)
+        return 2
     try:
         topo = _topology(args)
     except (KeyError, OSError, ValueError) as exc:
-        print(f"linkwise topo: {exc}", file=sys.stderr)
+        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # KeyError's str() quotes it
+        print(f"linkwise topo: {text}", file=sys.stderr)
         return 2
     if args.save:
         topo.save(args.save)
