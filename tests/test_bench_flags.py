@@ -329,3 +329,11 @@ def test_unreducible_types_mixed_are_na_rows(tmp_path):
     assert rows["uint32"]["oop"] == rows["uint32"]["ip"] == {"na": "linkwise cannot reduce uint32"}
     r = bench("all_gather", "-b", "64", "-e", "64", *FAST, "-d", "uint64")  # moved, not reduced
     assert r.returncode == 0 and _data_rows(r.stdout)[0][8] == "0", r.stderr
+
+
+def test_rows_in_nccl_tests_order():
+    """The whole size sweep for each type, then each op (nccl-tests' loops), not size-major."""
+    r = bench("all_reduce", "-b", "8", "-e", "16", "-d", "int32,float", "-o", "sum,max", *FAST)
+    assert r.returncode == 0, r.stderr
+    got = [(row[2], row[3], int(row[0])) for row in _data_rows(r.stdout)]
+    assert got == [(t, o, s) for t in ("int32", "float") for o in ("sum", "max") for s in (8, 16)]

@@ -124,20 +124,18 @@ def run_sweep(backend: Backend, coll: str, sizes: list[int], dtypes: list[str], 
     if coll not in common.COLLECTIVES:
         raise ValueError(f"unknown collective {coll!r}")
     rows: list[dict] = []
-    seen: dict = {}  # (total elements, type) -> the rows measured for it
     op_list = ops if coll in common.HAS_REDOP else ["none"]
-    for nbytes in sizes:
-        for tname in dtypes:
-            dtype = common.DTYPES[tname]
-            total, block = common.counts(coll, nbytes, dtype.itemsize, backend.size)
-            earlier = seen.setdefault((total, tname), [])
-            repeat = bool(earlier)
-            for row in earlier:  # not silent: the row names the sizes it stands for too
-                row.setdefault("merged_sizes", []).append(nbytes)
-            for op in op_list:
+    # nccl-tests' order: the whole size sweep for each type, then each op.
+    for tname in dtypes:
+        dtype = common.DTYPES[tname]
+        for op in op_list:
+            seen: dict = {}  # total elements -> the row measured for it
+            for nbytes in sizes:
                 if progress:
                     progress()
-                if repeat:
+                total, block = common.counts(coll, nbytes, dtype.itemsize, backend.size)
+                if total in seen:  # not silent: the row names the sizes it stands for too
+                    seen[total].setdefault("merged_sizes", []).append(nbytes)
                     continue
                 row = {"size": total * dtype.itemsize, "count": common.shown_count(coll, total, block),
                        "type": tname, "redop": op, "root": root if coll in common.HAS_ROOT else -1}
@@ -147,7 +145,7 @@ def run_sweep(backend: Backend, coll: str, sizes: list[int], dtypes: list[str], 
                         backend, coll, dtype, op if op != "none" else "sum", root, total, block,
                         inplace, iters, warmup, check)
                 rows.append(row)
-                earlier.append(row)
+                seen[total] = row
     return rows
 
 
