@@ -256,6 +256,14 @@ def test_bad_p2p_tests_and_window(argv, start):
     _one_error(bench("p2p", "-b", "8", "-e", "8", *FAST, *argv), start)
 
 
+def test_check_count_as_nccl_tests():
+    """-c takes a count as nccl-tests does: 2 checks as 1 does; a negative one is an error."""
+    r = bench("all_reduce", "-b", "64", "-e", "64", *FAST, "-c", "2")
+    assert r.returncode == 0, r.stderr
+    assert [row[8] for row in _data_rows(r.stdout)] == ["0"]  # #wrong, out of place: checked
+    _one_error(bench("all_reduce", "-b", "8", "-e", "8", *FAST, "-c", "-1"), "-c -1: 0 (no checks) or at least 1")
+
+
 def test_step_zero_is_fine_for_one_size():
     r = bench("all_reduce", "-b", "8", "-e", "8", *FAST, "-f", "1", "-i", "0")
     assert r.returncode == 0 and len(_data_rows(r.stdout)) == 1, r.stderr

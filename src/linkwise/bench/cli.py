@@ -41,8 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "first call, which finds out whether the system has that form and sets "
                         "up its connections, counts as one, so -w 0 still makes that one call; "
                         "p2p warms up with at least 2 round trips (1 window for bw, bibw)")
-    p.add_argument("-c", "--check", type=int, default=1, choices=(0, 1),
-                   help="check every result and count wrong elements (default 1)")
+    p.add_argument("-c", "--check", type=int, default=1,
+                   help="1 (or more, as nccl-tests' check count): check every result and count "
+                        "wrong elements (default 1); 0: no checks")
     p.add_argument("-d", "--datatype", default="float",
                    help=f"{', '.join(common.DTYPES)} or all (default float). linkwise cannot "
                         "reduce uint32, uint64: all_reduce, reduce, reduce_scatter show their "
@@ -103,6 +104,8 @@ def _normalise(args) -> list[str]:
                              + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
         if args.window < 1:
             raise ValueError(f"--window {args.window}: need at least 1 message in flight")
+    if args.check < 0:
+        raise ValueError(f"-c {args.check}: 0 (no checks) or at least 1")
     if args.nranks < 1:
         raise ValueError(f"-N {args.nranks}: need at least 1 rank")
     if args.iters is not None and args.iters < 1:
