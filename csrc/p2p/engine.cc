@@ -320,7 +320,13 @@ bool Engine::cancel(Request& req) {
   auto drop = [&](std::list<std::shared_ptr<Request>>& l, bool skip_front) {
     for (auto it = l.begin(); it != l.end(); ++it) {
       if (it->get() != &req) continue;
-      if (skip_front && it == l.begin() && p.front_started) return false;
+      if (skip_front && it == l.begin() && p.front_started) {
+        if (p.wire_pos > 0) return false;  // bytes of it are on the wire: too late
+        // Announced to nobody yet (its header waits for room in the link): forget it; the
+        // next message starts afresh (a pull number it took stays unused: acks name theirs).
+        p.front_started = false;
+        p.stage_len = 0;
+      }
       std::shared_ptr<Request> keep = *it;
       l.erase(it);
       // Only a wait that timed out (or a dropped request) withdraws one: a later wait on it

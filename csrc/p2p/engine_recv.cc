@@ -164,18 +164,22 @@ void Engine::start_incoming(Peer& p) {
   p.in_msg = true;
   p.in_got = 0;
   p.in_req.reset();
-  for (auto it = p.posted.begin(); it != p.posted.end(); ++it) {
-    if ((*it)->tag != h.tag) continue;
+  for (auto it = p.posted.begin(); it != p.posted.end();) {
+    if ((*it)->tag != h.tag) {
+      ++it;
+      continue;
+    }
     std::shared_ptr<Request> req = *it;
-    p.posted.erase(it);
+    it = p.posted.erase(it);
     ErrorKind kind;
     std::string why = misfit(*req, h, rank_, &kind);
     if (why.empty()) {
       p.in_req = std::move(req);
       return;
     }
-    fail_locked(*req, kind, why, -1);  // and keep the message for a receive that fits
-    break;
+    // This receive fails; the message goes on to the next posted receive of its tag that
+    // fits, else waits queued for one (so that receives posted early keep the tag's order).
+    fail_locked(*req, kind, why, -1);
   }
   p.unexpected.emplace_back();
   p.in_unexp = std::prev(p.unexpected.end());
