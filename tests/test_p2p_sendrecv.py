@@ -78,6 +78,24 @@ def _errors(comm):
     ro.setflags(write=False)
     with pytest.raises(ValueError, match="read-only"):
         comm.sendrecv(x, peer, ro, peer)
+    # x and out sharing memory (MPI_Sendrecv_replace's case): refused before anything moves
+    buf = np.arange(9, dtype=np.float32)
+    for out in (buf, buf[1:], buf[:5]):
+        with pytest.raises(ValueError, match="share memory"):
+            comm.sendrecv(buf[:8], peer, out, peer, 9, 9)
+    # a NaN timeout is refused before anything is posted, in every form
+    nan = float("nan")
+    for call in (lambda: comm.sendrecv(x, peer, x.copy(), peer, 9, 9, timeout=nan),
+                 lambda: comm.recv(x, peer, 9, timeout=nan), lambda: comm.send(x, peer, 9, timeout=nan),
+                 lambda: comm.irecv(x, peer, 9, timeout=nan), lambda: comm.isend(x, peer, 9, timeout=nan)):
+        with pytest.raises(ValueError, match="timeout is NaN"):
+            call()
+    r = comm.irecv(x, peer, 9)
+    with pytest.raises(ValueError, match="timeout is NaN"):
+        r.wait(timeout=nan)
+    comm.send(np.full(4, comm.rank + 1, np.float32), peer, 9)
+    assert r.wait() == 16 and (x == peer + 1).all()  # nothing of the refused calls was posted
+    x[:] = 0
     # a receive too small raises, and the message stays queued for a larger receive
     small, big = np.zeros(2, np.float32), np.zeros(8, np.float32)
     with pytest.raises(ValueError):
@@ -125,6 +143,8 @@ def _post_errors(comm):
         comm.close()
         with pytest.raises(linkwise.CommAbortedError, match="closed"):
             comm.isend(x, 1)
+        with pytest.raises(linkwise.CommAbortedError, match="closed"):
+            comm.link(1)
     return "ok"
 
 

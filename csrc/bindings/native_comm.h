@@ -6,6 +6,7 @@
 
 #include <nanobind/nanobind.h>
 
+#include <cmath>
 #include <memory>
 #include <string>
 
@@ -73,6 +74,7 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
 
   std::unique_ptr<PyRequest> post(nb::handle obj, int peer, uint64_t tag, bool is_send, bool is_async,
                                   double timeout_s) {
+    check_timeout(timeout_s, is_send ? "isend" : "irecv");
     auto held = std::make_unique<HeldBuffer>();
     acquire_buffer(obj, !is_send, is_send ? "send" : "recv", *held);
     std::shared_ptr<Request> req =
@@ -87,6 +89,7 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
 
   // Blocking send/recv: no Request object crosses into Python (the latency path).
   size_t blocking(nb::handle obj, int peer, uint64_t tag, bool is_send, double timeout_s) {
+    check_timeout(timeout_s, is_send ? "send" : "recv");
     HeldBuffer held;
     acquire_buffer(obj, !is_send, is_send ? "send" : "recv", held);
     std::shared_ptr<Request> req;
@@ -105,9 +108,16 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
   // byte moved yet, else the engine aborts (its copies stop with it, under the engine's lock).
   size_t sendrecv(nb::handle send_obj, int dst, uint64_t send_tag, nb::handle recv_obj, int src,
                   uint64_t recv_tag, double timeout_s) {
+    check_timeout(timeout_s, "sendrecv");
     HeldBuffer hs, hr;
     acquire_buffer(send_obj, false, "sendrecv", hs);
     acquire_buffer(recv_obj, true, "sendrecv", hr);
+    const char* sp = static_cast<const char*>(hs.ptr());
+    const char* rp = static_cast<const char*>(hr.ptr());
+    if (hs.bytes() && hr.bytes() && sp < rp + hr.bytes() && rp < sp + hs.bytes())
+      throw Error(ErrorKind::Invalid,
+                  "sendrecv: x and out share memory; the receive would overwrite x while it is sent. "
+                  "Send a copy (out is never x, as in MPI_Sendrecv)");
     nb::gil_scoped_release nogil;
     std::shared_ptr<Request> r = engine_.irecv(src, hr.ptr(), hr.bytes(), recv_tag, hr.dtype(), false);
     std::shared_ptr<Request> s;
@@ -125,6 +135,13 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
   Engine& engine() { return engine_; }
 
  private:
+  // A NaN timeout, refused before anything is posted (Engine::wait refuses it too, for a
+  // request's own wait(timeout=)): it would never compare as spent.
+  static void check_timeout(double timeout_s, const char* op) {
+    if (std::isnan(timeout_s))
+      throw Error(ErrorKind::Invalid, std::string(op) + ": timeout is NaN; give seconds (a number)");
+  }
+
   Engine engine_;
   std::shared_ptr<ShmTransport> shm_;
   std::shared_ptr<TcpTransport> tcp_;

@@ -1,6 +1,8 @@
 // Waiting: spinning, sleeping on the transports, timeouts, and the progress thread.
 // See engine.h for the threading contract.
 #include <algorithm>
+#include <cmath>
+#include <string>
 #include <thread>
 
 #include "core/wait.h"
@@ -92,6 +94,8 @@ void Engine::adapt_spin(double budget_us, double slept_us) {
 }
 
 void Engine::wait(Request& req, double timeout_s, const char* op) {
+  if (std::isnan(timeout_s))  // would never compare as spent: the wait would outlast any timeout
+    throw Error(ErrorKind::Invalid, std::string(op) + ": timeout is NaN; give seconds (a number)");
   if (!req.done()) {
     const auto t0 = Clock::now();
     const double budget_us = spin_budget_us_.load(std::memory_order_relaxed);

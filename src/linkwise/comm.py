@@ -310,6 +310,8 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
     # -- information and lifetime ---------------------------------------------------------
     def link(self, peer: int) -> str:
         """How this rank reaches peer, e.g. 'shared memory to rank 1 (pid 123)'."""
+        if self._closed:
+            raise CommAbortedError(f"rank {self.rank}: link on a closed communicator")
         return self._native.describe_link(peer)
 
     def close(self) -> None:
