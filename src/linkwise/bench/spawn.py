@@ -69,7 +69,7 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float, what: str) -> None:
             if all(c == 0 for c in codes):
                 return
             if time.monotonic() > deadline:
-                raise LaunchError(f"{what}: ranks did not finish within {timeout:.0f} s")
+                raise LaunchError(f"{what}: ranks did not finish within {timeout:g} s (--timeout)")
             time.sleep(0.02)
     finally:
         for p in procs:
@@ -136,7 +136,7 @@ def launch_mpi(nranks: int, args_json: str, timeout: float, extra: str = "") -> 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
-            raise LaunchError(f"mpirun did not finish within {timeout:.0f} s") from None
+            raise LaunchError(f"mpirun did not finish within {timeout:g} s (--timeout)") from None
         if proc.returncode != 0:
             tail = text.decode(errors="replace")[-2000:]
             raise LaunchError(f"mpirun exited with status {proc.returncode}:\n{tail}")
