@@ -79,6 +79,10 @@ void bind_errors(nb::module_&) {
 
 NB_MODULE(_native, m) {
   m.doc() = "linkwise data plane (C++)";
+  // Objects still alive at interpreter exit are expected, not leaks: a communicator a daemon
+  // thread may still be blocked in is left to the process exit (comm._close_all), and
+  // nanobind's report of them (to stderr, per object and function) would only alarm users.
+  nanobind::set_leak_warnings(false);
   linkwise::bind_errors(m);
   linkwise::bind_p2p(m);
 #ifdef LINKWISE_HAVE_CUDA

@@ -155,7 +155,7 @@ def connect_tcp(native, store, tag: str, rank: int, size: int, job_id: str,
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread
             errors.append(exc)
 
-    thread = threading.Thread(target=accept_all, daemon=True)
+    thread = threading.Thread(target=accept_all, name="linkwise-tcp-accept", daemon=True)
     thread.start()
     try:
         for peer in lower:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
+import threading
 import weakref
 from typing import Any, Optional
 
@@ -99,7 +101,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         self.launcher = launcher
         self.job_id = job_id
         self.comm_id = comm_id
-        self.timeout = float(config.get("LINKWISE_TIMEOUT") if timeout is None else timeout)
+        self.timeout = config.get("LINKWISE_TIMEOUT") if timeout is None else config.seconds(timeout)
         self._store = store
         self._closed = False
         tag = f"{comm_id}/setup"
@@ -356,25 +358,47 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, addr: Optional[
     the rendezvous store). With no launcher and no arguments: a single rank.
     """
     env = bootstrap.detect(rank=rank, size=size, addr=addr)
-    setup_timeout = float(config.get("LINKWISE_TIMEOUT") if timeout is None else timeout)
+    setup_timeout = config.get("LINKWISE_TIMEOUT") if timeout is None else config.seconds(timeout)
     store = None
     job_id = env.job_id
-    if env.size > 1:
-        store = bootstrap.Store(env.master_addr, env.master_port, is_server=env.rank == 0,
-                                timeout=setup_timeout, spare_ports=env.spare_ports,
-                                token=f"{env.job_id}|{env.size}|{env.master_port}")
-        if not job_id:
-            if env.rank == 0:
-                store.set("job_id", new_job_id().encode())
-            job_id = store.get("job_id", setup_timeout).decode()
-    job_id = job_id or new_job_id()
-    job_id = "".join(ch for ch in job_id if ch.isalnum())[:24] or new_job_id()
-    return Communicator(env.rank, env.size, local_rank=env.local_rank, local_size=env.local_size,
-                        launcher=env.launcher, store=store, job_id=job_id, timeout=timeout)
+    try:
+        if env.size > 1:
+            store = bootstrap.Store(env.master_addr, env.master_port, is_server=env.rank == 0,
+                                    timeout=setup_timeout, spare_ports=env.spare_ports,
+                                    token=f"{env.job_id}|{env.size}|{env.master_port}")
+            if not job_id:
+                if env.rank == 0:
+                    store.set("job_id", new_job_id().encode())
+                job_id = store.get("job_id", setup_timeout).decode()
+        job_id = job_id or new_job_id()
+        job_id = "".join(ch for ch in job_id if ch.isalnum())[:24] or new_job_id()
+        return Communicator(env.rank, env.size, local_rank=env.local_rank, local_size=env.local_size,
+                            launcher=env.launcher, store=store, job_id=job_id, timeout=setup_timeout)
+    except BaseException:
+        if store is not None:  # a failed init leaves no listener behind: a retry may bind the port again
+            store.close()
+        raise
+
+
+def _forget_parents_communicators() -> None:
+    """In a forked child: the parent's communicators are not the child's to close (closing
+    them at the child's exit shut the parent's store sockets, which the two share)."""
+    for comm in list(_live):
+        _live.discard(comm)
+
+
+os.register_at_fork(after_in_child=_forget_parents_communicators)
 
 
 @atexit.register
 def _close_all() -> None:
+    # A daemon thread still alive at exit may be blocked in a linkwise call: closing would wake
+    # it, and a thread that takes the GIL back while the interpreter finalizes is ended by
+    # pthread_exit, which aborts the process from native frames (SIGABRT). Then leave the
+    # communicators to the process exit, which peers see as this rank leaving (PeerError).
+    main = threading.main_thread()
+    if any(t is not main and not t.name.startswith("linkwise-") for t in threading.enumerate()):
+        return
     for comm in list(_live):
         try:
             comm.close()

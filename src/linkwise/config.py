@@ -83,7 +83,19 @@ def get(name: str) -> Any:
     return TUNABLES[name].current()
 
 
-declare("LINKWISE_TIMEOUT", 300.0, float, "seconds any blocking call waits before raising TimeoutError")
+def seconds(raw: Any) -> float:
+    """A timeout: a positive, finite number of seconds (NaN, inf, 0 and below are refused)."""
+    try:
+        t = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"timeout {raw!r}: give seconds, a positive number") from None
+    if not 0 < t < float("inf"):
+        raise ValueError(f"timeout {raw!r}: give seconds, a positive finite number")
+    return t
+
+
+declare("LINKWISE_TIMEOUT", 300.0, seconds, "seconds any blocking call waits before raising TimeoutError "
+        "(a positive, finite number)")
 declare("LINKWISE_TRANSPORT", "auto", _choice("auto", "shm", "tcp"),
         "auto: shared memory within a host, TCP across hosts; tcp forces TCP everywhere")
 declare("LINKWISE_SOCKET_IFNAME", "", str,
