@@ -135,6 +135,25 @@ def test_two_jobs_on_one_base_port_stay_apart():
         cb.close()
 
 
+@pytest.mark.parametrize("theirs", ["jobB|2|{p}", "jobA|3|{p}"], ids=["another-job", "another-size"])
+def test_a_port_the_user_gave_is_checked_too(theirs):
+    """With no spare ports (an explicit addr or LINKWISE_MASTER_PORT) a client still checks the
+    store's token: another job's store, or one started with another size, is never joined (a
+    job's rank 1 used to join another job's rank 0 on the same port and sum with it)."""
+    port = free_run(1)
+    with Store("127.0.0.1", port, is_server=True, timeout=10, token=f"jobA|2|{port}") as a:
+        ok = Store("127.0.0.1", port, is_server=False, timeout=5, token=f"jobA|2|{port}")
+        ok.set("k", b"v")
+        assert a.get("k", 5) == b"v"
+        ok.close()
+        t0 = time.monotonic()
+        with pytest.raises(BootstrapError, match="another job's or has another size") as info:
+            Store("127.0.0.1", port, is_server=False, timeout=1, token=theirs.format(p=port))
+        assert f"'jobA|2|{port}'" in str(info.value) and time.monotonic() - t0 < 5
+        with pytest.raises(TimeoutError):
+            a.get("intruder", 0.2)  # nothing of the refused client reached the store
+
+
 def test_client_started_before_the_server_finds_it():
     base = free_run(6)
     blocker = silent_listener(base)

@@ -53,6 +53,7 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _GRACE = 10.0  # seconds a client waits beyond a server-side timeout before it gives up
 DRAIN = 2.0  # seconds a closing server waits for requests in progress to be answered
 _HELLO_WAIT = 2.0  # seconds a client waits for a candidate port's HELLO reply
+_MAX_TOKEN = 256  # bytes of a store's token a client reads (job id | size | port)
 
 
 class StoreClosedError(PeerError, BootstrapError):
@@ -259,8 +260,8 @@ class Store:
         self._open.add(sock)
 
     def _connect(self, host: str, candidates: list[int]) -> tuple[socket.socket, int]:
-        """Connect to the first candidate port whose server is this job's store (with one
-        candidate: to that port, unchecked). Retries until ``timeout``."""
+        """Connect to the first candidate port whose server is this job's store (its HELLO
+        token matches, a single port the user gave included). Retries until ``timeout``."""
         deadline = time.monotonic() + self.timeout
         delay, last = 0.01, None
         while True:
@@ -274,11 +275,17 @@ class Store:
                 except OSError as exc:
                     last = exc
                     continue
-                if len(candidates) == 1 or self._is_ours(sock):
+                theirs = self._their_token(sock)
+                if theirs == self._token:
                     sock.settimeout(None)
                     return sock, port
                 sock.close()
-                last = f"port {port} is held by something other than this job's store"
+                if theirs is None:
+                    last = f"port {port} is held by something other than this job's store"
+                else:  # a linkwise store, of another job or another size: never join it
+                    last = (f"the store on port {port} is another job's or has another size (its job|size|port "
+                            f"{theirs.decode(errors='replace')!r}, this rank's {self._token.decode(errors='replace')!r}); "
+                            "check that every rank has the same size and LINKWISE_JOB_ID")
             if time.monotonic() + delay > deadline:
                 ports = f"{candidates[0]}" + (f"..{candidates[-1]}" if len(candidates) > 1 else "")
                 raise BootstrapError(
@@ -289,20 +296,24 @@ class Store:
             time.sleep(delay)
             delay = min(delay * 2, 0.25)
 
-    def _is_ours(self, sock: socket.socket) -> bool:
-        """Ask a freshly connected server for its token (HELLO); False for anything else,
-        including a listener that does not answer within _HELLO_WAIT."""
+    def _their_token(self, sock: socket.socket) -> Optional[bytes]:
+        """Ask a freshly connected server for its token (HELLO), also on a port the user gave:
+        a store of another job (or started with another size) there must not be joined. None
+        for anything but a linkwise store, including a listener that does not answer within
+        _HELLO_WAIT."""
         try:
             sock.settimeout(_HELLO_WAIT)
             _send_frame(sock, _KEY.pack(_HELLO, 0))
             head = _recv_exact(sock, _LEN.size)
             n = _LEN.unpack(head)[0] if head is not None else -1
-            if n != 1 + len(self._token):  # also keeps a foreign length from sizing a buffer
-                return False
+            if not 1 <= n <= 1 + _MAX_TOKEN:  # also keeps a foreign length from sizing a buffer
+                return None
             reply = _recv_exact(sock, n)
         except OSError:
-            return False
-        return reply == bytes([_OK]) + self._token
+            return None
+        if reply is None or reply[:1] != bytes([_OK]):
+            return None
+        return reply[1:]
 
     def _request(self, op: int, key: str, body: bytes, wait: Optional[float],
                  what: str) -> bytes:
