@@ -326,7 +326,8 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
             gpu.close()
             self._gpu_comm = None
         # A pending async collective in the shared-memory executor fails too (and the peers
-        # waiting in it on this rank raise PeerError), as the point-to-point ones do below.
+        # waiting in it on this rank raise CommAbortedError or PeerError, whichever notice
+        # reaches them first), as the point-to-point ones do below.
         # Only then: after a completed call peers may still be reading this rank's pieces
         # from the segment (a broadcast root returns before its readers), which stays mapped.
         worker = self.__dict__.get("_coll_worker")
