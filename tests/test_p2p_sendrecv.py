@@ -95,6 +95,10 @@ def _errors(comm):
         r.wait(timeout=nan)
     comm.send(np.full(4, comm.rank + 1, np.float32), peer, 9)
     assert r.wait() == 16 and (x == peer + 1).all()  # nothing of the refused calls was posted
+    c = comm.all_reduce(np.ones(4, np.float32), async_op=True)  # an async collective's wait too
+    with pytest.raises(ValueError, match="timeout is NaN"):
+        c.wait(timeout=nan)
+    assert (c.wait() == 2).all()
     x[:] = 0
     # a receive too small raises, and the message stays queued for a larger receive
     small, big = np.zeros(2, np.float32), np.zeros(8, np.float32)

@@ -130,6 +130,7 @@ class CollRequest {
     }
   }
   void wait(double timeout_s) {
+    check_timeout(timeout_s, "an async collective's wait");
     {
       nb::gil_scoped_release nogil;
       // In slices of 0.1 s, for Ctrl-C (core/wait.h; checked without job_->mu, since the check

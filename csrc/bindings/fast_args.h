@@ -69,7 +69,6 @@ void enable();
 // x is exactly a numpy.ndarray (no subclass), once enable() ran.
 bool is_array(nanobind::handle x);
 
-
 // One item of a buffer format as NumPy's dtype kinds see it: 'b' (bool), 'i', 'u', 'f', 'c';
 // 0 for anything else (records, sub-arrays, strings, pointers). `native`: native byte order.
 struct Item {

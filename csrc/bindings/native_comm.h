@@ -6,11 +6,11 @@
 
 #include <nanobind/nanobind.h>
 
-#include <cmath>
 #include <memory>
 #include <string>
 
 #include "bindings/buffer.h"
+#include "core/wait.h"
 #include "p2p/engine.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
@@ -135,13 +135,6 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
   Engine& engine() { return engine_; }
 
  private:
-  // A NaN timeout, refused before anything is posted (Engine::wait refuses it too, for a
-  // request's own wait(timeout=)): it would never compare as spent.
-  static void check_timeout(double timeout_s, const char* op) {
-    if (std::isnan(timeout_s))
-      throw Error(ErrorKind::Invalid, std::string(op) + ": timeout is NaN; give seconds (a number)");
-  }
-
   Engine engine_;
   std::shared_ptr<ShmTransport> shm_;
   std::shared_ptr<TcpTransport> tcp_;

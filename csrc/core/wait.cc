@@ -22,6 +22,10 @@ bool interrupted() {
   return check && check();
 }
 
+void check_timeout(double timeout_s, const char* op) {
+  if (timeout_s != timeout_s) throw Error(ErrorKind::Invalid, std::string(op) + ": timeout is NaN; give seconds (a number)");
+}
+
 void throw_interrupted(int rank, const std::string& what) {
   throw Error(ErrorKind::Interrupted, "rank " + std::to_string(rank) + ": " + what + " was interrupted");
 }

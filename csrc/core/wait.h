@@ -21,6 +21,11 @@ inline double seconds_since(Clock::time_point t0) {
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_us);
 void futex_wake_all(std::atomic<uint32_t>* word);
 
+// A timeout argument a wait cannot honour: NaN never compares as spent, so such a wait would
+// outlast any timeout. Throws ErrorKind::Invalid ("<op>: timeout is NaN ..."); callers check
+// before they post anything.
+void check_timeout(double timeout_s, const char* op);
+
 // Ctrl-C while a call waits. The waits that may last (past their spin: Engine::wait,
 // ShmColl::wait_ge, an async collective's wait, a GPU request's event_wait, ForkJoin::run's
 // owner waiting for helpers) call interrupted() every ~0.1 s and, when it is true, give up

@@ -1,7 +1,6 @@
 // Waiting: spinning, sleeping on the transports, timeouts, and the progress thread.
 // See engine.h for the threading contract.
 #include <algorithm>
-#include <cmath>
 #include <string>
 #include <thread>
 
@@ -94,8 +93,7 @@ void Engine::adapt_spin(double budget_us, double slept_us) {
 }
 
 void Engine::wait(Request& req, double timeout_s, const char* op) {
-  if (std::isnan(timeout_s))  // would never compare as spent: the wait would outlast any timeout
-    throw Error(ErrorKind::Invalid, std::string(op) + ": timeout is NaN; give seconds (a number)");
+  check_timeout(timeout_s, op);  // a request's own wait(timeout=); the posting calls checked theirs
   if (!req.done()) {
     const auto t0 = Clock::now();
     const double budget_us = spin_budget_us_.load(std::memory_order_relaxed);

@@ -384,8 +384,7 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, addr: Optional[
 def _forget_parents_communicators() -> None:
     """In a forked child: the parent's communicators are not the child's to close (closing
     them at the child's exit shut the parent's store sockets, which the two share)."""
-    for comm in list(_live):
-        _live.discard(comm)
+    _live.clear()
 
 
 os.register_at_fork(after_in_child=_forget_parents_communicators)

@@ -286,6 +286,8 @@ class Store:
                     last = (f"the store on port {port} is another job's or has another size (its job|size|port "
                             f"{theirs.decode(errors='replace')!r}, this rank's {self._token.decode(errors='replace')!r}); "
                             "check that every rank has the same size and LINKWISE_JOB_ID")
+                    if len(candidates) == 1:  # the port is taken for good: this job's rank 0 cannot listen there
+                        raise BootstrapError(f"could not join the rendezvous store at {host}:{port}: {last}")
             if time.monotonic() + delay > deadline:
                 ports = f"{candidates[0]}" + (f"..{candidates[-1]}" if len(candidates) > 1 else "")
                 raise BootstrapError(
