@@ -103,7 +103,7 @@ class CollCtx {
       if (e.kind() == ErrorKind::Peer) blame = e.peer();
     } catch (...) {
     }
-    e_.abort_and_notify("a collective failed on this rank", blame);
+    e_.abort_and_notify("a collective failed on this rank", blame, p_.seq);  // the peers stop from this call
   }
   void send(int peer, const void* buf, size_t bytes, int step) { wait(isend(peer, buf, bytes, step)); }
   void recv(int peer, void* buf, size_t bytes, int step) { wait(irecv(peer, buf, bytes, step)); }

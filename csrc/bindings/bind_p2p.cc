@@ -117,13 +117,14 @@ void bind_p2p(nb::module_& m) {
       .def("peer_alive", [](NativeComm& c, int peer) { return c.engine().peer_alive(peer); },
            "False once peer's process is known to have exited or closed its link.")
       .def("abort",
-           [](NativeComm& c, const std::string& why, bool notify, int blame) {
-             if (notify) c.engine().abort_and_notify(why, blame);
+           [](NativeComm& c, const std::string& why, bool notify, int blame, uint64_t stop_from) {
+             if (notify) c.engine().abort_and_notify(why, blame, stop_from);
              else c.engine().abort(why);
            },
-           nb::arg("why"), nb::arg("notify") = false, nb::arg("blame") = -1,
+           nb::arg("why"), nb::arg("notify") = false, nb::arg("blame") = -1, nb::arg("stop_from") = 0,
            "fail every pending request and refuse new ones; with notify, also send the peers an abort notice "
-           "(blame: the rank that died or failed, which the peers' PeerError names; -1: none)")
+           "(blame: the rank that died or failed, which the peers' PeerError names; -1: none) that stops their "
+           "collectives numbered stop_from and up (0: all)")
       .def("notify_refused", [](NativeComm& c, uint64_t number) { c.engine().notify_refused(number); },
            nb::arg("number"),
            "this rank refused collective `number` (its arguments): the peers' receives of it from this rank fail")
@@ -134,7 +135,13 @@ void bind_p2p(nb::module_& m) {
       .def_prop_ro("abort_reason", [](NativeComm& c) { return c.engine().abort_reason(); },
                    "why the communicator was aborted; empty while it was not")
       .def_prop_ro("abort_peer", [](NativeComm& c) { return c.engine().abort_peer(); },
-                   "the rank whose death or failure aborted the communicator; -1: none (or not aborted)");
+                   "the rank whose death or failure aborted the communicator; -1: none (or not aborted)")
+      .def("abort_reason_for", [](NativeComm& c, uint64_t number) { return c.engine().abort_reason(number); },
+           nb::arg("number"),
+           "why collective `number` cannot run (the communicator was aborted, or a peer's notice stopped "
+           "collectives from a number at most it); empty while it may run")
+      .def("abort_peer_for", [](NativeComm& c, uint64_t number) { return c.engine().abort_peer(number); },
+           nb::arg("number"), "as abort_peer, for collective `number` (see abort_reason_for)");
 }
 
 }  // namespace linkwise

@@ -1,5 +1,6 @@
-// The engine: posting, the sending side, failures and aborts. The receiving side is in
-// engine_recv.cc and waiting in engine_wait.cc; engine.h states the contracts.
+// The engine: posting, the sending side and failures. The receiving side is in
+// engine_recv.cc, waiting in engine_wait.cc, aborts and stops in engine_abort.cc; engine.h
+// states the contracts.
 #include "p2p/engine_internal.h"
 
 #include <algorithm>
@@ -109,9 +110,9 @@ std::shared_ptr<Request> Engine::isend(int peer, const void* buf, size_t bytes, 
     std::lock_guard<std::mutex> g(mu_);
     check_peer_arg(peer, "send");
     Peer& p = *peers_[peer];
-    if (aborted_) {
+    if (stopped_locked(tag)) {
       fail_locked(*req, abort_kind_, abort_reason_, abort_peer_);
-    } else if (p.dead) {
+    } else if (p.dead || p.write_closed) {
       fail_locked(*req, ErrorKind::Peer, "rank " + std::to_string(rank_) + ": cannot send to rank " +
                                              std::to_string(peer) + ", which is gone", peer);
     } else {
@@ -135,7 +136,7 @@ std::shared_ptr<Request> Engine::irecv(int peer, void* buf, size_t capacity, uin
     std::lock_guard<std::mutex> g(mu_);
     check_peer_arg(peer, "recv");
     Peer& p = *peers_[peer];
-    if (aborted_) {
+    if (stopped_locked(tag)) {
       fail_locked(*req, abort_kind_, abort_reason_, abort_peer_);
     } else if (is_coll_tag(tag) && std::find(p.refused.begin(), p.refused.end(), coll_number(tag)) != p.refused.end()) {
       fail_refused_locked(p, *req);
@@ -170,7 +171,7 @@ bool Engine::progress_locked() {
 bool Engine::progress_send(Peer& p) {
   bool moved = false;
   PeerLink& link = *p.link;
-  while (!p.send_queue.empty()) {
+  while (!p.send_queue.empty() && !p.write_closed) {
     Request& r = *p.send_queue.front();
     if (!p.front_started) {
       bool pull = !r.notice && r.bytes >= opt_.pull_threshold && link.can_pull();
@@ -181,7 +182,7 @@ bool Engine::progress_send(Peer& p) {
         if (seq == 0) seq = ++p.pulls_sent;  // 0 marks an empty ack slot
       }
       p.out_hdr = MsgHeader{kHeaderMagic, r.notice ? r.notice : pull ? kPull : kEager, r.tag, r.bytes,
-                            pull ? reinterpret_cast<uint64_t>(r.buf) : 0, r.dtype, seq};
+                            pull ? reinterpret_cast<uint64_t>(r.buf) : r.notice_arg, r.dtype, seq};
       p.front_started = true;
       p.wire_pos = 0;
       p.stage_len = 0;
@@ -244,6 +245,12 @@ bool Engine::progress_send(Peer& p) {
 }
 
 void Engine::complete_locked(Request& req, size_t transferred) {
+  // A request that a peer's stop notice caught mid-transfer was left to finish (its bytes
+  // were on the wire); now that its buffer is free it fails like the others (stop_locked).
+  if (stop_from_ != kNoStop && !req.notice && stopped_locked(req.tag)) {
+    fail_locked(req, abort_kind_, abort_reason_, abort_peer_);
+    return;
+  }
   req.complete(transferred);
   if (req.is_async) pending_async_.fetch_sub(1);
   if (sleepers_.load() > 0) wake_all();  // a waiter for it may be asleep on a transport
@@ -260,16 +267,6 @@ void Engine::fail_locked(Request& req, ErrorKind kind, const std::string& msg, i
 void Engine::withdraw_pulls_locked(Peer& p, int blame) {
   if (!p.link) return;
   for (auto& r : p.awaiting_ack) p.link->withdraw(static_cast<uint32_t>(r->pull_seq), blame);
-}
-
-// This rank was copying a message its sender withdrew: the sender aborted. An abort that blames
-// a rank is that rank's failure passed on, as the sender's abort notice would (so survivors all
-// name the rank that failed); otherwise the sender itself failed.
-void Engine::take_withdrawal_locked(Peer& p, const WithdrawnError& e) {
-  if (e.blame() >= 0)
-    take_abort_notice_locked(p, e.blame());
-  else
-    fail_peer_locked(p, e.what());
 }
 
 void Engine::fail_peer_locked(Peer& p, const std::string& why) {
@@ -348,139 +345,9 @@ bool Engine::cancel(Request& req) {
   return drop(p.send_queue, true);
 }
 
-void Engine::abort(const std::string& why) {
-  std::lock_guard<std::mutex> g(mu_);
-  abort_locked(own_abort_reason(why), ErrorKind::Aborted, -1);
-}
-
-void Engine::abort_and_notify(const std::string& why, int blame) {
-  std::lock_guard<std::mutex> g(mu_);
-  if (blame >= 0)  // a rank died or failed: later calls here raise PeerError naming it, as the peers' do
-    abort_locked(own_abort_reason(why + " (rank " + std::to_string(blame) + " died or failed)"), ErrorKind::Peer,
-                 blame);
-  else
-    abort_locked(own_abort_reason(why), ErrorKind::Aborted, -1);
-  notify_abort_locked(blame);
-}
-
-void Engine::notify_refused(uint64_t number) {
-  std::lock_guard<std::mutex> g(mu_);
-  if (aborted_) return;  // the peers raise already
-  for (auto& pp : peers_) {
-    Peer& p = *pp;
-    if (!p.link || p.dead || p.rank == rank_) continue;
-    auto notice = std::make_shared<Request>(Request::Kind::Send, p.rank, number & kCollNumberMask, nullptr, 0, 0);
-    notice->notice = kRefused;  // 0 bytes: never pulled; completes once written (nobody waits for it)
-    p.send_queue.push_back(std::move(notice));
-    progress_send(p);
-  }
-}
-
-int Engine::refused_by(uint64_t number) {
-  std::lock_guard<std::mutex> g(mu_);
-  for (auto& pp : peers_)
-    if (std::find(pp->refused.begin(), pp->refused.end(), number & kCollNumberMask) != pp->refused.end())
-      return pp->rank;
-  return -1;
-}
-
 void Engine::poll() {
   std::lock_guard<std::mutex> g(mu_);
   progress_locked();
-}
-
-std::string Engine::abort_reason() {
-  std::lock_guard<std::mutex> g(mu_);
-  return aborted_ ? abort_reason_ : std::string();
-}
-
-int Engine::abort_peer() {
-  std::lock_guard<std::mutex> g(mu_);
-  return aborted_ && abort_kind_ == ErrorKind::Peer ? abort_peer_ : -1;
-}
-
-void Engine::set_failure_hook(std::function<void(int blame)> hook) {
-  std::lock_guard<std::mutex> g(mu_);
-  failure_hook_ = std::move(hook);
-  if (failure_hook_ && notices_sent_) failure_hook_(failure_blame_);  // failed before it was set
-}
-
-std::string Engine::own_abort_reason(const std::string& why) const {
-  return "rank " + std::to_string(rank_) + ": the communicator was aborted: " + why;
-}
-
-// Fails every pending request with (kind, reason, peer); the first abort's reason is kept for
-// requests posted later.
-void Engine::abort_locked(const std::string& reason, ErrorKind kind, int peer) {
-  if (!aborted_) {
-    aborted_ = true;
-    abort_reason_ = reason;
-    abort_kind_ = kind;  // requests posted later fail the same way (PeerError after a death)
-    abort_peer_ = peer;
-  }
-  for (auto& pp : peers_) {
-    Peer& p = *pp;
-    auto fail_all = [&](std::list<std::shared_ptr<Request>>& l) {
-      for (auto& r : l) fail_locked(*r, kind, abort_reason_, peer);
-      l.clear();
-    };
-    fail_all(p.send_queue);
-    withdraw_pulls_locked(p, peer);
-    fail_all(p.awaiting_ack);
-    fail_all(p.posted);
-    if (p.in_req) fail_locked(*p.in_req, kind, abort_reason_, peer);
-    for (auto& u : p.unexpected)
-      if (u.bound) fail_locked(*u.bound, kind, abort_reason_, peer);
-    p.in_req.reset();
-    p.in_msg = false;
-  }
-}
-
-// Best effort, bounded. A peer whose stream is in the middle of a message, or whose link will
-// not take the 48-byte header within ~10 ms (a full ring the peer does not drain), cannot be
-// sent a notice without corrupting the stream: its link is closed instead (close_write), so it
-// fails with PeerError naming this rank rather than waiting for the rest of the message until
-// this process exits. Writes never block (PeerLink contract).
-void Engine::notify_abort_locked(int blame) {
-  if (notices_sent_) return;
-  notices_sent_ = true;
-  failure_blame_ = blame;
-  if (failure_hook_) failure_hook_(blame);
-  const MsgHeader h{kHeaderMagic, kAbort, static_cast<uint64_t>(blame + 1), 0, 0, 0, 0};
-  for (auto& pp : peers_) {
-    Peer& p = *pp;
-    if (!p.link || p.dead || p.rank == rank_ || p.rank == blame) continue;
-    try {
-      if (!p.link->alive()) continue;
-      size_t done = 0;
-      if (!(p.front_started && p.wire_pos > 0)) {
-        const char* b = reinterpret_cast<const char*>(&h);
-        const Clock::time_point t0 = Clock::now();
-        while (done < sizeof h && seconds_since(t0) < 0.01) {
-          const size_t n = p.link->write_some(b + done, sizeof h - done);
-          if (n == 0) cpu_relax();
-          done += n;
-        }
-        p.link->flush();
-      }
-      if (done < sizeof h) p.link->close_write();
-    } catch (const Error&) {
-      // the peer is gone too; nothing to tell it
-    }
-  }
-}
-
-// A peer gave up on a collective: so does this rank, blaming whom it blamed, and passes it on.
-void Engine::take_abort_notice_locked(Peer& from, int blame) {
-  const std::string msg =
-      blame >= 0 ? "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(from.rank) +
-                       " gave up on a collective because rank " + std::to_string(blame) +
-                       " failed; the communicator is aborted. Look at rank " + std::to_string(blame) +
-                       "'s output for the cause."
-                 : "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(from.rank) +
-                       " gave up on a collective (it timed out or failed); the communicator is aborted";
-  abort_locked(msg, blame >= 0 ? ErrorKind::Peer : ErrorKind::Aborted, blame);
-  notify_abort_locked(blame);
 }
 
 }  // namespace linkwise

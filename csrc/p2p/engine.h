@@ -17,13 +17,17 @@
 //
 // Failures: a dead peer fails every operation that involves it with ErrorKind::Peer, once
 // nothing it sent before dying is left to read. Timeouts are per wait.
-// Collective failures spread: a rank whose collective fails aborts its engine and sends an
-// abort notice (a kAbort header naming the rank it blames) to every live peer whose outgoing
-// stream is between messages. A peer that reads one aborts too, failing everything pending
-// with the blamed rank (PeerError) and passing the notice on, so survivors never wait on a
-// rank that has given up. A peer whose stream is in the middle of a message gets no notice
-// (it would corrupt the stream): its link is closed instead, and it raises PeerError naming
-// this rank. A collective refused on one rank (notify_refused) fails the receives the others
+// Collective failures spread: a rank whose collective number N fails aborts its engine and
+// sends an abort notice (a kAbort header naming the rank it blames and N) to every live peer
+// whose outgoing stream is between messages. A peer that reads one stops: its collectives
+// numbered N and up fail (PeerError naming the blamed rank), and so does point-to-point, but
+// the collectives before N go on, since a rank that is behind must still finish calls whose
+// data its peers sent before they failed (every rank runs its collectives in order, so the
+// rank that failed N had finished all of them). It passes the notice on, so survivors never
+// wait on a rank that has given up. A peer whose stream is in the middle of a message when
+// the engine aborts gets no notice (it would corrupt the stream): its link is closed instead,
+// and it raises PeerError naming this rank. A stopped engine that keeps running queues the
+// notices it passes on behind the message on the wire instead. A collective refused on one rank (notify_refused) fails the receives the others
 // post for it from that rank, as a mismatch would.
 #pragma once
 
@@ -43,12 +47,14 @@
 
 namespace linkwise {
 
+constexpr uint64_t kNoStop = ~uint64_t{0};  // no collective number is stopped
+
 struct MsgHeader {
   uint32_t magic;
   uint32_t kind;   // kEager or kPull (or a header-only notice: engine_internal.h)
   uint64_t tag;
   uint64_t size;
-  uint64_t addr;   // kPull: the payload's address in the sender
+  uint64_t addr;   // kPull: the payload's address in the sender; kAbort: the number it stops from
   uint32_t dtype;
   uint32_t seq;    // kPull: the number the receiver acknowledges (PeerLink::post_ack)
 };
@@ -83,8 +89,10 @@ class Engine {
   // Fails every pending request and refuses new ones. Idempotent.
   void abort(const std::string& why);
   // abort(why), and an abort notice blaming rank `blame` (-1: none, e.g. a timeout) to every
-  // live peer; after a collective failed on this rank (algo/coll.h). Notices go out once.
-  void abort_and_notify(const std::string& why, int blame);
+  // live peer; after collective number `from` failed on this rank (algo/coll.h), which the
+  // peers stop from; 0 stops everything there (a failure not tied to one collective number).
+  // Notices go out once.
+  void abort_and_notify(const std::string& why, int blame, uint64_t from = 0);
   // A collective this rank refused before any of its data moved (an argument error): a
   // refusal notice (a kRefused header carrying `number`, the collective's seq as its tags
   // carry it: algo/coll.h) goes to every live peer behind what is already queued to it. A
@@ -104,11 +112,14 @@ class Engine {
   // False once peer's process is known to have exited or closed its link (also when its link
   // already failed); true for this rank and for peers without a link. Thread-safe.
   bool peer_alive(int peer);
-  // Why the engine was aborted; empty while it was not.
-  std::string abort_reason();
-  // The rank whose death or failure aborted the engine (its requests fail with PeerError);
-  // -1 while not aborted, or aborted for another reason.
-  int abort_peer();
+  // Why collective `number` (a seq as its tags carry it) cannot run here: the engine was
+  // aborted, or a peer's notice stopped collectives from a number at most `number`. Empty
+  // while it may run. kAnyCall: whether the engine was aborted or stopped at all.
+  static constexpr uint64_t kAnyCall = ~uint64_t{0};
+  std::string abort_reason(uint64_t number = kAnyCall);
+  // The rank whose death or failure aborted or stopped the engine, for `number` as above (its
+  // requests fail with PeerError); -1 while it may run, or when it stopped for another reason.
+  int abort_peer(uint64_t number = kAnyCall);
   // One progress pass over every link (reads abort notices that arrived while nobody waited).
   void poll();
 
@@ -127,11 +138,16 @@ class Engine {
   bool deliver_deferred_locked(Peer& p, Unexpected& u, Request* req);
   void fail_peer_locked(Peer& p, const std::string& why);
   void withdraw_pulls_locked(Peer& p, int blame);
-  void take_withdrawal_locked(Peer& p, const WithdrawnError& e);
+  void take_withdrawal_locked(Peer& p, const WithdrawnError& e, uint64_t tag);
   void abort_locked(const std::string& reason, ErrorKind kind, int peer);
+  void record_failure_locked(const std::string& reason, ErrorKind kind, int peer);
+  bool stopped_locked(uint64_t tag) const;
+  void stop_locked(uint64_t from, const std::string& reason, ErrorKind kind, int peer);
+  void pass_stop_on_locked(int blame, uint64_t from);
+  void note_failure_locked(int blame);
   std::string own_abort_reason(const std::string& why) const;
-  void notify_abort_locked(int blame);
-  void take_abort_notice_locked(Peer& from, int blame);
+  void notify_abort_locked(int blame, uint64_t from);
+  void take_abort_notice_locked(Peer& from, int blame, uint64_t stop_from);
   void take_refusal_locked(Peer& from, uint64_t number);
   void fail_refused_locked(Peer& from, Request& req);
   void complete_locked(Request& req, size_t transferred);
@@ -152,10 +168,14 @@ class Engine {
   std::mutex mu_;
   std::vector<std::unique_ptr<Peer>> peers_;
   std::vector<std::shared_ptr<Transport>> transports_;
-  bool aborted_ = false;
-  std::string abort_reason_;
-  ErrorKind abort_kind_ = ErrorKind::Aborted;  // of the first abort: Peer when a rank died or failed
+  bool aborted_ = false;  // everything fails (this rank's own failure, close, a notice stopping from 0)
+  // A peer's notice stopped collectives numbered stop_from_ and up, and point-to-point;
+  // kNoStop while none did (stop_locked).
+  uint64_t stop_from_ = kNoStop;
+  std::string abort_reason_;                   // of the first abort or stop
+  ErrorKind abort_kind_ = ErrorKind::Aborted;  // of the first abort or stop: Peer when a rank died or failed
   int abort_peer_ = -1;
+  bool failure_noted_ = false;  // the failure hook ran (or will, once set)
   bool notices_sent_ = false;
   std::function<void(int)> failure_hook_;
   int failure_blame_ = -1;  // the blame of the failure that sent the notices

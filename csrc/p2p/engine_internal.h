@@ -17,7 +17,9 @@ namespace engine_detail {
 constexpr uint32_t kHeaderMagic = 0x314d574c;  // "LWM1"
 constexpr uint32_t kEager = 1;
 constexpr uint32_t kPull = 2;
-constexpr uint32_t kAbort = 3;  // abort notice: tag = blamed rank + 1 (0: none), no payload
+// Abort notice: tag = blamed rank + 1 (0: none), addr = the collective number it stops from
+// (0: everything, point-to-point included), no payload.
+constexpr uint32_t kAbort = 3;
 constexpr uint32_t kRefused = 4;  // refusal notice: tag = the refused collective's number, no payload
 constexpr size_t kRefusalsKept = 64;  // a peer's latest refusals a receive posted later is checked against
 constexpr size_t kStage = 4096;          // header + payload up to this go out in one write
@@ -75,6 +77,10 @@ struct Engine::Peer {
   size_t in_got = 0;
   std::string failure;  // why the peer failed (fail_peer_locked), for its failed messages
   std::deque<uint64_t> refused;  // the collective numbers of its latest refusal notices (kRefusalsKept)
+  // The lowest collective number an abort notice to this peer stops from, written or queued
+  // (kNoStop: none yet); a lower one is sent again.
+  uint64_t told_from = kNoStop;
+  bool write_closed = false;  // a stop ended this side's stream to it mid-message (stop_locked)
 
   bool has_work() const {
     return !send_queue.empty() || !awaiting_ack.empty() || !posted.empty() || in_msg;

@@ -116,8 +116,10 @@ bool Engine::progress_recv(Peer& p) {
           return true;
         }
         if (p.in_hdr.kind == kAbort) {
-          take_abort_notice_locked(p, static_cast<int>(p.in_hdr.tag) - 1);
-          return true;
+          take_abort_notice_locked(p, static_cast<int>(p.in_hdr.tag) - 1, p.in_hdr.addr);
+          if (aborted_) return true;
+          moved = true;
+          continue;  // stopped from a number: the earlier collectives' messages still come
         }
         if (p.in_hdr.kind == kRefused) {
           take_refusal_locked(p, p.in_hdr.tag);
@@ -150,7 +152,13 @@ bool Engine::progress_recv(Peer& p) {
       finish_incoming(p);
     }
   } catch (const WithdrawnError& e) {
-    take_withdrawal_locked(p, e);
+    // Only a pull throws it, and a pulled message's header is all its sender wrote to the
+    // stream, which is therefore between messages again: the receive fails, reading goes on.
+    const uint64_t tag = p.in_hdr.tag;
+    if (p.in_req) fail_locked(*p.in_req, ErrorKind::Peer, e.what(), e.blame() >= 0 ? e.blame() : p.rank);
+    p.in_req.reset();
+    p.in_msg = false;
+    take_withdrawal_locked(p, e, tag);
     return true;
   } catch (const Error& e) {
     fail_peer_locked(p, e.what());
@@ -226,7 +234,7 @@ bool Engine::deliver_deferred_locked(Peer& p, Unexpected& u, Request* req) {
   } catch (const WithdrawnError& e) {
     if (req) fail_locked(*req, ErrorKind::Peer, e.what(), e.blame() >= 0 ? e.blame() : p.rank);
     if (!req) u.failed = true, p.failure = e.what();
-    take_withdrawal_locked(p, e);
+    take_withdrawal_locked(p, e, u.hdr.tag);
     return false;
   } catch (const Error& e) {
     if (req) fail_locked(*req, ErrorKind::Peer, e.what(), p.rank);

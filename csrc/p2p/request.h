@@ -43,7 +43,8 @@ class Request {
   // Engine-private progress state (under the Engine's lock).
   uint64_t pull_seq = 0;  // the kPull header's seq of a send awaiting its ack
   bool helped = false;    // this sender has done its share of the receiver's copy
-  uint32_t notice = 0;    // a header-only notice of this kind (kRefused), sent in turn, instead of a message
+  uint32_t notice = 0;    // a header-only notice of this kind (kRefused, kAbort), sent in turn, instead of a message
+  uint64_t notice_arg = 0;  // kAbort: the collective number it stops from (its header's addr)
 
  private:
   friend class Engine;

@@ -94,9 +94,9 @@ def _raise_if_aborted(comm) -> None:
     as it is, so this call's is the communicator's current one), since it would never come."""
     from .errors import CommAbortedError
     comm._native.poll()
-    why = comm._native.abort_reason
+    why = comm._native.abort_reason_for(comm._coll_seq)  # a peer's notice may stop only later calls
     if why:
-        peer = comm._native.abort_peer
+        peer = comm._native.abort_peer_for(comm._coll_seq)
         if peer >= 0:  # a rank died or failed (a peer's notice names it): as the engine's own errors
             from .errors import PeerError
             raise PeerError(why, comm.rank, peer, "collective setup") from None
@@ -260,7 +260,7 @@ class ExecutorMixin:
             return None
         shm = self.__dict__.get("_shm")
         if shm is None:
-            why = self._native.abort_reason
+            why = self._native.abort_reason_for(self._coll_seq)
             if why:  # the ranks may be out of step: attaching (a collective step) could hang
                 from .errors import CommAbortedError
                 refuse(self, why)
@@ -281,5 +281,6 @@ class ExecutorMixin:
             # peer that refused the call this setup was for must not wait at the next one.
             from .errors import PeerError
             blame = exc.peer if isinstance(exc, PeerError) else -1  # the peers' PeerError names it
-            self._native.abort(f"setting up the shared-memory collectives failed: {exc}", notify=True, blame=blame)
+            self._native.abort(f"setting up the shared-memory collectives failed: {exc}", notify=True, blame=blame,
+                               stop_from=self._coll_seq)
             raise
