@@ -130,6 +130,27 @@ def test_receive_too_small_raises_and_keeps_message(transport_env):
     assert run_ranks(2, _size_and_type_errors, env=transport_env)[1] == "ok"
 
 
+def _byte_orders(comm):
+    """Big-endian int32 into little-endian int32 used to land byte-swapped without an error;
+    the same byte order on both sides still moves, and raw bytes take either."""
+    x = np.arange(1, 6, dtype=">i4")
+    if comm.rank == 0:
+        for _ in range(3):
+            comm.send(x, 1, tag=5)
+        return None
+    with pytest.raises(TypeError, match="int32 in the other byte order"):
+        comm.recv(np.zeros(5, "<i4"), 0, tag=5)
+    same = np.zeros(5, ">i4")
+    comm.recv(same, 0, tag=5)
+    raw = np.zeros(20, np.uint8)
+    comm.recv(raw, 0, tag=5)
+    return same.tolist(), raw.view(">i4").tolist()
+
+
+def test_byte_order_is_part_of_the_dtype(transport_env):
+    assert run_ranks(2, _byte_orders, env=transport_env)[1] == ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5])
+
+
 def _argument_errors(comm):
     x = np.zeros(4, np.float32)
     with pytest.raises(ValueError, match="out of range"):

@@ -1,5 +1,8 @@
 // Element type codes for message headers. A code is (kind << 8) | itemsize, where kind is
-// 'i' signed, 'u' unsigned, 'f' floating, 'c' complex, 'b' bool, 'V' anything else.
+// 'i' signed, 'u' unsigned, 'f' floating, 'c' complex, 'b' bool, 'V' anything else, with
+// kSwappedBytes set for numbers in the byte order that is not this machine's: '>i4' and
+// '<i4' differ, so a message never lands byte-swapped (both ranks of a job run on hosts of
+// one byte order).
 // Unsigned bytes ('B', as bytes/bytearray/uint8 give) are "untyped" (code 0): raw bytes
 // may be received into anything and anything into raw bytes.
 #include <cstdint>
@@ -13,7 +16,11 @@ namespace linkwise {
 
 uint32_t dtype_code(const char* format, size_t itemsize) {
   if (!format) return 0;
-  while (*format && std::strchr("@=<>!", *format)) ++format;
+  bool swapped = false;  // the buffer's byte order is not this machine's ('>i' here on x86)
+  for (; *format && std::strchr("@=<>!", *format); ++format) {
+    const bool big = *format == '>' || *format == '!';
+    if (*format != '@' && *format != '=') swapped = big != (__BYTE_ORDER__ == __ORDER_BIG_ENDIAN__);
+  }
   char f = *format;
   if (f == 'B' || f == 0) return 0;
   char kind;
@@ -23,7 +30,8 @@ uint32_t dtype_code(const char* format, size_t itemsize) {
   else if (f == 'Z') kind = 'c';
   else if (f == '?') kind = 'b';
   else kind = 'V';
-  return (static_cast<uint32_t>(kind) << 8) | static_cast<uint32_t>(itemsize & 0xff);
+  const uint32_t order = swapped && itemsize > 1 && kind != 'V' ? kSwappedBytes : 0;
+  return order | (static_cast<uint32_t>(kind) << 8) | static_cast<uint32_t>(itemsize & 0xff);
 }
 
 bool dtypes_compatible(uint32_t a, uint32_t b) { return a == 0 || b == 0 || a == b; }
@@ -36,6 +44,7 @@ std::string dtype_name(uint32_t code) {
       return std::string(dtype_str(static_cast<DType>(t))) + " (" + redop_str(static_cast<RedOp>(op)) + ")";
     return "bytes";
   }
+  if (code & kSwappedBytes) return dtype_name(code & ~kSwappedBytes) + " in the other byte order";
   char kind = static_cast<char>(code >> 8);
   unsigned bits = (code & 0xff) * 8;
   switch (kind) {

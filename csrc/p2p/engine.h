@@ -205,6 +205,7 @@ inline uint32_t collective_code(uint32_t kind, uint32_t dtype, uint32_t op, uint
   const uint32_t size_hash = static_cast<uint32_t>((call_bytes * 0x9E3779B97F4A7C15ull) >> 48);
   return kCollCode | (kind & 15) << 24 | (dtype & 15) << 20 | (op & 15) << 16 | size_hash;
 }
+constexpr uint32_t kSwappedBytes = 1u << 16;  // in a dtype code: not this machine's byte order
 uint32_t dtype_code(const char* format, size_t itemsize);
 bool dtypes_compatible(uint32_t a, uint32_t b);
 std::string dtype_name(uint32_t code);
