@@ -53,7 +53,8 @@ def test_info_reports_launcher(clean_env, capsys):
     d = info_json(capsys)
     assert d["launcher"] == dict(rank=1, size=2, local_rank=1, local_size=2,
                                  master_addr="127.0.0.1", master_port=23000,
-                                 launcher="linkwise", job_id="feed", spare_ports=0)
+                                 launcher="linkwise", job_id="feed", spare_ports=0,
+                                 port_source="LINKWISE_MASTER_PORT")
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert "linkwise: rank 1 of 2" in out and "127.0.0.1:23000" in out

@@ -1,6 +1,7 @@
 """Collectives beyond the reference matrix: async and coroutine forms, split communicators,
 LINKWISE_CHECK, a rank killed mid-collective, argument errors, and the half-precision kernels."""
 import asyncio
+import time
 
 import ml_dtypes
 import numpy as np
@@ -330,6 +331,27 @@ def _many_pending_async(comm):
 
 def test_many_pending_async_collectives_need_no_file_each():
     assert run_ranks(2, _many_pending_async, timeout=120) == [True, True]
+
+
+def _select_on_async(comm, algo):
+    """An async collective's request has fileno(), as a point-to-point one has, for select()
+    or an event loop's add_reader: readable once done, not before."""
+    import os
+    import select
+    if algo:
+        os.environ["LINKWISE_ALGO"] = algo
+    x = np.full(1000, comm.rank + 1.0, np.float32)
+    if comm.rank == 1:
+        time.sleep(0.5)  # rank 0's request cannot be done before rank 1 calls
+    req = comm.all_reduce(x, async_op=True)
+    early = select.select([req], [], [], 0)[0] if comm.rank == 0 else []
+    ready = select.select([req], [], [], 30)[0]
+    return len(early), len(ready), float(req.wait()[0])
+
+
+@pytest.mark.parametrize("algo", ["", "ring"], ids=["executor", "ring"])
+def test_async_collective_request_has_fileno(algo):
+    assert run_ranks(2, _select_on_async, algo, timeout=60) == [(0, 1, 3.0)] * 2
 
 
 def _block_shape_body(comm, rows_per_rank, cols):

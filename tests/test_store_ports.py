@@ -235,3 +235,25 @@ def test_init_under_torchrun_variables_with_master_port_plus_one_taken(tmp_path)
     got = sorted(line.split()[1:] for o in outs for line in o.splitlines()
                  if line.startswith("RESULT"))
     assert got == [[str(r), "3", "torchrun", str((r - 1) % 3)] for r in range(3)], outs
+
+
+def test_cannot_listen_names_where_the_port_came_from(monkeypatch):
+    """The hint used to name LINKWISE_MASTER_PORT whatever had set the port."""
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        for source, hint in [("addr", r"addr='host:port'"), ("LINKWISE_MASTER_PORT", "LINKWISE_MASTER_PORT"),
+                             ("MASTER_PORT", r"MASTER_PORT \+ 1"), ("derived", "LINKWISE_MASTER_PORT")]:
+            with pytest.raises(BootstrapError, match=hint):
+                Store("127.0.0.1", port, is_server=True, timeout=1, port_source=source)
+    for name in list(os.environ):
+        if name.startswith(("LINKWISE_", "OMPI_", "PMI", "SLURM_", "TORCHELASTIC")) or name in (
+                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(name)
+    assert detect(rank=0, size=2, addr=f"127.0.0.1:{port}").port_source == "addr"
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert detect().port_source == "MASTER_PORT"
+    monkeypatch.setenv("LINKWISE_MASTER_PORT", str(port))
+    assert detect().port_source == "LINKWISE_MASTER_PORT"

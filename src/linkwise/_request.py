@@ -71,6 +71,11 @@ class CollectiveRequest(Request):
         self._native.wait(self._timeout if timeout is None else float(timeout))
         return self._keep
 
+    def fileno(self) -> int:
+        """An eventfd that turns readable once the collective is done, for select() or an event
+        loop's add_reader (as a point-to-point request's); wait() or test() then finishes it."""
+        return self._native.fileno()
+
 
 async def _await_native(native_request, timeout: float) -> int:
     if not native_request.done:

@@ -51,6 +51,7 @@ class PeerCard:
     pid: int
     tcp: Optional[str] = None  # "ip:port" this rank listens on for TCP links
     cpus: str = ""  # hex bitmask of the CPUs this rank may run on ("" = unknown)
+    transport: str = "auto"  # this rank's LINKWISE_TRANSPORT (ranks of one host must agree)
 
 
 def cpu_mask() -> int:
@@ -80,7 +81,8 @@ def cpus_per_rank(cards: list[PeerCard], rank: int, ranks_here: int) -> float:
 
 def own_card(rank: int) -> PeerCard:
     """This process's card (host, pid, CPU mask); the TCP address is filled in later."""
-    return PeerCard(rank=rank, host=host_identity(), pid=os.getpid(), cpus=format(cpu_mask(), "x"))
+    return PeerCard(rank=rank, host=host_identity(), pid=os.getpid(), cpus=format(cpu_mask(), "x"),
+                    transport=config.get("LINKWISE_TRANSPORT"))
 
 
 def exchange_host_cards(store, tag: str, rank: int, size: int) -> list[PeerCard]:
@@ -91,6 +93,17 @@ def exchange_host_cards(store, tag: str, rank: int, size: int) -> list[PeerCard]
 def exchange_cards(store, tag: str, rank: int, size: int, card: PeerCard) -> list[PeerCard]:
     raw = store.all_gather(tag, rank, size, json.dumps(card.__dict__).encode())
     return [PeerCard(**json.loads(r)) for r in raw]
+
+
+def transport_disagreement(cards: list[PeerCard]) -> Optional[str]:
+    """Two ranks of one host that disagree on LINKWISE_TRANSPORT=tcp would each wait for a link
+    of the other kind until the timeout. Every rank sees every card, so all find it."""
+    for a in cards:
+        for b in cards:
+            if a.rank < b.rank and a.host == b.host and (a.transport == "tcp") != (b.transport == "tcp"):
+                return (f"ranks {a.rank} and {b.rank} share a host but disagree on LINKWISE_TRANSPORT "
+                        f"({a.transport!r} against {b.transport!r}); set it the same on every rank")
+    return None
 
 
 def choose_transports(cards: list[PeerCard], rank: int, forced: str) -> dict[int, str]:
@@ -180,6 +193,11 @@ def setup_links(native, store, tag: str, rank: int, size: int, job_id: str, time
                 cards: list[PeerCard], comm_id: str = "") -> dict[int, str]:
     """Connects every peer (``cards`` from :func:`exchange_host_cards` with the same tag);
     returns {peer: 'shm' | 'tcp'}."""
+    disagreement = transport_disagreement(cards)
+    if disagreement:
+        # Every rank raises; rank 0 only once all have read the cards (its store closes as it does).
+        store.barrier(f"{tag}/transport-disagreement", size, timeout)
+        raise BootstrapError(f"rank {rank}: {disagreement}")
     forced = config.get("LINKWISE_TRANSPORT")
     kinds = choose_transports(cards, rank, forced)
     shm_peers = [p for p, k in kinds.items() if k == "shm"]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from . import config
@@ -60,6 +60,9 @@ class LaunchEnv:
     #: SPARE_PORTS for a derived port (MASTER_PORT + 1, or from the job id), 0 for a given one,
     #: unless LINKWISE_MASTER_PORT_SPARE says otherwise.
     spare_ports: int = 0
+    #: Where master_port came from, for error hints: "addr", "LINKWISE_MASTER_PORT",
+    #: "MASTER_PORT" (its port + 1) or "derived" (from the job id or the launcher).
+    port_source: str = field(default="derived", compare=False)
 
 
 @dataclass
@@ -344,9 +347,10 @@ def detect(rank: Optional[int] = None, size: Optional[int] = None,
 
     torch_port = _int(env, "MASTER_PORT")
     port = explicit_port if explicit_port is not None else config.get("LINKWISE_MASTER_PORT")
+    source = "addr" if explicit_port is not None else "LINKWISE_MASTER_PORT"
     derived = port is None and size > 1
     if port is None and torch_port is not None:
-        port = torch_port + 1 if torch_port < 65535 else 65534
+        port, source = (torch_port + 1 if torch_port < 65535 else 65534), "MASTER_PORT"
     if port is None and found is not None and found.port_seed:
         port = derive_port(found.port_seed)
     if port is None and found is not None and found.launcher in ("openmpi", "mpich") and all_local:
@@ -364,4 +368,5 @@ def detect(rank: Optional[int] = None, size: Optional[int] = None,
     if spare is None:
         spare = SPARE_PORTS if derived else 0
     return _validate(LaunchEnv(rank, size, local_rank, local_size, host, int(port), launcher,
-                               _clean_id(job_id), int(spare)))
+                               _clean_id(job_id), int(spare), source if not derived or source == "MASTER_PORT"
+                               else "derived"))

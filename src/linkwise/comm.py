@@ -29,7 +29,7 @@ from ._coll_args import _raw
 from ._coll_coroutines import CoroutineCollectivesMixin
 from ._coll_gather import GatherScatterMixin
 from .collectives import CollectivesMixin
-from .errors import CommAbortedError
+from .errors import BootstrapError, CommAbortedError
 
 MAX_TAG = (1 << 62) - 1
 
@@ -360,25 +360,43 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, addr: Optional[
     """
     env = bootstrap.detect(rank=rank, size=size, addr=addr)
     setup_timeout = config.get("LINKWISE_TIMEOUT") if timeout is None else config.seconds(timeout)
+    rendezvous = (env.master_addr, env.master_port)
+    if env.size > 1:
+        _refuse_second_world(rendezvous)
     store = None
     job_id = env.job_id
     try:
         if env.size > 1:
             store = bootstrap.Store(env.master_addr, env.master_port, is_server=env.rank == 0,
                                     timeout=setup_timeout, spare_ports=env.spare_ports,
-                                    token=f"{env.job_id}|{env.size}|{env.master_port}")
+                                    token=f"{env.job_id}|{env.size}|{env.master_port}",
+                                    port_source=env.port_source)
             if not job_id:
                 if env.rank == 0:
                     store.set("job_id", new_job_id().encode())
                 job_id = store.get("job_id", setup_timeout).decode()
         job_id = job_id or new_job_id()
         job_id = "".join(ch for ch in job_id if ch.isalnum())[:24] or new_job_id()
-        return Communicator(env.rank, env.size, local_rank=env.local_rank, local_size=env.local_size,
+        comm = Communicator(env.rank, env.size, local_rank=env.local_rank, local_size=env.local_size,
                             launcher=env.launcher, store=store, job_id=job_id, timeout=setup_timeout)
+        comm._rendezvous = rendezvous if env.size > 1 else None
+        return comm
     except BaseException:
         if store is not None:  # a failed init leaves no listener behind: a retry may bind the port again
             store.close()
         raise
+
+
+def _refuse_second_world(rendezvous: tuple) -> None:
+    """A second init() of the same job while its first world communicator is open would meet
+    that one's rendezvous store (rank 0 could not listen on its port; the others joined the
+    open store, whose keys were the first world's), so it is refused before anything moves."""
+    for comm in list(_live):
+        if not comm._closed and comm.__dict__.get("_rendezvous") == rendezvous:
+            raise BootstrapError(
+                f"rank {comm.rank}: init() was called again while this process's world communicator of the "
+                f"same job (rendezvous {rendezvous[0]}:{rendezvous[1]}) is open; use that one, close() it "
+                "first, or make sub-communicators with comm.split()")
 
 
 def _forget_parents_communicators() -> None:

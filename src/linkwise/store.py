@@ -87,10 +87,20 @@ def _recv_frame(sock: socket.socket) -> Optional[bytes]:
     return _recv_exact(sock, n) if n else b""
 
 
+# What to change when rank 0 cannot listen, by where the port came from (LaunchEnv.port_source).
+_PORT_HINTS = {
+    "addr": "pass a free port in addr='host:port' (the same on every rank)",
+    "LINKWISE_MASTER_PORT": "set LINKWISE_MASTER_PORT to a free port",
+    "MASTER_PORT": "the store takes MASTER_PORT + 1 (torch's own store has MASTER_PORT); choose another "
+                   "MASTER_PORT, or set LINKWISE_MASTER_PORT to a free port",
+    "derived": "set LINKWISE_MASTER_PORT to a free port (the same on every rank)",
+}
+
+
 class _Server:
     """The store itself; lives in rank 0's process. See the module docstring for threading."""
 
-    def __init__(self, host: str, port: int, token: bytes, spare_ports: int):
+    def __init__(self, host: str, port: int, token: bytes, spare_ports: int, port_source: str):
         bind = host if host in _LOOPBACK else "0.0.0.0"
         if bind == "localhost":
             bind = "127.0.0.1"
@@ -107,7 +117,7 @@ class _Server:
             tried = f"{bind}:{port}" + (f"..{ports[-1]}" if len(ports) > 1 else "")
             raise BootstrapError(
                 f"rank 0 cannot listen on {tried} for the rendezvous store ({last}); another "
-                f"job may hold the port: set LINKWISE_MASTER_PORT to a free port") from None
+                f"job may hold the port: {_PORT_HINTS.get(port_source, _PORT_HINTS['derived'])}") from None
         self.token = token
         self.port = self.listener.getsockname()[1]
         self.bind = bind
@@ -233,7 +243,7 @@ class Store:
     as ``store.port``. Any number of threads may call one object at once (see the module docstring)."""
 
     def __init__(self, host: str, port: int, *, is_server: bool, timeout: float,
-                 token: str = "", spare_ports: int = 0):
+                 token: str = "", spare_ports: int = 0, port_source: str = "LINKWISE_MASTER_PORT"):
         # token: the same on every rank of one job and different between jobs (comm.init uses
         # the job id, size and base port); it only matters with spare_ports.
         self.host, self.timeout, self.is_server = host, float(timeout), is_server
@@ -245,7 +255,7 @@ class Store:
         self._token = token.encode()
         candidates, self.port = [port], port
         if is_server:
-            self._server = _Server(host, port, self._token, spare_ports)
+            self._server = _Server(host, port, self._token, spare_ports, port_source)
             port = candidates[0] = self._server.port
             host = "127.0.0.1" if self._server.bind == "0.0.0.0" else self._server.bind
         elif spare_ports > 0 and port > 0:

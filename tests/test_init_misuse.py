@@ -1,0 +1,52 @@
+"""init() misused: a second world of the same job while the first is open, and ranks of one
+host that disagree on LINKWISE_TRANSPORT. Both used to end in confusion: the second init's
+clients joined the first world's open store, and the transport disagreement waited for the
+whole timeout with messages about links, not about the setting."""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from multirank import run_ranks
+
+
+def _init_twice(rank, n):
+    import linkwise
+    first = linkwise.init()
+    try:
+        linkwise.init()
+        second = "joined"
+    except linkwise.BootstrapError as exc:
+        second = "refused" if "init() was called again" in str(exc) else str(exc)
+    x = np.ones(4, np.float32)
+    first.all_reduce(x)  # the first world is untouched
+    first.close()
+    again = linkwise.init()  # once it is closed, a new world of the job may be made
+    y = np.ones(2, np.float32)
+    again.all_reduce(y)
+    again.close()
+    return second, float(x[0]), float(y[0])
+
+
+def test_a_second_world_while_the_first_is_open_is_refused():
+    assert run_ranks(2, _init_twice, init=False, timeout=60) == [("refused", 2.0, 2.0)] * 2
+
+
+def _disagree(rank, n):
+    import linkwise
+    os.environ["LINKWISE_TRANSPORT"] = "tcp" if rank == 1 else "auto"
+    t0 = time.monotonic()
+    try:
+        linkwise.init()
+        return "initialized"
+    except linkwise.BootstrapError as exc:
+        return str(exc), time.monotonic() - t0
+
+
+def test_ranks_that_disagree_on_the_transport_all_raise_at_once():
+    out = run_ranks(3, _disagree, init=False, env={"LINKWISE_TIMEOUT": "30"}, timeout=60)
+    for message, seconds in out:
+        assert "disagree on LINKWISE_TRANSPORT" in message and "ranks 0 and 1" in message, message
+        assert seconds < 10, seconds
