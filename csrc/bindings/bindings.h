@@ -11,4 +11,5 @@ void bind_cuda(nanobind::module_& m);
 #endif
 void bind_shm_coll(nanobind::module_& m);
 void bind_coll(nanobind::module_& m);
+void bind_cma(nanobind::module_& m);
 }  // namespace linkwise

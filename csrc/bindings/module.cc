@@ -90,6 +90,7 @@ NB_MODULE(_native, m) {
 #endif
   linkwise::bind_shm_coll(m);  // before bind_coll: CollWorker.submit takes a ShmColl
   linkwise::bind_coll(m);
+  linkwise::bind_cma(m);
   m.def("copy_detours", []() {
     const auto c = linkwise::copy_detours();
     return std::make_pair(c.vector_copies, c.cma_bounces);

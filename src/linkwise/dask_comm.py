@@ -1,0 +1,388 @@
+"""A Dask comm backend: ``linkwise://host:port`` addresses for schedulers and workers.
+
+    from linkwise import dask_comm  # noqa: F401 - registers the scheme (installed: entry point)
+    cluster = LocalCluster(protocol="linkwise://", n_workers=4)
+
+Each comm is one TCP connection driven by asyncio. Between processes of one host that may
+read each other's memory (checked in the handshake), frames of at least CMA_MIN bytes do not
+cross the socket: the writer sends their addresses, and the reader copies them straight out
+of the writer's memory (process_vm_readv: one copy, no socket buffers; what Dask's tcp://
+needs two kernel copies and many syscalls for). Across hosts, or where the kernel refuses
+that access, every frame goes through the socket.
+
+Wire (little-endian), each record a 16-byte head (magic, kind, count), then:
+  HELLO  (count 0): host identity, pid, probe address, probe value, as JSON;
+  CAN    (count 0/1): 1 when this side could read the peer's memory (the peer may then send
+         frames by address);
+  MSG    (count = number of frames): per frame (nbytes, address; address 0: inline), then the
+         inline frames' bytes in order;
+  ACK    (count = messages acknowledged): the reader copied every by-address frame of that
+         many MSG records, in order.
+Contract: write() returns only when the peer acknowledged the message's by-address frames,
+so the caller's buffers stay alive and unchanged for as long as the reader may copy them.
+Threading: one event loop per comm; a reader task owns the socket's receive side (it takes
+acks even when nobody calls read()); messages and acks go out whole, under a write lock,
+which the reader never waits for (see _owe_ack).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import socket
+import struct
+
+import numpy as np
+from distributed.comm import registry
+from distributed.comm.addressing import parse_host_port, unparse_host_port
+from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector
+from distributed.comm.registry import Backend
+from distributed.comm.utils import from_frames, to_frames
+from distributed.utils import ensure_ip, get_ip
+
+from . import _native
+from ._setup import host_identity
+
+SCHEME = "linkwise"
+CMA_MIN = 512 << 10  # smaller frames are as fast inline as by address (which costs an ack), or faster
+_OFFLOAD_MIN = 4 << 20  # by-address copies this large run in a thread, off the event loop
+_JOIN_MAX = 64 << 10  # inline frames up to this much in all go out with the head in one send
+_MAGIC = 0x4B44574C  # "LWDK"
+_HELLO, _CAN, _MSG, _ACK = 1, 2, 3, 4
+_HEAD = struct.Struct("<IIQ")
+_FRAME = struct.Struct("<QQ")
+
+# The handshake's probe: 8 known bytes at a stable address, which a peer reads to learn
+# whether it may read this process's memory.
+_PROBE = np.array([0x6C696E6B77697365], dtype=np.uint64)
+_native.cma_allow_peers()
+
+
+async def _recv_exact(loop, sock, n: int) -> memoryview:
+    buf = memoryview(np.empty(n, np.uint8)) if n else memoryview(b"")
+    got = 0
+    while got < n:
+        k = await loop.sock_recv_into(sock, buf[got:])
+        if k == 0:
+            raise CommClosedError("linkwise comm: the peer closed the connection")
+        got += k
+    return buf
+
+
+async def _recv_head(loop, sock) -> tuple:
+    magic, kind, count = _HEAD.unpack(await _recv_exact(loop, sock, _HEAD.size))
+    if magic != _MAGIC:
+        raise CommClosedError("linkwise comm: the byte stream is corrupted (not a linkwise:// peer?)")
+    return kind, count
+
+
+def _byte_view(frame) -> memoryview:
+    """The frame as a flat view of bytes (socket calls count and slice a view by items, so a
+    float64 frame sent as it is would go out wrong), copied only if not contiguous."""
+    view = memoryview(frame)
+    if not view.c_contiguous:
+        return memoryview(view.tobytes())
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class LinkwiseComm(Comm):
+    """One connection. Created by the connector and the listener after the transport's own
+    handshake (_handshake), before Dask's."""
+
+    def __init__(self, sock: socket.socket, local_addr: str, peer_addr: str, peer_pid: int,
+                 send_by_address: bool, read_by_address: bool, deserialize: bool = True):
+        super().__init__(deserialize=deserialize)
+        self._sock = sock
+        self._local_addr, self._peer_addr = local_addr, peer_addr
+        self._peer_pid = peer_pid
+        self._send_by_address = send_by_address  # the peer said it can read our memory
+        self._read_by_address = read_by_address
+        self._loop = asyncio.get_running_loop()
+        self._write_lock = asyncio.Lock()
+        self._acks: collections.deque = collections.deque()  # futures of writes awaiting their ack
+        self._messages: asyncio.Queue = asyncio.Queue()
+        self._closed = False
+        self.frames_by_address = 0  # frames this side sent by address so far (tests, diagnostics)
+        self._acks_owed = 0  # messages read whose by-address frames were copied, not yet acked
+        self._reader = self._loop.create_task(self._read_loop())
+
+    # -- receiving --------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                kind, count = await _recv_head(self._loop, self._sock)
+                if kind == _ACK:
+                    for _ in range(count):
+                        fut = self._acks.popleft()
+                        if not fut.done():
+                            fut.set_result(None)
+                elif kind == _MSG:
+                    await self._messages.put(await self._take_message(count))
+                else:
+                    raise CommClosedError(f"linkwise comm: unexpected record kind {kind}")
+        except asyncio.CancelledError:
+            self._fail(CommClosedError(f"linkwise comm to {self._peer_addr} was closed"))
+        except Exception as exc:  # noqa: BLE001 - a socket error, or a copy from a writer that died
+            self._fail(exc if isinstance(exc, CommClosedError) else CommClosedError(f"linkwise comm: {exc}"))
+
+    async def _take_message(self, count: int) -> list:
+        table = await _recv_exact(self._loop, self._sock, count * _FRAME.size)
+        specs = [_FRAME.unpack_from(table, i * _FRAME.size) for i in range(count)]
+        # The inline frames come back to back: one receive for all, each frame a view of it.
+        blob = await _recv_exact(self._loop, self._sock, sum(n for n, addr in specs if not addr))
+        frames, by_address, at = [], False, 0
+        for nbytes, addr in specs:
+            if addr == 0:
+                frames.append(blob[at:at + nbytes])
+                at += nbytes
+                continue
+            by_address = True
+            out = np.empty(nbytes, np.uint8)
+            if nbytes >= _OFFLOAD_MIN:
+                await asyncio.to_thread(_native.cma_read, self._peer_pid, addr, out)
+            else:
+                _native.cma_read(self._peer_pid, addr, out)
+            frames.append(memoryview(out))
+        if by_address:  # the writer may reuse those buffers now
+            self._owe_ack()
+        return frames
+
+    def _owe_ack(self) -> None:
+        """Acks leave between messages, never inside one, and the reader must not wait for the
+        write lock (a write of ours may be blocked on the peer's socket while the peer's reader
+        waits the same way: neither would read again): a write still going sends them when
+        its message is out, else a task does."""
+        self._acks_owed += 1
+        if self._acks_owed == 1:
+            self._loop.create_task(self._send_acks())
+
+    async def _send_acks(self) -> None:
+        async with self._write_lock:
+            await self._send_acks_locked()
+
+    async def _send_acks_locked(self) -> None:
+        owed, self._acks_owed = self._acks_owed, 0
+        if owed and not self._closed:
+            try:
+                await self._loop.sock_sendall(self._sock, _HEAD.pack(_MAGIC, _ACK, owed))
+            except OSError as exc:
+                self._fail(CommClosedError(f"linkwise comm to {self._peer_addr}: {exc}"))
+
+    async def read(self, deserializers=None):
+        if self._closed and self._messages.empty():
+            raise CommClosedError(f"linkwise comm to {self._peer_addr} is closed")
+        frames = await self._messages.get()
+        if frames is None:  # the connection ended (see _fail)
+            self._messages.put_nowait(None)
+            raise CommClosedError(f"linkwise comm to {self._peer_addr} is closed")
+        return await from_frames(frames, deserialize=self.deserialize, deserializers=deserializers,
+                                 allow_offload=self.allow_offload)
+
+    # -- sending ----------------------------------------------------------------------------
+    async def write(self, msg, serializers=None, on_error="message") -> int:
+        if self._closed:
+            raise CommClosedError(f"linkwise comm to {self._peer_addr} is closed")
+        frames = await to_frames(msg, allow_offload=self.allow_offload, serializers=serializers, on_error=on_error,
+                                 context={"sender": self.local_info, "recipient": self.remote_info,
+                                          **self.handshake_options})
+        table, inline, keep, nbytes = [], [], [], 0
+        for frame in frames:
+            body = _byte_view(frame)
+            nbytes += body.nbytes
+            addr = np.frombuffer(body, np.uint8).ctypes.data if self._send_by_address and body.nbytes >= CMA_MIN else 0
+            table.append(_FRAME.pack(body.nbytes, addr))
+            (keep if addr else inline).append(body)
+        ack = self._loop.create_future() if keep else None
+        self.frames_by_address += len(keep)
+        try:
+            async with self._write_lock:
+                if ack is not None:
+                    self._acks.append(ack)  # in stream order: the reader acknowledges in order
+                head = [_HEAD.pack(_MAGIC, _MSG, len(frames)), *table]
+                if sum(b.nbytes for b in inline) <= _JOIN_MAX:  # small: one send, one copy
+                    await self._loop.sock_sendall(self._sock, b"".join(head + inline))
+                else:
+                    await self._loop.sock_sendall(self._sock, b"".join(head))
+                    for body in inline:
+                        await self._loop.sock_sendall(self._sock, body)
+                await self._send_acks_locked()
+            if ack is not None:
+                await ack  # the peer copied the by-address frames: `keep` may go
+        except OSError as exc:
+            self.abort()
+            raise CommClosedError(f"linkwise comm to {self._peer_addr}: {exc}") from exc
+        return nbytes
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def _fail(self, exc: CommClosedError) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        while self._acks:  # a write waiting for its ack: the reader will never copy now
+            fut = self._acks.popleft()
+            if not fut.done():
+                fut.set_exception(exc)
+        self._messages.put_nowait(None)
+
+    async def close(self) -> None:
+        if not self._closed:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.abort()
+
+    def abort(self) -> None:
+        self._fail(CommClosedError(f"linkwise comm to {self._peer_addr} was closed"))
+        if not self._reader.done():
+            self._reader.cancel()
+
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def local_address(self) -> str:
+        return self._local_addr
+
+    @property
+    def peer_address(self) -> str:
+        return self._peer_addr
+
+    @property
+    def same_host(self) -> bool:
+        return self._read_by_address or self._send_by_address or super().same_host
+
+
+async def _handshake(sock: socket.socket) -> tuple:
+    """Both sides say who they are, try to read the other's probe, and say whether they could.
+    Returns (peer pid, send by address, read by address)."""
+    loop = asyncio.get_running_loop()
+    hello = json.dumps({"host": host_identity(), "pid": os.getpid(), "probe": int(_PROBE.ctypes.data),
+                        "value": int(_PROBE[0])}).encode()
+    await loop.sock_sendall(sock, _HEAD.pack(_MAGIC, _HELLO, len(hello)) + hello)
+    kind, n = await _recv_head(loop, sock)
+    if kind != _HELLO:
+        raise CommClosedError("linkwise comm: the peer's handshake is missing")
+    peer = json.loads(bytes(await _recv_exact(loop, sock, n)))
+    can_read = peer["host"] == host_identity() and peer["pid"] != os.getpid() and _native.cma_probe(
+        peer["pid"], peer["probe"], peer["value"])
+    await loop.sock_sendall(sock, _HEAD.pack(_MAGIC, _CAN, int(can_read)))
+    kind, peer_can_read = await _recv_head(loop, sock)
+    if kind != _CAN:
+        raise CommClosedError("linkwise comm: the peer's handshake is incomplete")
+    return peer["pid"], bool(peer_can_read), can_read
+
+
+def _address(sock_addr) -> str:
+    return f"{SCHEME}://" + unparse_host_port(sock_addr[0], sock_addr[1])
+
+
+class LinkwiseConnector(Connector):
+    async def connect(self, address: str, deserialize: bool = True, **connection_args) -> LinkwiseComm:
+        host, port = parse_host_port(address)
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, target = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await loop.sock_connect(sock, target)
+            pid, send_by_address, read_by_address = await _handshake(sock)
+        except BaseException:
+            sock.close()
+            raise
+        return LinkwiseComm(sock, _address(sock.getsockname()), _address(sock.getpeername()), pid,
+                            send_by_address, read_by_address, deserialize)
+
+
+class LinkwiseListener(BaseListener):
+    prefix = f"{SCHEME}://"  # the Worker builds its listening address from it
+
+    def __init__(self, loc: str, handle_comm, deserialize: bool = True, allow_offload: bool = True,
+                 **connection_args):
+        super().__init__()
+        self._host, self._port = parse_host_port(loc, default_port=0)
+        self._handle_comm = handle_comm
+        self._deserialize = deserialize
+        self._allow_offload = allow_offload
+        self._sock = None
+        self._accepting = None
+        self._tasks: set = set()
+
+    async def start(self) -> None:
+        self._sock = socket.create_server((self._host or "", self._port), backlog=1024)
+        self._sock.setblocking(False)
+        self._accepting = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._sock)
+            task = loop.create_task(self._serve(conn))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        conn.setblocking(False)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            pid, send_by_address, read_by_address = await _handshake(conn)
+        except (OSError, CommClosedError, ValueError):
+            conn.close()
+            return
+        comm = LinkwiseComm(conn, _address(conn.getsockname()), _address(conn.getpeername()), pid,
+                            send_by_address, read_by_address, self._deserialize)
+        comm.allow_offload = self._allow_offload
+        try:
+            await self.on_connection(comm)
+        except CommClosedError:
+            comm.abort()
+            return
+        result = self._handle_comm(comm)
+        if asyncio.iscoroutine(result):
+            await result
+
+    def stop(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+        if self._sock is not None:
+            self._sock.close()
+        self.abort_handshaking_comms()
+
+    @property
+    def listen_address(self) -> str:
+        return _address(self._sock.getsockname())
+
+    @property
+    def contact_address(self) -> str:
+        host, port = self._sock.getsockname()[:2]
+        if host in ("0.0.0.0", "::", ""):
+            host = get_ip()
+        return f"{SCHEME}://" + unparse_host_port(host, port)
+
+
+class LinkwiseBackend(Backend):
+    def get_connector(self) -> LinkwiseConnector:
+        return LinkwiseConnector()
+
+    def get_listener(self, loc, handle_comm, deserialize, **connection_args) -> LinkwiseListener:
+        return LinkwiseListener(loc, handle_comm, deserialize, **connection_args)
+
+    def get_address_host(self, loc: str) -> str:
+        return parse_host_port(loc)[0]
+
+    def resolve_address(self, loc: str) -> str:
+        host, port = parse_host_port(loc)
+        return unparse_host_port(ensure_ip(host), port)
+
+    def get_local_address_for(self, loc: str) -> str:
+        host, _ = parse_host_port(loc)
+        return unparse_host_port(get_ip(ensure_ip(host)), None)
+
+
+registry.backends.setdefault(SCHEME, LinkwiseBackend())
