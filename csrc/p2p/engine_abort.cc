@@ -86,14 +86,6 @@ void Engine::note_failure_locked(int blame) {
   if (failure_hook_) failure_hook_(blame);
 }
 
-// Whether a request with this tag must fail here (see stop_from_). A non-collective tag
-// (point-to-point, or 0 for "anything") is stopped by any stop.
-bool Engine::stopped_locked(uint64_t tag) const {
-  if (aborted_) return true;
-  if (stop_from_ == kNoStop) return false;
-  return !is_coll_tag(tag) || coll_number(tag) >= stop_from_;
-}
-
 // Fails every pending request with (kind, reason, peer) and stops progress for good.
 void Engine::abort_locked(const std::string& reason, ErrorKind kind, int peer) {
   record_failure_locked(reason, kind, peer);

@@ -87,4 +87,12 @@ struct Engine::Peer {
   }
 };
 
+// Whether a request with this tag must fail here (see Engine::stop_from_). A non-collective
+// tag (point-to-point, or 0 for "anything") is stopped by any stop. Inline: every post asks.
+inline bool Engine::stopped_locked(uint64_t tag) const {
+  if (aborted_) return true;
+  if (stop_from_ == kNoStop) return false;
+  return !engine_detail::is_coll_tag(tag) || engine_detail::coll_number(tag) >= stop_from_;
+}
+
 }  // namespace linkwise
