@@ -185,3 +185,19 @@ def test_scheduler_and_worker_in_another_process_run_tasks():
                 proc.wait()
 
     asyncio.run(main())
+
+
+def test_local_cluster_moves_data_between_worker_processes():
+    """The usual entry: LocalCluster(protocol="linkwise://"), whose worker processes find the
+    backend through the package's entry point; a reduction over chunks made on both workers
+    moves arrays between them."""
+    import dask.array as da
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(protocol="linkwise://", n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        assert cluster.scheduler_address.startswith("linkwise://")
+        assert all(a.startswith("linkwise://") for a in client.scheduler_info()["workers"])
+        x = da.arange(8_000_000, chunks=1_000_000, dtype=np.float64)
+        y = (x.reshape(8, 1_000_000).T @ np.ones(8)).persist()  # every row needs all chunks
+        assert float(y.sum().compute()) == float(np.arange(8_000_000, dtype=np.float64).sum())
