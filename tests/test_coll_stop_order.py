@@ -75,3 +75,42 @@ def test_a_late_rank_finishes_the_calls_before_a_failure(path, kind, failure):
         if failure == "mismatch":
             assert out[r][1] != "ok", f"rank {r}'s mismatched all_reduce returned"
         assert out[r][2] != "ok", f"rank {r} went on after the failure: {out[r][1:]}"
+
+
+def _p2p_in_flight(comm, big):
+    """Rank 0 has a large point-to-point send in flight to rank 1 (TCP: half written, rank 1
+    not reading; shared memory: a single-copy send rank 1 has not copied) with a broadcast from
+    it queued behind; rank 2 takes its part of the broadcast, then fails the next call alone on
+    a short timeout. The stop used to cut rank 0's stream to rank 1 (TCP) or withdraw the
+    point-to-point message and take rank 0 for dead (shared memory), so rank 1's broadcast
+    raised PeerError naming rank 0, which was alive; now every rank finishes it."""
+    def outcome(call):
+        import linkwise
+        try:
+            return call()
+        except (linkwise.PeerError, linkwise.CommAbortedError, linkwise.TimeoutError) as exc:
+            return type(exc).__name__
+
+    comm.barrier()
+    x = np.arange(256, dtype=np.float32) if comm.rank == 0 else np.zeros(256, np.float32)
+    bcast = lambda: comm.broadcast(x, root=0) is not None and float(x.sum())  # noqa: E731
+    if comm.rank == 0:
+        req = comm.isend(np.ones(big, np.uint8), 1, tag=7)
+        got = outcome(bcast)
+        time.sleep(3)
+        outcome(req.wait)
+        return got
+    if comm.rank == 1:
+        time.sleep(3)  # rank 2 times out meanwhile
+        return outcome(bcast)
+    got = outcome(bcast)
+    comm.timeout = 1.0
+    outcome(lambda: comm.all_reduce(np.ones(4, np.float32)))
+    return got
+
+
+@pytest.mark.parametrize("path", ["tcp", "shm"])
+def test_point_to_point_in_flight_does_not_cut_an_earlier_collective(path):
+    env = {"LINKWISE_TIMEOUT": "10", "LINKWISE_ALGO": "tree", **({"LINKWISE_TRANSPORT": "tcp"} if path == "tcp" else {})}
+    big = (64 << 20) if path == "tcp" else (1 << 20)
+    assert run_ranks(3, _p2p_in_flight, big, env=env, timeout=90) == [float(np.arange(256).sum())] * 3

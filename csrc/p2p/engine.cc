@@ -245,9 +245,10 @@ bool Engine::progress_send(Peer& p) {
 }
 
 void Engine::complete_locked(Request& req, size_t transferred) {
-  // A request that a peer's stop notice caught mid-transfer was left to finish (its bytes
-  // were on the wire); now that its buffer is free it fails like the others (stop_locked).
-  if (stop_from_ != kNoStop && !req.notice && stopped_locked(req.tag)) {
+  // A stopped collective's receive that a peer's stop notice caught mid-transfer was left to
+  // finish; now that its buffer is free it fails like the others (stop_locked). Point-to-point
+  // transfers caught mid-way complete: their bytes did move.
+  if (stop_from_ != kNoStop && is_coll_tag(req.tag) && stopped_locked(req.tag)) {
     fail_locked(req, abort_kind_, abort_reason_, abort_peer_);
     return;
   }

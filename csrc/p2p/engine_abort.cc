@@ -110,12 +110,17 @@ void Engine::abort_locked(const std::string& reason, ErrorKind kind, int peer) {
 
 // A peer's notice: collectives numbered `from` and up fail here, and point-to-point, while
 // the engine goes on moving the earlier collectives' messages. Requests it stops fail now,
-// except a receive being filled: it fails once its bytes are in (complete_locked), so no
-// buffer handed back to the caller is still written. A pulled send waiting for its ack is
-// withdrawn. A stopped send partly on the wire cannot be taken back, and its receiver may
-// have stopped reading (aborted): this side's stream to it ends there, as an abort's does.
-// Collectives run in order, so every message of an earlier one went out before it: the peer
-// loses nothing it still needs, and raises PeerError naming this rank for the rest.
+// except those whose bytes are already moving:
+//  - a point-to-point send partly on the wire or waiting for its pull's ack, or a receive
+//    being filled: they complete (their bytes move whole; a point-to-point message carries no
+//    collective number, so cutting it could cut what an earlier collective needs behind it);
+//  - a stopped collective's receive being filled: it fails once its bytes are in
+//    (complete_locked), so no buffer handed back to the caller is still written;
+//  - a stopped collective's send partly on the wire cannot be taken back, and its receiver may
+//    have stopped reading (aborted): this side's stream to that peer ends there, as an abort's
+//    does. Collectives run in order, so every message of an earlier one went out before it:
+//    the peer loses nothing it still needs, and raises PeerError naming this rank for the rest.
+//    A stopped collective's pulled send waiting for its ack is withdrawn.
 void Engine::stop_locked(uint64_t from, const std::string& reason, ErrorKind kind, int peer) {
   record_failure_locked(reason, kind, peer);
   if (aborted_ || from >= stop_from_) return;
@@ -123,7 +128,7 @@ void Engine::stop_locked(uint64_t from, const std::string& reason, ErrorKind kin
   for (auto& pp : peers_) {
     Peer& p = *pp;
     const Request* front = p.send_queue.empty() ? nullptr : p.send_queue.front().get();
-    if (front && p.front_started && p.wire_pos > 0 && !front->notice && stopped_locked(front->tag)) {
+    if (front && p.front_started && p.wire_pos > 0 && is_coll_tag(front->tag) && stopped_locked(front->tag)) {
       for (auto& r : p.send_queue)
         if (!r->notice) fail_locked(*r, abort_kind_, abort_reason_, abort_peer_);
       p.send_queue.clear();
@@ -147,7 +152,7 @@ void Engine::stop_locked(uint64_t from, const std::string& reason, ErrorKind kin
       it = p.send_queue.erase(it);
     }
     for (auto it = p.awaiting_ack.begin(); it != p.awaiting_ack.end();) {
-      if (!stopped_locked((*it)->tag)) {
+      if (!is_coll_tag((*it)->tag) || !stopped_locked((*it)->tag)) {
         ++it;
         continue;
       }
