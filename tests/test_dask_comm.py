@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+import weakref
 
 import numpy as np
 import pytest
@@ -25,16 +27,27 @@ SRC = os.path.dirname(os.path.dirname(os.path.abspath(linkwise.__file__)))
 # A peer process: listens on linkwise://, sends back every message it reads (ECHO), or with
 # "die" ends its process in the middle of reading one.
 PEER = textwrap.dedent("""
-    import asyncio, os, sys
+    import asyncio, os, sys, time
+    import numpy as np
     from distributed.comm import listen
     from linkwise import dask_comm
 
     async def main(mode):
         async def handle(comm):
+            if mode == "stall":  # blocks its loop a while, then prints what it gets
+                time.sleep(2)
             while True:
-                msg = await comm.read()
+                try:
+                    msg = await comm.read()
+                except Exception as exc:
+                    print("ended", type(exc).__name__, flush=True)
+                    os._exit(0) if mode == "stall" else None
+                    return
                 if mode == "die":  # ends its process after the first message
                     os._exit(3)
+                if mode == "stall":
+                    print("got", int(np.asarray(msg["x"]).sum()), flush=True)
+                    continue
                 await comm.write(msg)
         listener = listen("linkwise://127.0.0.1:0", handle)
         await listener.start()
@@ -201,3 +214,103 @@ def test_local_cluster_moves_data_between_worker_processes():
         x = da.arange(8_000_000, chunks=1_000_000, dtype=np.float64)
         y = (x.reshape(8, 1_000_000).T @ np.ones(8)).persist()  # every row needs all chunks
         assert float(y.sum().compute()) == float(np.arange(8_000_000, dtype=np.float64).sum())
+
+
+@pytest.mark.parametrize("how", ["cancel", "close"])
+def test_a_write_given_up_before_its_ack_is_never_delivered(how):
+    """A write cancelled (a timeout around it) or a comm closed while the peer has not yet
+    copied the frames: the caller may change them right away, so the peer must never deliver
+    them (it did, with the changed bytes: QA repro); the comm ends."""
+    proc, address = _start_peer("stall")
+    try:
+        async def main():
+            comm = await connect(address)
+            x = np.ones(1 << 20, np.int64)  # 8 MiB: by address
+            write = asyncio.ensure_future(comm.write({"x": to_serialize(x)}))
+            await asyncio.sleep(0.5)  # the peer's loop is blocked: no ack yet
+            if how == "cancel":
+                write.cancel()
+            else:
+                await comm.close()
+            with pytest.raises((asyncio.CancelledError, CommClosedError)):
+                await write
+            assert comm.closed()
+            x[:] = 7  # the caller reuses its buffer
+
+        asyncio.run(main())
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "got" not in out, out  # neither 8 Mi ones nor sevens
+    assert "ended CommClosedError" in out, out
+
+
+def test_close_wakes_a_write_blocked_in_the_socket():
+    """close() while a large inline write waits for socket room (the peer not reading): the
+    write raises at once (it hung: its fd was closed under it)."""
+    proc, address = _start_peer("stall")
+    try:
+        async def main():
+            comm = await connect(address)
+            parts = [to_serialize(np.full(50_000, i, np.float64)) for i in range(60)]  # 24 MB inline
+            write = asyncio.ensure_future(comm.write({"x": 0, "parts": parts}))
+            await asyncio.sleep(0.5)
+            t0 = time.monotonic()
+            await comm.close()
+            with pytest.raises(CommClosedError):
+                await asyncio.wait_for(write, 10)
+            assert time.monotonic() - t0 < 2
+
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_listener_lifetime_and_dropped_comms():
+    """A connection that never says hello ends with stop(); a handler that raises closes its
+    comm (the client's read raises); a comm dropped without close() is collected, and the
+    other side sees it closed; IPv6 loopback works."""
+    import gc
+    import socket as sockets
+
+    async def main():
+        async def handler(comm):
+            if (await comm.read()) == "raise":
+                raise RuntimeError("handler failed on purpose")
+            await comm.read()  # the dropped client's side: ends when it is gone
+
+        listener = listen("linkwise://127.0.0.1:0", handler)
+        await listener.start()
+        host, port = listener._sock.getsockname()[:2]
+        silent = sockets.create_connection((host, port))
+        await asyncio.sleep(0.2)
+        assert len(listener._handshaking) == 1
+        raising = await connect(listener.contact_address)
+        await raising.write("raise")
+        with pytest.raises(CommClosedError):
+            await asyncio.wait_for(raising.read(), 10)
+        dropped = await connect(listener.contact_address)
+        ref = weakref.ref(dropped)
+        del dropped
+        gc.collect()
+        assert ref() is None
+        listener.stop()
+        await asyncio.sleep(0.2)
+        assert not listener._handshaking
+        silent.settimeout(5)
+        while silent.recv(4096):  # the listener's hello, then the end of the stream
+            pass
+        silent.close()
+        v6 = listen("linkwise://[::1]:0", lambda comm: None)
+        try:
+            await v6.start()
+        except OSError:  # no IPv6 on this host
+            return
+        assert v6.contact_address.startswith("linkwise://[::1]:")
+        c = await connect(v6.contact_address)
+        await c.close()
+        v6.stop()
+
+    asyncio.run(main())

@@ -11,7 +11,8 @@ needs two kernel copies and many syscalls for). Across hosts, or where the kerne
 that access, every frame goes through the socket.
 
 Wire (little-endian), each record a 16-byte head (magic, kind, count), then:
-  HELLO  (count 0): host identity, pid, probe address, probe value, as JSON;
+  HELLO  (count = JSON bytes): host identity, pid, probe address and value, and the address
+         of this side's live word (1 until the comm fails), as JSON;
   CAN    (count 0/1): 1 when this side could read the peer's memory (the peer may then send
          frames by address);
   MSG    (count = number of frames): per frame (nbytes, address; address 0: inline), then the
@@ -19,7 +20,9 @@ Wire (little-endian), each record a 16-byte head (magic, kind, count), then:
   ACK    (count = messages acknowledged): the reader copied every by-address frame of that
          many MSG records, in order.
 Contract: write() returns only when the peer acknowledged the message's by-address frames,
-so the caller's buffers stay alive and unchanged for as long as the reader may copy them.
+so the caller's buffers stay alive and unchanged for as long as the reader may copy them. A
+write given up before that (cancelled, or the comm closed) ends the comm and zeroes the live
+word first; the reader reads that word after its copies and never delivers such a message.
 Threading: one event loop per comm; a reader task owns the socket's receive side (it takes
 acks even when nobody calls read()); messages and acks go out whole, under a write lock,
 which the reader never waits for (see _owe_ack).
@@ -29,21 +32,26 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import os
 import socket
 import struct
+import weakref
 
+import dask
 import numpy as np
+from dask.utils import parse_timedelta
 from distributed.comm import registry
 from distributed.comm.addressing import parse_host_port, unparse_host_port
 from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector
 from distributed.comm.registry import Backend
 from distributed.comm.utils import from_frames, to_frames
-from distributed.utils import ensure_ip, get_ip
+from distributed.utils import ensure_ip, get_ip, get_ipv6
 
 from . import _native
 from ._setup import host_identity
 
+logger = logging.getLogger(__name__)
 SCHEME = "linkwise"
 CMA_MIN = 512 << 10  # smaller frames are as fast inline as by address (which costs an ack), or faster
 _OFFLOAD_MIN = 4 << 20  # by-address copies this large run in a thread, off the event loop
@@ -88,43 +96,46 @@ def _byte_view(frame) -> memoryview:
 
 class LinkwiseComm(Comm):
     """One connection. Created by the connector and the listener after the transport's own
-    handshake (_handshake), before Dask's."""
+    handshake (_handshake), before Dask's.
 
-    def __init__(self, sock: socket.socket, local_addr: str, peer_addr: str, peer_pid: int,
-                 send_by_address: bool, read_by_address: bool, deserialize: bool = True):
+    Ownership of by-address frames: a write keeps its frames (`keep`, next to its ack future in
+    _acks) until the peer acknowledges them or the comm fails. A write that is cancelled, or a
+    comm closed while writes wait for acks, cannot call back what the peer may still copy: so
+    the comm fails first, which zeroes this side's live word, and the peer reads that word
+    after each copy and drops a message whose writer gave it up (_take_message). The socket
+    is shut down at once (a pending send or receive wakes) and closed once the reader and
+    every write have left it."""
+
+    def __init__(self, sock: socket.socket, local_addr: str, peer_addr: str, link: dict, deserialize: bool = True):
         super().__init__(deserialize=deserialize)
         self._sock = sock
         self._local_addr, self._peer_addr = local_addr, peer_addr
-        self._peer_pid = peer_pid
-        self._send_by_address = send_by_address  # the peer said it can read our memory
-        self._read_by_address = read_by_address
+        self._peer_pid = link["peer_pid"]
+        self._peer_live = link["peer_live"]  # the peer's live word (read after copying its frames)
+        self._live = link["live"]  # ours: 1 while our by-address frames may be delivered
+        self._send_by_address = link["send_by_address"]  # the peer said it can read our memory
+        self._read_by_address = link["read_by_address"]
         self._loop = asyncio.get_running_loop()
         self._write_lock = asyncio.Lock()
-        self._acks: collections.deque = collections.deque()  # futures of writes awaiting their ack
+        self._acks: collections.deque = collections.deque()  # (future, frames) of writes awaiting their ack
         self._messages: asyncio.Queue = asyncio.Queue()
         self._closed = False
+        self._writing = 0  # writes inside the socket (the fd stays open while any is)
         self.frames_by_address = 0  # frames this side sent by address so far (tests, diagnostics)
         self._acks_owed = 0  # messages read whose by-address frames were copied, not yet acked
-        self._reader = self._loop.create_task(self._read_loop())
+        # The reader holds the comm only weakly, so a comm dropped without close() is collected
+        # (its finalizer shuts the socket down, and the reader then ends and closes it).
+        ref = weakref.ref(self)
+        self._reader = self._loop.create_task(_read_loop(ref, sock, self._loop))
+        self._reader.add_done_callback(lambda _: (c := ref()) is not None and c._close_fd_when_idle())
+        weakref.finalize(self, _shutdown, sock)
 
-    # -- receiving --------------------------------------------------------------------------
-    async def _read_loop(self) -> None:
-        try:
-            while True:
-                kind, count = await _recv_head(self._loop, self._sock)
-                if kind == _ACK:
-                    for _ in range(count):
-                        fut = self._acks.popleft()
-                        if not fut.done():
-                            fut.set_result(None)
-                elif kind == _MSG:
-                    await self._messages.put(await self._take_message(count))
-                else:
-                    raise CommClosedError(f"linkwise comm: unexpected record kind {kind}")
-        except asyncio.CancelledError:
-            self._fail(CommClosedError(f"linkwise comm to {self._peer_addr} was closed"))
-        except Exception as exc:  # noqa: BLE001 - a socket error, or a copy from a writer that died
-            self._fail(exc if isinstance(exc, CommClosedError) else CommClosedError(f"linkwise comm: {exc}"))
+    # -- receiving (the reader task: _read_loop) ---------------------------------------------
+    def _take_ack(self, count: int) -> None:
+        for _ in range(count):
+            fut, _frames = self._acks.popleft()
+            if not fut.done():
+                fut.set_result(None)
 
     async def _take_message(self, count: int) -> list:
         table = await _recv_exact(self._loop, self._sock, count * _FRAME.size)
@@ -144,8 +155,12 @@ class LinkwiseComm(Comm):
             else:
                 _native.cma_read(self._peer_pid, addr, out)
             frames.append(memoryview(out))
-        if by_address:  # the writer may reuse those buffers now
-            self._owe_ack()
+        if by_address:
+            live = np.zeros(1, np.uint64)
+            _native.cma_read(self._peer_pid, self._peer_live, live)
+            if not live[0]:  # the writer gave this message up: what was copied may be changed
+                raise CommClosedError(f"linkwise comm to {self._peer_addr}: the peer gave up a message in flight")
+            self._owe_ack()  # the writer may reuse those buffers now
         return frames
 
     def _owe_ack(self) -> None:
@@ -155,19 +170,20 @@ class LinkwiseComm(Comm):
         its message is out, else a task does."""
         self._acks_owed += 1
         if self._acks_owed == 1:
-            self._loop.create_task(self._send_acks())
+            self._ack_task = self._loop.create_task(self._send_acks())  # held: the loop keeps tasks weakly
 
     async def _send_acks(self) -> None:
-        async with self._write_lock:
-            await self._send_acks_locked()
+        try:
+            async with self._write_lock:
+                await self._send_acks_locked()
+        except (OSError, CommClosedError, asyncio.CancelledError):
+            self.abort()
 
     async def _send_acks_locked(self) -> None:
-        owed, self._acks_owed = self._acks_owed, 0
-        if owed and not self._closed:
-            try:
-                await self._loop.sock_sendall(self._sock, _HEAD.pack(_MAGIC, _ACK, owed))
-            except OSError as exc:
-                self._fail(CommClosedError(f"linkwise comm to {self._peer_addr}: {exc}"))
+        while self._acks_owed and not self._closed:
+            owed = self._acks_owed
+            await self._loop.sock_sendall(self._sock, _HEAD.pack(_MAGIC, _ACK, owed))
+            self._acks_owed -= owed  # more may have been owed meanwhile: the loop sends them
 
     async def read(self, deserializers=None):
         if self._closed and self._messages.empty():
@@ -195,10 +211,13 @@ class LinkwiseComm(Comm):
             (keep if addr else inline).append(body)
         ack = self._loop.create_future() if keep else None
         self.frames_by_address += len(keep)
+        self._writing += 1
         try:
             async with self._write_lock:
+                if self._closed:
+                    raise CommClosedError(f"linkwise comm to {self._peer_addr} is closed")
                 if ack is not None:
-                    self._acks.append(ack)  # in stream order: the reader acknowledges in order
+                    self._acks.append((ack, keep))  # in stream order: the reader acknowledges in order
                 head = [_HEAD.pack(_MAGIC, _MSG, len(frames)), *table]
                 if sum(b.nbytes for b in inline) <= _JOIN_MAX:  # small: one send, one copy
                     await self._loop.sock_sendall(self._sock, b"".join(head + inline))
@@ -208,32 +227,39 @@ class LinkwiseComm(Comm):
                         await self._loop.sock_sendall(self._sock, body)
                 await self._send_acks_locked()
             if ack is not None:
-                await ack  # the peer copied the by-address frames: `keep` may go
+                await ack  # the peer copied the by-address frames: they may go
         except OSError as exc:
             self.abort()
             raise CommClosedError(f"linkwise comm to {self._peer_addr}: {exc}") from exc
+        except BaseException:
+            # Cancelled (or failed) with a message half sent or its frames not yet copied: the
+            # stream cannot go on, and the caller may reuse the frames now, so the comm ends
+            # (the peer drops such a message: see the class docstring).
+            self.abort()
+            raise
+        finally:
+            self._writing -= 1
+            self._close_fd_when_idle()
         return nbytes
 
     # -- lifetime ---------------------------------------------------------------------------
     def _fail(self, exc: CommClosedError) -> None:
         if not self._closed:
             self._closed = True
-            try:
-                self._sock.close()
-            except OSError:
-                pass
+            self._live[0] = 0  # before the frames below are let go (the peer checks it after copying)
+            _shutdown(self._sock)
         while self._acks:  # a write waiting for its ack: the reader will never copy now
-            fut = self._acks.popleft()
+            fut, _frames = self._acks.popleft()
             if not fut.done():
                 fut.set_exception(exc)
         self._messages.put_nowait(None)
+        self._close_fd_when_idle()
+
+    def _close_fd_when_idle(self) -> None:
+        if self._closed and self._writing == 0 and self._reader.done() and self._sock.fileno() >= 0:
+            self._sock.close()
 
     async def close(self) -> None:
-        if not self._closed:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         self.abort()
 
     def abort(self) -> None:
@@ -257,12 +283,58 @@ class LinkwiseComm(Comm):
         return self._read_by_address or self._send_by_address or super().same_host
 
 
-async def _handshake(sock: socket.socket) -> tuple:
+def _shutdown(sock: socket.socket) -> None:
+    """Ends both directions (a pending send fails, a pending receive reads EOF); the fd stays
+    open until nothing waits on it (closing it under a pending call would hide that call from
+    the event loop for good)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+async def _read_loop(ref, sock: socket.socket, loop) -> None:
+    """The reader task: acks and messages, until the connection ends or the comm is dropped.
+    Holds the comm only while it handles a record (see LinkwiseComm.__init__)."""
+    try:
+        while True:
+            kind, count = await _recv_head(loop, sock)
+            comm = ref()
+            if comm is None:
+                break
+            if kind == _ACK:
+                comm._take_ack(count)
+            elif kind == _MSG:
+                comm._messages.put_nowait(await comm._take_message(count))
+            else:
+                raise CommClosedError(f"linkwise comm: unexpected record kind {kind}")
+            del comm
+    except asyncio.CancelledError:
+        exc = CommClosedError("linkwise comm was closed")
+    except Exception as e:  # noqa: BLE001 - a socket error, or a copy from a writer that died
+        exc = e if isinstance(e, CommClosedError) else CommClosedError(f"linkwise comm: {e}")
+    else:
+        exc = None
+    comm = ref()
+    if comm is not None and exc is not None:
+        comm._fail(exc)
+    elif comm is None:  # dropped without close(): nobody else will close the fd
+        sock.close()
+
+
+async def _handshake(sock: socket.socket) -> dict:
     """Both sides say who they are, try to read the other's probe, and say whether they could.
-    Returns (peer pid, send by address, read by address)."""
+    Returns what the comm needs: the peer's pid and live word, this side's live word, and
+    whether frames may go by address each way. Bounded by Dask's connect timeout."""
+    timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), default="seconds")
+    return await asyncio.wait_for(_exchange_hellos(sock), timeout)
+
+
+async def _exchange_hellos(sock: socket.socket) -> dict:
     loop = asyncio.get_running_loop()
+    live = np.ones(1, np.uint64)
     hello = json.dumps({"host": host_identity(), "pid": os.getpid(), "probe": int(_PROBE.ctypes.data),
-                        "value": int(_PROBE[0])}).encode()
+                        "value": int(_PROBE[0]), "live": int(live.ctypes.data)}).encode()
     await loop.sock_sendall(sock, _HEAD.pack(_MAGIC, _HELLO, len(hello)) + hello)
     kind, n = await _recv_head(loop, sock)
     if kind != _HELLO:
@@ -274,7 +346,8 @@ async def _handshake(sock: socket.socket) -> tuple:
     kind, peer_can_read = await _recv_head(loop, sock)
     if kind != _CAN:
         raise CommClosedError("linkwise comm: the peer's handshake is incomplete")
-    return peer["pid"], bool(peer_can_read), can_read
+    return {"peer_pid": peer["pid"], "peer_live": peer["live"], "live": live,
+            "send_by_address": bool(peer_can_read), "read_by_address": can_read}
 
 
 def _address(sock_addr) -> str:
@@ -285,19 +358,24 @@ class LinkwiseConnector(Connector):
     async def connect(self, address: str, deserialize: bool = True, **connection_args) -> LinkwiseComm:
         host, port = parse_host_port(address)
         loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, _, _, _, target = infos[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await loop.sock_connect(sock, target)
-            pid, send_by_address, read_by_address = await _handshake(sock)
-        except BaseException:
-            sock.close()
-            raise
-        return LinkwiseComm(sock, _address(sock.getsockname()), _address(sock.getpeername()), pid,
-                            send_by_address, read_by_address, deserialize)
+        error = None
+        for family, _, _, _, target in await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await loop.sock_connect(sock, target)
+            except OSError as exc:  # the next address the name has (IPv6 / IPv4)
+                sock.close()
+                error = exc
+                continue
+            try:
+                link = await _handshake(sock)
+            except BaseException:
+                sock.close()
+                raise
+            return LinkwiseComm(sock, _address(sock.getsockname()), _address(sock.getpeername()), link, deserialize)
+        raise error or OSError(f"linkwise comm: no address for {address}")
 
 
 class LinkwiseListener(BaseListener):
@@ -312,10 +390,12 @@ class LinkwiseListener(BaseListener):
         self._allow_offload = allow_offload
         self._sock = None
         self._accepting = None
-        self._tasks: set = set()
+        self._handshaking: set = set()  # connections still in the transport's handshake
+        self._tasks: set = set()  # one per connection, until its handler returns
 
     async def start(self) -> None:
-        self._sock = socket.create_server((self._host or "", self._port), backlog=1024)
+        family = socket.AF_INET6 if ":" in (self._host or "") else socket.AF_INET
+        self._sock = socket.create_server((self._host or "", self._port), family=family, backlog=1024)
         self._sock.setblocking(False)
         self._accepting = asyncio.get_running_loop().create_task(self._accept_loop())
 
@@ -323,35 +403,46 @@ class LinkwiseListener(BaseListener):
         loop = asyncio.get_running_loop()
         while True:
             conn, _ = await loop.sock_accept(self._sock)
-            task = loop.create_task(self._serve(conn))
+            task = loop.create_task(self._serve(conn))  # the loop keeps tasks only weakly
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
     async def _serve(self, conn: socket.socket) -> None:
         conn.setblocking(False)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._handshaking.add(conn)
         try:
-            pid, send_by_address, read_by_address = await _handshake(conn)
-        except (OSError, CommClosedError, ValueError):
-            conn.close()
+            link = await _handshake(conn)
+        except (OSError, CommClosedError, ValueError, asyncio.TimeoutError, asyncio.CancelledError):
+            conn.close()  # a port probe, a peer of another kind, or stop() meanwhile
             return
-        comm = LinkwiseComm(conn, _address(conn.getsockname()), _address(conn.getpeername()), pid,
-                            send_by_address, read_by_address, self._deserialize)
+        finally:
+            self._handshaking.discard(conn)
+        comm = LinkwiseComm(conn, _address(conn.getsockname()), _address(conn.getpeername()), link,
+                            self._deserialize)
         comm.allow_offload = self._allow_offload
         try:
             await self.on_connection(comm)
         except CommClosedError:
             comm.abort()
             return
-        result = self._handle_comm(comm)
-        if asyncio.iscoroutine(result):
-            await result
+        try:
+            result = self._handle_comm(comm)
+            if asyncio.iscoroutine(result):
+                await result
+        except CommClosedError:  # the comm ended under its handler: nothing to report
+            comm.abort()
+        except Exception:  # noqa: BLE001 - log it, end that comm
+            logger.exception("linkwise comm handler failed")
+            comm.abort()
 
     def stop(self) -> None:
         if self._accepting is not None:
             self._accepting.cancel()
         if self._sock is not None:
             self._sock.close()
+        for conn in list(self._handshaking):  # their handshake reads EOF and gives up
+            _shutdown(conn)
         self.abort_handshaking_comms()
 
     @property
@@ -361,8 +452,10 @@ class LinkwiseListener(BaseListener):
     @property
     def contact_address(self) -> str:
         host, port = self._sock.getsockname()[:2]
-        if host in ("0.0.0.0", "::", ""):
+        if host in ("0.0.0.0", ""):
             host = get_ip()
+        elif host == "::":
+            host = get_ipv6()
         return f"{SCHEME}://" + unparse_host_port(host, port)
 
 
