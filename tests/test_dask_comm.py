@@ -216,6 +216,13 @@ def test_local_cluster_moves_data_between_worker_processes():
         assert float(y.sum().compute()) == float(np.arange(8_000_000, dtype=np.float64).sum())
 
 
+async def _until(condition, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.parametrize("how", ["cancel", "close"])
 def test_a_write_given_up_before_its_ack_is_never_delivered(how):
     """A write cancelled (a timeout around it) or a comm closed while the peer has not yet
@@ -285,8 +292,7 @@ def test_listener_lifetime_and_dropped_comms():
         await listener.start()
         host, port = listener._sock.getsockname()[:2]
         silent = sockets.create_connection((host, port))
-        await asyncio.sleep(0.2)
-        assert len(listener._handshaking) == 1
+        await _until(lambda: len(listener._handshaking) == 1)
         raising = await connect(listener.contact_address)
         await raising.write("raise")
         with pytest.raises(CommClosedError):
@@ -297,8 +303,7 @@ def test_listener_lifetime_and_dropped_comms():
         gc.collect()
         assert ref() is None
         listener.stop()
-        await asyncio.sleep(0.2)
-        assert not listener._handshaking
+        await _until(lambda: not listener._handshaking)
         silent.settimeout(5)
         while silent.recv(4096):  # the listener's hello, then the end of the stream
             pass
