@@ -59,10 +59,7 @@ class CollCtx {
   int rank() const { return e_.rank(); }
   int size() const { return e_.size(); }
   const CollParams& params() const { return p_; }
-  uint64_t tag(int step) const {
-    return (uint64_t{1} << 63) | ((p_.seq & ((uint64_t{1} << 38) - 1)) << 24) |
-           (static_cast<uint64_t>(p_.kind) << 16) | static_cast<uint64_t>(step & 0xffff);
-  }
+  uint64_t tag(int step) const { return collective_tag(p_.seq, static_cast<uint32_t>(p_.kind), step); }
   // Every message header carries (kind, dtype, op, a 16-bit hash of the call's size): the
   // engine requires equal codes, so the receiver fails a message of a call reduced another
   // way or of another size (collective_code in p2p/engine.h).

@@ -24,7 +24,10 @@ void futex_wake_all(std::atomic<uint32_t>* word);
 // A timeout argument a wait cannot honour: NaN never compares as spent, so such a wait would
 // outlast any timeout. Throws ErrorKind::Invalid ("<op>: timeout is NaN ..."); callers check
 // before they post anything.
-void check_timeout(double timeout_s, const char* op);
+[[noreturn]] void throw_nan_timeout(const char* op);
+inline void check_timeout(double timeout_s, const char* op) {
+  if (timeout_s != timeout_s) throw_nan_timeout(op);  // inline: Engine::wait asks on every wait
+}
 
 // Ctrl-C while a call waits. The waits that may last (past their spin: Engine::wait,
 // ShmColl::wait_ge, an async collective's wait, a GPU request's event_wait, ForkJoin::run's

@@ -27,8 +27,9 @@
 // wait on a rank that has given up. A peer whose stream is in the middle of a message when
 // the engine aborts gets no notice (it would corrupt the stream): its link is closed instead,
 // and it raises PeerError naming this rank. A stopped engine that keeps running queues the
-// notices it passes on behind the message on the wire instead. A collective refused on one rank (notify_refused) fails the receives the others
-// post for it from that rank, as a mismatch would.
+// notices it passes on behind the message on the wire instead. A collective refused on one
+// rank (notify_refused) fails the receives the others post for it from that rank, as a
+// mismatch would.
 #pragma once
 
 #include <atomic>
@@ -204,6 +205,13 @@ constexpr uint32_t kCollCode = 1u << 31;
 inline uint32_t collective_code(uint32_t kind, uint32_t dtype, uint32_t op, uint64_t call_bytes) {
   const uint32_t size_hash = static_cast<uint32_t>((call_bytes * 0x9E3779B97F4A7C15ull) >> 48);
   return kCollCode | (kind & 15) << 24 | (dtype & 15) << 20 | (op & 15) << 16 | size_hash;
+}
+// A collective's message tag: bit 63 | its number (the communicator's collective counter,
+// 38 bits) << 24 | kind << 16 | step. User tags are < 2^62, so the two never meet; the engine
+// reads the number back (engine_internal.h coll_number) to stop calls from a failed one on.
+inline uint64_t collective_tag(uint64_t number, uint32_t kind, int step) {
+  return (uint64_t{1} << 63) | (number & ((uint64_t{1} << 38) - 1)) << 24 | uint64_t{kind & 0xff} << 16 |
+         static_cast<uint64_t>(step & 0xffff);
 }
 constexpr uint32_t kSwappedBytes = 1u << 16;  // in a dtype code: not this machine's byte order
 uint32_t dtype_code(const char* format, size_t itemsize);

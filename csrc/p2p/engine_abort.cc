@@ -47,17 +47,19 @@ int Engine::refused_by(uint64_t number) {
   return -1;
 }
 
+// Tag 0 (not a collective's) is stopped by any stop: what kAnyCall asks.
+static uint64_t tag_of_call(uint64_t number) {
+  return number == Engine::kAnyCall ? 0 : collective_tag(number, 0, 0);
+}
+
 std::string Engine::abort_reason(uint64_t number) {
   std::lock_guard<std::mutex> g(mu_);
-  return stopped_locked(number == kAnyCall ? 0 : (uint64_t{1} << 63) | (number & kCollNumberMask) << 24)
-             ? abort_reason_
-             : std::string();
+  return stopped_locked(tag_of_call(number)) ? abort_reason_ : std::string();
 }
 
 int Engine::abort_peer(uint64_t number) {
   std::lock_guard<std::mutex> g(mu_);
-  const bool stopped = stopped_locked(number == kAnyCall ? 0 : (uint64_t{1} << 63) | (number & kCollNumberMask) << 24);
-  return stopped && abort_kind_ == ErrorKind::Peer ? abort_peer_ : -1;
+  return stopped_locked(tag_of_call(number)) && abort_kind_ == ErrorKind::Peer ? abort_peer_ : -1;
 }
 
 void Engine::set_failure_hook(std::function<void(int blame)> hook) {

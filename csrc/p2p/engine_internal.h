@@ -28,7 +28,7 @@ constexpr int kMessagesPerPass = 16;     // incoming messages one progress pass 
 // arriving without pause would otherwise keep the pass, and the engine's lock, until all of it
 // is in (wait(timeout) overshot by ~0.15 s on a 128 MB receive); the caller's loop comes back.
 constexpr size_t kBytesPerPass = size_t{8} << 20;
-// Collective tags (bit 63; algo/coll.h) read as the collective's number and step.
+// Collective tags (collective_tag, engine.h) read as the collective's number and step.
 inline bool is_coll_tag(uint64_t tag) { return tag >> 63; }
 constexpr uint64_t kCollNumberMask = (uint64_t{1} << 38) - 1;
 inline uint64_t coll_number(uint64_t tag) { return (tag >> 24) & kCollNumberMask; }

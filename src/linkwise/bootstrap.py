@@ -352,10 +352,10 @@ def detect(rank: Optional[int] = None, size: Optional[int] = None,
     if port is None and torch_port is not None:
         port, source = (torch_port + 1 if torch_port < 65535 else 65534), "MASTER_PORT"
     if port is None and found is not None and found.port_seed:
-        port = derive_port(found.port_seed)
+        port, source = derive_port(found.port_seed), "derived"
     if port is None and found is not None and found.launcher in ("openmpi", "mpich") and all_local:
         # All ranks of a local mpirun/mpiexec share their parent (the MPI daemon).
-        port = derive_port(f"{found.launcher}:ppid:{os.getppid()}")
+        port, source = derive_port(f"{found.launcher}:ppid:{os.getppid()}"), "derived"
     if port is None:
         if size > 1:
             raise BootstrapError(
@@ -368,5 +368,4 @@ def detect(rank: Optional[int] = None, size: Optional[int] = None,
     if spare is None:
         spare = SPARE_PORTS if derived else 0
     return _validate(LaunchEnv(rank, size, local_rank, local_size, host, int(port), launcher,
-                               _clean_id(job_id), int(spare), source if not derived or source == "MASTER_PORT"
-                               else "derived"))
+                               _clean_id(job_id), int(spare), source))
