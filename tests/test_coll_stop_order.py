@@ -114,3 +114,51 @@ def test_point_to_point_in_flight_does_not_cut_an_earlier_collective(path):
     env = {"LINKWISE_TIMEOUT": "10", "LINKWISE_ALGO": "tree", **({"LINKWISE_TRANSPORT": "tcp"} if path == "tcp" else {})}
     big = (64 << 20) if path == "tcp" else (1 << 20)
     assert run_ranks(3, _p2p_in_flight, big, env=env, timeout=90) == [float(np.arange(256).sum())] * 3
+
+
+def _late_broadcast(comm, before_over, fail_over):
+    """Rank 2 is late to a broadcast from rank 0, which ranks 0 and 1 finish without it (the
+    root posts its data, rank 1 takes it); then ranks 0 and 1 fail the next call between
+    themselves (their all_reduce dtypes differ: over messages the ring's first step, rank 0
+    to rank 1, shows it). Each call goes through the shared-memory executor or over messages
+    (LINKWISE_ALGO=ring for that call alone). Rank 2's engine reads what arrived (the
+    broadcast's messages and the abort notices behind them) before it calls the broadcast, as
+    it would while waiting in another call. Returns rank 2's broadcast result (or its error's
+    name) and the outcomes of the failed call and one more."""
+    import os
+
+    def over(path, call):
+        if path == "messages":
+            os.environ["LINKWISE_ALGO"] = "ring"
+        try:
+            return _outcome(call)
+        finally:
+            os.environ.pop("LINKWISE_ALGO", None)
+
+    comm.all_reduce(np.ones(4, np.float32))  # the executor is set up (a collective step) before anyone is late
+    x = (np.arange(1000, dtype=np.float32) + 1) if comm.rank == 0 else np.zeros(1000, np.float32)
+    comm.barrier()
+    if comm.rank == 2:
+        time.sleep(1.0)  # the others finish the broadcast and fail the next call meanwhile
+        comm._native.poll()
+    before = over(before_over, lambda: comm.broadcast(x, root=0) is not None and x.tolist())
+    y = np.ones(256, np.int32 if comm.rank == 1 else np.float32)
+    failed = over(fail_over, lambda: comm.all_reduce(y) is not None and "ok")
+    after = _outcome(lambda: comm.all_reduce(np.ones(4, np.float32)) is not None and "ok")
+    return before, failed, after
+
+
+@pytest.mark.parametrize("before_over,fail_over", [("executor", "executor"), ("executor", "messages"),
+                                                   ("messages", "executor"), ("messages", "messages")])
+def test_a_late_rank_finishes_a_broadcast_across_the_executor_and_messages(before_over, fail_over):
+    """The shared-memory executor numbers its calls on its own: a failure in it stops its calls
+    from the failed one (and the messages' collectives from the first this rank had not
+    started), a failure over messages stops the executor from the failing rank's next call.
+    Before, either stopped everything, so rank 2's broadcast raised CommAbortedError."""
+    out = run_ranks(3, _late_broadcast, before_over, fail_over, env={"LINKWISE_TIMEOUT": "20"}, timeout=90)
+    got = out[2][0]
+    assert not isinstance(got, str), f"rank 2's broadcast before the failure raised {got}; later: {out[2][1:]}"
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.arange(1000, dtype=np.float32) + 1)
+    for r in range(3):
+        assert out[r][1] != "ok", f"rank {r}'s mismatched all_reduce returned"
+        assert out[r][2] != "ok", f"rank {r} went on after the failure: {out[r][1:]}"

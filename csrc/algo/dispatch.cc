@@ -65,6 +65,7 @@ void run_collective(Engine& engine, const CollParams& p, const void* send, size_
     staged.assign(sx, sx + send_bytes);
     send = staged.data();
   }
+  engine.note_collective(p.seq);
   CollCtx c(engine, p, call_bytes);
   const int n = engine.size(), me = engine.rank();
   const size_t es = dtype_size(p.dtype);

@@ -196,6 +196,9 @@ void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, co
             peer_died(q, what);
         }
       }
+      // This call is stopped (it failed on a rank, or one gave up before it): it cannot complete.
+      if (stops(calls_.load(std::memory_order_relaxed)) && !reached(word.load(std::memory_order_acquire), target))
+        throw_stopped();
       if (seconds_since(t0) > timeout_)
         throw Error(ErrorKind::Timeout, "rank " + std::to_string(rank_) + ": shared-memory " + what +
                                             " waited more than " + seconds_text(timeout_) + " for rank " +
@@ -206,16 +209,39 @@ void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, co
   }
 }
 
-void ShmColl::mark_failed(const Error& e) {
+// Peers waiting on this rank (for data of a call it has not finished: a wait on a word
+// already reached never looks) raise PeerError naming `culprit`; calls from `from` are stopped.
+// A dead or failed peer is what later calls report (PeerError, as the waits would); any other
+// failure (mismatch, timeout) stops the executor with this rank named.
+void ShmColl::fail_from(uint64_t from, const Error& e) {
   const int culprit = e.peer() < 0 ? rank_ : e.peer();
   auto& f = slot(rank_)->h().failed.v;
   if (f.load(std::memory_order_relaxed) == 0) f.store(static_cast<uint32_t>(culprit + 1));
-  // A dead or failed peer is what later calls report (PeerError, as the waits would); any
-  // other failure (mismatch, timeout) stops the executor with this rank named.
-  const uint32_t why = e.kind() == ErrorKind::Peer ? kStoppedByPeer | static_cast<uint32_t>(culprit + 1)
-                                                   : static_cast<uint32_t>(rank_ + 1);
+  stop_calls(from, stop_reason(e.kind() == ErrorKind::Peer ? culprit : -1));
+}
+
+void ShmColl::mark_failed(const Error& e) {  // from this call (the last one begun; the first when none was)
+  fail_from(std::max<uint64_t>(calls_.load(std::memory_order_relaxed), 1), e);
+}
+
+void ShmColl::stop_from_next(int blame) {
+  fail_from(calls_.load(std::memory_order_relaxed) + 1,
+            Error(blame >= 0 ? ErrorKind::Peer : ErrorKind::Aborted, "stopped", blame));
+}
+
+void ShmColl::stop_calls(uint64_t from, uint32_t why) {
+  auto& h = slot(0)->h();
   uint32_t none = 0;
-  slot(0)->h().stopped.v.compare_exchange_strong(none, why);
+  h.stopped.v.compare_exchange_strong(none, why);  // first: whoever sees the number sees a reason
+  uint64_t cur = h.stop_call.v.load(std::memory_order_relaxed);
+  while ((cur == 0 || from < cur) &&
+         !h.stop_call.v.compare_exchange_weak(cur, from, std::memory_order_release, std::memory_order_relaxed)) {
+  }
+}
+
+void ShmColl::stop_on_notice(int blame) {
+  if (slot(0)->h().stop_call.v.load(std::memory_order_acquire) != 0) return;  // the sender stopped it
+  mark_failed(Error(blame >= 0 ? ErrorKind::Peer : ErrorKind::Aborted, "stopped", blame));
 }
 
 void ShmColl::all_reduce(const void* in, void* out, size_t count, DType t, RedOp op, double timeout) {
@@ -314,7 +340,9 @@ void ShmColl::one_shot_combine(uint32_t r, void* out, size_t count, DType t, Red
 int ShmColl::all_reduce_start(const void* in, void* out, size_t count, DType t, RedOp op, double timeout) {
   const size_t bytes = count * dtype_size(t);
   // all_reduce raises, or (an owed round) may wait for peers, which this must not
-  if ((cma_ && bytes >= opt_.ar_min) || !one_shot_fits(bytes) || stopped() || owed_round_) return -1;
+  if ((cma_ && bytes >= opt_.ar_min) || !one_shot_fits(bytes) || stops(calls_.load(std::memory_order_relaxed) + 1) ||
+      owed_round_)
+    return -1;
   timeout_ = timeout;
   begin_call(kAllReduce, bytes, t, op, 0);
   const uint32_t r = one_shot_post(in, bytes);

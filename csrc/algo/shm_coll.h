@@ -75,10 +75,13 @@
 // reads the counter; and a wait that goes slow compares every peer's current call (number
 // and descriptor), which catches calls whose protocols differ and so would wait for each
 // other forever. The rank that sees it raises ValueError (then every later call raises:).
-// After any failed call (mismatch, dead peer, timeout) the counters are no longer in step:
-// mark_failed also sets slot 0's `stopped`, and every later call on every rank raises:
-// PeerError naming the peer when one died or failed (what its waits would have raised),
-// else CommAbortedError (one relaxed load of a line that stays cached until then).
+// After a failed call (mismatch, dead peer, timeout) the counters are no longer in step:
+// mark_failed also stops the executor from that call's number (slot 0's `stop_call`), and
+// that call and every later one on every rank raise: PeerError naming the peer when one died
+// or failed (what its waits would have raised), else CommAbortedError (begin_call: one
+// acquire load of a line that stays cached until then; a wait in a stopped call: its slow
+// check). The calls numbered before it still run on a rank that is behind: every rank
+// that got that far had done its part of them.
 // Counters are 32-bit and compared modulo 2^32. Whether CMA is used
 // and its size thresholds are agreed in connect() (every rank's probe must succeed; rank 0's
 // thresholds are taken), so all ranks always pick the same protocol.
@@ -167,13 +170,21 @@ class ShmColl {
   int max_lanes() const { return lanes_; }  // agreed by every rank at connect()
   size_t one_shot_max() const { return opt_.one_max; }  // likewise
   void unlink() { seg_.unlink(); }
-  // Another collective of the communicator failed (a point-to-point one here, or on a peer as
-  // its abort notice says: the engine's failure hook), so the ranks may now be a call behind
-  // or ahead here: peers waiting on this rank give up (PeerError) and every later call on
-  // every rank raises. Safe from any thread.
+  // This rank gives up on its collectives (close() with calls pending, a wait that gave up
+  // on its call): its current or last call fails and every later one, on every rank, and
+  // peers waiting on this rank give up (PeerError). Safe from any thread.
   void stop() { mark_failed(Error(ErrorKind::Aborted, "stopped", -1)); }
-  // The same after a peer died or failed elsewhere: later calls raise PeerError naming it.
-  void stop_for_peer(int peer) { mark_failed(Error(ErrorKind::Peer, "stopped", peer)); }
+  // Another collective of the communicator failed on this rank (a point-to-point one, which
+  // ran in issue order: no executor call is in progress here then; the engine's failure
+  // hook): the calls from this rank's next one fail on every rank, the earlier ones run on.
+  // blame >= 0: a rank died or failed (later calls raise PeerError naming it). Peers waiting
+  // on this rank in a stopped call raise PeerError naming it (or blame), as after stop().
+  void stop_from_next(int blame);
+  // A peer's abort notice reached this rank (the failure hook). The peer stopped this host's
+  // executor itself (stop_from_next, or mark_failed) before it sent the notice, and then
+  // nothing changes here; if it could not (its executor was never set up), stop() as above,
+  // blaming `blame` (>= 0) or naming this rank.
+  void stop_on_notice(int blame);
   // A collective refused its arguments on this rank before reaching the executor: number the
   // calls as if it had run, so that where only this rank refused it, the next call meets the
   // peers' pending one under another number (a mismatch) rather than pairing with it, and
@@ -299,15 +310,26 @@ class ShmColl {
   void ring_drain();
   void cma_broadcast(const void* src, void* buf, size_t bytes, int root);
   void cma_take_pieces(int q, int root, uint32_t r, uint64_t src, uint64_t dst, size_t bytes);
-  void mark_failed(const Error& e);  // sets my `failed` and slot 0's `stopped`
+  void mark_failed(const Error& e);  // fail_from this call
+  void fail_from(uint64_t from, const Error& e);  // sets my `failed`; stops the calls from `from`
   static constexpr uint32_t kStoppedByPeer = 1u << 16;  // in `stopped`: a peer died or failed
+  // The `stopped` word for a failure blaming `blame` (a rank that died or failed), or, for -1,
+  // for one on this rank.
+  uint32_t stop_reason(int blame) const {
+    return blame >= 0 ? kStoppedByPeer | static_cast<uint32_t>(blame + 1) : static_cast<uint32_t>(rank_ + 1);
+  }
+  // Calls numbered `from` and up fail on every rank (why: the `stopped` word; the first
+  // stop's reason stays, the lowest number wins). Safe from any thread.
+  void stop_calls(uint64_t from, uint32_t why);
+  // Whether call number `call` (calls_ numbering) is stopped; throw_stopped raises its error.
+  bool stops(uint64_t call) const;  // inline, in shm_coll_slot.h
+  [[noreturn]] void throw_stopped() const;
   // Mismatch checks (shm_coll_check.cc): begin_call numbers this call and publishes its
   // descriptor; check_line throws when a peer's stamp of the same round differs;
   // check_calls (slow waits only) when a peer in the same call has another descriptor or
   // refused it (skip_call).
-  // Throws CommAbortedError when an earlier call failed on any rank (stopped() is true).
+  // Throws CommAbortedError (or PeerError) when this call is stopped (stops()).
   void begin_call(CallKind kind, size_t bytes, DType t, RedOp op, int root);
-  bool stopped() const;
   // stamp: this call's number and descriptor into a line I am about to publish. check_line,
   // after acquiring peer q's line: throws when it announces this call with another
   // descriptor, or (strict: all-reduce rounds, where no peer can be a call ahead or behind)
@@ -334,6 +356,9 @@ class ShmColl {
   double timeout_ = 300.0;
   uint32_t one_round_ = 0, x_round_ = 0, y_round_ = 0;
   uint32_t call_ = 0;  // calls so far (the same on every rank); see begin_call
+  // The same count in 64 bits, never swapped for an owed call's (settle_owed does call_):
+  // what stops compare. Written by the owner thread only; read by the failure hook's thread.
+  std::atomic<uint64_t> calls_{0};
   uint64_t desc_ = 0;  // this call's descriptor
   // A one-shot round this rank posted and returned from without waiting for every peer (a
   // reduce's non-root, a gather's non-root, any rank of a scatter; 0: none), with that

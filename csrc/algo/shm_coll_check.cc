@@ -44,23 +44,27 @@ const char* ShmColl::call_name(uint64_t desc) {
   return kind < sizeof(kNames) / sizeof(kNames[0]) ? kNames[kind] : "collective";
 }
 
-bool ShmColl::stopped() const { return slot(0)->h().stopped.v.load(std::memory_order_relaxed) != 0; }
+void ShmColl::throw_stopped() const {
+  const uint32_t why = slot(0)->h().stopped.v.load(std::memory_order_acquire);
+  const int who = static_cast<int>(why & (kStoppedByPeer - 1)) - 1;
+  const std::string from = std::to_string(slot(0)->h().stop_call.v.load(std::memory_order_acquire));
+  if (why & kStoppedByPeer)
+    throw Error(ErrorKind::Peer,
+                "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(who) +
+                    " died or failed during a collective; the shared-memory collectives of this communicator "
+                    "stopped from call " + from + ". Look at that rank's output for the cause.",
+                who);
+  const std::string where = who == rank_ ? "this rank" : "rank " + std::to_string(who);
+  throw Error(ErrorKind::Aborted,
+              "rank " + std::to_string(rank_) + ": the shared-memory collectives of this communicator stopped "
+                  "from call " + from + " after a collective failed on " + where +
+                  " (see the first error there); make a new communicator to go on");
+}
 
 void ShmColl::begin_call(CallKind kind, size_t bytes, DType t, RedOp op, int root) {
-  if (const uint32_t why = slot(0)->h().stopped.v.load(std::memory_order_acquire)) {
-    const int who = static_cast<int>(why & (kStoppedByPeer - 1)) - 1;
-    if (why & kStoppedByPeer)
-      throw Error(ErrorKind::Peer,
-                  "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(who) +
-                      " died or failed during an earlier shared-memory collective; the shared-memory collectives "
-                      "of this communicator stopped. Look at that rank's output for the cause.",
-                  who);
-    const std::string where = who == rank_ ? "this rank" : "rank " + std::to_string(who);
-    throw Error(ErrorKind::Aborted,
-                "rank " + std::to_string(rank_) + ": the shared-memory collectives of this communicator stopped "
-                    "after a collective failed on " + where +
-                    " (see the first error there); make a new communicator to go on");
-  }
+  const uint64_t number = calls_.load(std::memory_order_relaxed) + 1;
+  if (stops(number)) throw_stopped();
+  calls_.store(number, std::memory_order_relaxed);
   const bool rooted = kind == kReduce || kind == kGather || kind == kScatter;
   desc_ = kind == kBroadcast ? pack(kind, bytes, 15, 15, root)
                              : pack(kind, bytes, static_cast<int>(t), static_cast<int>(op), rooted ? root : 0);
@@ -82,11 +86,13 @@ void ShmColl::check_line(int q, const Stamp& s, bool strict) const {
 
 void ShmColl::skip_call() {
   ++call_;
+  const uint64_t number = calls_.load(std::memory_order_relaxed) + 1;
+  calls_.store(number, std::memory_order_relaxed);
   // Once stopped (a call failed on some rank), every later call raises anyway: a refusal
   // published now would only turn the peers' PeerError or CommAbortedError into a misleading
   // ValueError. (The latency entries number the executor's own mismatch ValueError as a
   // refusal too, after it stopped the executor: fast_args.h's refusing.)
-  if (!stopped()) slot(rank_)->h().refused.v.store(call_, std::memory_order_release);
+  if (!stops(number)) slot(rank_)->h().refused.v.store(call_, std::memory_order_release);
 }
 
 // Called every ~100 ms of a slow wait (possibly from helper threads: reads atomics and the

@@ -95,9 +95,13 @@ struct ShmColl::Slot {
     // Peers waiting in that call read it in their slow waits (check_calls) and raise instead
     // of waiting for the timeout; it outlives the owner's later calls, unlike `call`.
     Line refused;
-    // Slot 0's only: 1 + the first rank whose executor call failed (any rank sets it, once).
-    // Every later call on every rank raises: the counters are no longer in step.
+    // Slot 0's only: why the executor stopped (ShmColl::stop_calls): 1 + the first rank whose
+    // call failed, or kStoppedByPeer | 1 + a rank that died or failed (any rank sets it, once).
     Line stopped;
+    // Slot 0's only: the first call number (every rank numbers calls alike) that fails on
+    // every rank, 0 while none; the lowest of all stops. Calls before it still run: the
+    // failure did not touch them, and a late rank still needs them to finish.
+    Line64 stop_call;
     // connect(): the owner's probe result and settings, valid once hello == 1.
     Line hello;
     uint32_t cma_ok;  // the owner may read and write every peer's memory (and wants to)
@@ -124,5 +128,10 @@ struct ShmColl::Slot {
   char* bc(uint64_t piece) { return two_res() + kTwoPiece + 2 * kOneMax + (piece % kBcSlots) * kBcPiece; }
   static constexpr size_t bytes() { return kSlotHeader + 2 * kTwoPiece + 2 * kOneMax + kBcSlots * kBcPiece; }
 };
+
+inline bool ShmColl::stops(uint64_t call) const {
+  const uint64_t from = slot(0)->h().stop_call.v.load(std::memory_order_acquire);
+  return from != 0 && call >= from;
+}
 
 }  // namespace linkwise

@@ -26,8 +26,8 @@ void skip_call(nanobind::handle comm);
 // argument checks: read-only or non-contiguous arrays, an out of another size), calls
 // skip_call(comm) first. Other failures (the executor's: a peer gone, a timeout) stop the
 // communicator's collectives anyway; so does the executor's mismatch, a ValueError numbered
-// here as a refusal too, harmlessly (it stopped the executor first, so ShmColl::skip_call
-// publishes nothing, and the engine, aborted, sends no refusal notice). The GIL is held where
+// here as a refusal too, harmlessly (it stopped the executor from that call first, so
+// ShmColl::skip_call publishes nothing, and the engine, aborted, sends no refusal notice). The GIL is held where
 // it catches.
 template <class F>
 nanobind::object refusing(nanobind::handle comm, F&& body) {

@@ -27,10 +27,11 @@ class PyShmColl : public std::enable_shared_from_this<PyShmColl> {
       : comm_(std::move(comm)),
         shm_(name, create, comm_->engine().rank(), comm_->engine().size(), spin_us) {
     // A point-to-point collective that fails (here or, by notice, on a peer) stops this
-    // executor too: a peer may be waiting here for a call this rank will never make.
-    comm_->engine().set_failure_hook([this](int blame) {
-      if (blame >= 0) shm_.stop_for_peer(blame);
-      else shm_.stop();
+    // executor too, from the failing rank's next call: a peer may be waiting here for a call
+    // that rank will never make, while the calls before it still run (a late rank needs them).
+    comm_->engine().set_failure_hook([this](int blame, bool own) {
+      if (own) shm_.stop_from_next(blame);
+      else shm_.stop_on_notice(blame);
     });
   }
   ~PyShmColl() { comm_->engine().set_failure_hook(nullptr); }  // the engine outlives us (comm_)
@@ -40,9 +41,12 @@ class PyShmColl : public std::enable_shared_from_this<PyShmColl> {
       f();
     } catch (const Error& e) {
       // The point-to-point collectives stop too, here and (by notice) on the peers, so none
-      // waits for this rank until the timeout. The failure hook only re-marks this executor.
+      // waits for this rank until the timeout: from the first one this rank has not started
+      // (it ran the earlier ones before this call; a late peer still needs them). The
+      // failure hook only re-marks this executor.
       comm_->engine().abort_and_notify("a shared-memory collective failed on this rank",
-                                       e.kind() == ErrorKind::Peer ? e.peer() : -1);
+                                       e.kind() == ErrorKind::Peer ? e.peer() : -1,
+                                       comm_->engine().next_collective());
       throw;
     }
   }

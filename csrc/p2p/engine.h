@@ -103,12 +103,20 @@ class Engine {
   void notify_refused(uint64_t number);
   // The lowest rank whose refusal notice of collective `number` has been read (-1: none).
   int refused_by(uint64_t number);
-  // Called once, under the engine's lock, when a collective failure aborts this engine (its
-  // own, abort_and_notify, or a peer's notice); `blame` as there. The shared-memory executor
-  // of the same communicator stops through it, so its calls cannot pair with calls the
-  // failed collective left out of step. Set after such a failure, it is called at once.
+  // Called under the engine's lock when a collective failure reaches this engine: once with
+  // own = true when this rank's own collective failed (abort_and_notify), once with own =
+  // false when a peer's notice stopped it; `blame` as there. The shared-memory executor of
+  // the same communicator stops through it, so its calls cannot pair with calls the failed
+  // collective left out of step. Set after such failures, it is called for them at once.
   // Must not block or call the engine. Empty: none.
-  void set_failure_hook(std::function<void(int blame)> hook);
+  void set_failure_hook(std::function<void(int blame, bool own)> hook);
+  // The collective numbers (algo/coll.h) this rank has started or refused so far run below
+  // next_collective(): a failure elsewhere (the shared-memory executor's) stops the peers
+  // from there, not the collectives before it. Any thread.
+  void note_collective(uint64_t number) {
+    if (number + 1 > next_coll_.load(std::memory_order_relaxed)) next_coll_.store(number + 1, std::memory_order_relaxed);
+  }
+  uint64_t next_collective() const { return next_coll_.load(std::memory_order_relaxed); }
   std::string describe_link(int peer);
   // False once peer's process is known to have exited or closed its link (also when its link
   // already failed); true for this rank and for peers without a link. Thread-safe.
@@ -145,7 +153,7 @@ class Engine {
   bool stopped_locked(uint64_t tag) const;
   void stop_locked(uint64_t from, const std::string& reason, ErrorKind kind, int peer);
   void pass_stop_on_locked(int blame, uint64_t from);
-  void note_failure_locked(int blame);
+  void note_failure_locked(int blame, bool own);
   std::string own_abort_reason(const std::string& why) const;
   void notify_abort_locked(int blame, uint64_t from);
   void take_abort_notice_locked(Peer& from, int blame, uint64_t stop_from);
@@ -176,10 +184,12 @@ class Engine {
   std::string abort_reason_;                   // of the first abort or stop
   ErrorKind abort_kind_ = ErrorKind::Aborted;  // of the first abort or stop: Peer when a rank died or failed
   int abort_peer_ = -1;
-  bool failure_noted_ = false;  // the failure hook ran (or will, once set)
+  bool own_failure_noted_ = false;     // the failure hook ran for this rank's own failure (or will, once set)
+  bool notice_failure_noted_ = false;  // ... for a peer's notice
   bool notices_sent_ = false;
-  std::function<void(int)> failure_hook_;
-  int failure_blame_ = -1;  // the blame of the failure that sent the notices
+  std::function<void(int, bool)> failure_hook_;
+  int own_failure_blame_ = -1, notice_failure_blame_ = -1;  // their blames
+  std::atomic<uint64_t> next_coll_{0};  // see note_collective; written by the thread running collectives
   std::chrono::steady_clock::time_point last_test_reap_{};  // test()'s last look for dead peers
   // When the pulled messages announced so far should be copied by (engine_wait.cc); a waiter
   // keeps spinning until then while one still waits for its ack.

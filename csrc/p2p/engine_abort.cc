@@ -27,6 +27,7 @@ void Engine::abort_and_notify(const std::string& why, int blame, uint64_t from) 
 }
 
 void Engine::notify_refused(uint64_t number) {
+  note_collective(number & kCollNumberMask);
   std::lock_guard<std::mutex> g(mu_);
   if (aborted_) return;  // the peers raise already
   for (auto& pp : peers_) {
@@ -62,10 +63,12 @@ int Engine::abort_peer(uint64_t number) {
   return stopped_locked(tag_of_call(number)) && abort_kind_ == ErrorKind::Peer ? abort_peer_ : -1;
 }
 
-void Engine::set_failure_hook(std::function<void(int blame)> hook) {
+void Engine::set_failure_hook(std::function<void(int blame, bool own)> hook) {
   std::lock_guard<std::mutex> g(mu_);
   failure_hook_ = std::move(hook);
-  if (failure_hook_ && failure_noted_) failure_hook_(failure_blame_);  // failed before it was set
+  if (!failure_hook_) return;
+  if (own_failure_noted_) failure_hook_(own_failure_blame_, true);  // failed before it was set
+  if (notice_failure_noted_) failure_hook_(notice_failure_blame_, false);
 }
 
 std::string Engine::own_abort_reason(const std::string& why) const {
@@ -80,12 +83,13 @@ void Engine::record_failure_locked(const std::string& reason, ErrorKind kind, in
   abort_peer_ = peer;
 }
 
-// Runs the failure hook once (the shared-memory executor stops through it).
-void Engine::note_failure_locked(int blame) {
-  if (failure_noted_) return;
-  failure_noted_ = true;
-  failure_blame_ = blame;
-  if (failure_hook_) failure_hook_(blame);
+// Runs the failure hook once for each origin (the shared-memory executor stops through it).
+void Engine::note_failure_locked(int blame, bool own) {
+  bool& noted = own ? own_failure_noted_ : notice_failure_noted_;
+  if (noted) return;
+  noted = true;
+  (own ? own_failure_blame_ : notice_failure_blame_) = blame;
+  if (failure_hook_) failure_hook_(blame, own);
 }
 
 // Fails every pending request with (kind, reason, peer) and stops progress for good.
@@ -176,7 +180,7 @@ void Engine::stop_locked(uint64_t from, const std::string& reason, ErrorKind kin
 // A stopped engine keeps running, so the notice it passes on is queued: at the front of a
 // peer's stream, or right behind the message partly on the wire, and leaves in turn.
 void Engine::pass_stop_on_locked(int blame, uint64_t from) {
-  note_failure_locked(blame);
+  note_failure_locked(blame, false);
   if (aborted_) return;  // notify_abort_locked told the peers already
   for (auto& pp : peers_) {
     Peer& p = *pp;
@@ -203,7 +207,7 @@ void Engine::pass_stop_on_locked(int blame, uint64_t from) {
 // this process exits. Writes never block (PeerLink contract). A stop passed on earlier may
 // have queued a lower number than `from`: the notices carry the lower.
 void Engine::notify_abort_locked(int blame, uint64_t from) {
-  note_failure_locked(blame);
+  note_failure_locked(blame, true);
   if (notices_sent_) return;
   notices_sent_ = true;
   const MsgHeader h{kHeaderMagic, kAbort, static_cast<uint64_t>(blame + 1), 0, std::min(from, stop_from_), 0, 0};
