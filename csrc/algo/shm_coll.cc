@@ -224,7 +224,7 @@ void ShmColl::mark_failed(const Error& e) {  // from this call (the last one beg
   fail_from(std::max<uint64_t>(calls_.load(std::memory_order_relaxed), 1), e);
 }
 
-void ShmColl::stop_from_next(int blame) {
+void ShmColl::stop(int blame) {
   fail_from(calls_.load(std::memory_order_relaxed) + 1,
             Error(blame >= 0 ? ErrorKind::Peer : ErrorKind::Aborted, "stopped", blame));
 }
@@ -241,7 +241,7 @@ void ShmColl::stop_calls(uint64_t from, uint32_t why) {
 
 void ShmColl::stop_on_notice(int blame) {
   if (slot(0)->h().stop_call.v.load(std::memory_order_acquire) != 0) return;  // the sender stopped it
-  mark_failed(Error(blame >= 0 ? ErrorKind::Peer : ErrorKind::Aborted, "stopped", blame));
+  stop(blame);
 }
 
 void ShmColl::all_reduce(const void* in, void* out, size_t count, DType t, RedOp op, double timeout) {

@@ -170,20 +170,18 @@ class ShmColl {
   int max_lanes() const { return lanes_; }  // agreed by every rank at connect()
   size_t one_shot_max() const { return opt_.one_max; }  // likewise
   void unlink() { seg_.unlink(); }
-  // This rank gives up on its collectives (close() with calls pending, a wait that gave up
-  // on its call): its current or last call fails and every later one, on every rank, and
-  // peers waiting on this rank give up (PeerError). Safe from any thread.
-  void stop() { mark_failed(Error(ErrorKind::Aborted, "stopped", -1)); }
-  // Another collective of the communicator failed on this rank (a point-to-point one, which
-  // ran in issue order: no executor call is in progress here then; the engine's failure
-  // hook): the calls from this rank's next one fail on every rank, the earlier ones run on.
-  // blame >= 0: a rank died or failed (later calls raise PeerError naming it). Peers waiting
-  // on this rank in a stopped call raise PeerError naming it (or blame), as after stop().
-  void stop_from_next(int blame);
+  // This rank gives up on its collectives from its next call, on every rank, while the calls
+  // before it run on (a late rank still needs them). A call in progress here, if any, fails
+  // too: its waits see this rank's `failed` word, and so do peers waiting on this rank for
+  // what it has not posted (PeerError naming it, or `blame`); once it raises it stops the
+  // calls from its own number (mark_failed). Used when this rank closes with calls pending or
+  // gives up waiting for one, and when another collective of the communicator failed here
+  // (a point-to-point one, which ran in issue order: the engine's failure hook). blame >= 0:
+  // a rank died or failed (later calls raise PeerError naming it). Safe from any thread.
+  void stop(int blame = -1);
   // A peer's abort notice reached this rank (the failure hook). The peer stopped this host's
-  // executor itself (stop_from_next, or mark_failed) before it sent the notice, and then
-  // nothing changes here; if it could not (its executor was never set up), stop() as above,
-  // blaming `blame` (>= 0) or naming this rank.
+  // executor itself (stop, or mark_failed) before it sent the notice, and then nothing
+  // changes here; if it could not (it never set the executor up), stop(blame).
   void stop_on_notice(int blame);
   // A collective refused its arguments on this rank before reaching the executor: number the
   // calls as if it had run, so that where only this rank refused it, the next call meets the

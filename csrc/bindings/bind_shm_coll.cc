@@ -147,8 +147,8 @@ void bind_shm_coll(nb::module_& m) {
       .def("skip_call", [](PyShmColl& s) { s.shm_.skip_call(); },
            "a collective refused its arguments on this rank: number the calls as if it had run")
       .def("stop", [](PyShmColl& s) { s.shm_.stop(); },
-           "this rank gives up on its collectives: peers waiting on it in this executor give up, "
-           "and its current (or last) call and every later one raise on every rank")
+           "this rank gives up on its collectives: its next call and every later one raise on every "
+           "rank, and a call in progress here fails, as do peers waiting on it there")
       .def_prop_ro("segment_name", [](PyShmColl& s) { return s.shm_.segment_name(); })
       .def("all_reduce",
            [](PyShmColl& s, nb::handle x, nb::handle out, int code, double timeout) {

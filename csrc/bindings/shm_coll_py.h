@@ -30,7 +30,7 @@ class PyShmColl : public std::enable_shared_from_this<PyShmColl> {
     // executor too, from the failing rank's next call: a peer may be waiting here for a call
     // that rank will never make, while the calls before it still run (a late rank needs them).
     comm_->engine().set_failure_hook([this](int blame, bool own) {
-      if (own) shm_.stop_from_next(blame);
+      if (own) shm_.stop(blame);
       else shm_.stop_on_notice(blame);
     });
   }

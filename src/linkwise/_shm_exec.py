@@ -229,9 +229,10 @@ class ExecutorMixin:
 
     def _stop_shm(self) -> None:
         """This rank gave up on a collective: the ranks' collective sequences may no longer
-        agree, so stop the shared-memory executor too (its waiting peers raise PeerError, and
-        every later call there raises), rather than let the next call pair with a different
-        call on another rank."""
+        agree, so stop the shared-memory executor too from this rank's next call (a call of it
+        in progress here fails, its waiting peers raise PeerError, and every later call there
+        raises; a late rank still finishes the calls before), rather than let the next call
+        pair with a different call on another rank."""
         shm = self.__dict__.get("_shm")
         if shm:
             shm.stop()
