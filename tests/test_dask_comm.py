@@ -319,3 +319,32 @@ def test_listener_lifetime_and_dropped_comms():
         v6.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("closed_by", ["peer", "reader"])
+def test_messages_read_after_a_close(closed_by):
+    """Messages the peer sent before it closed are still read, then CommClosedError (as
+    tcp:// reads the rest of its stream); after this side closes, read() raises at once (as
+    tcp://), although messages were queued (it returned them before)."""
+    async def main():
+        comms = asyncio.Queue()
+        listener = listen("linkwise://127.0.0.1:0", comms.put)
+        await listener.start()
+        writer = await connect(listener.contact_address)
+        reader = await asyncio.wait_for(comms.get(), 30)
+        for i in range(2):
+            await writer.write({"i": i})
+        await _until(lambda: reader._messages.qsize() == 2)
+        if closed_by == "peer":
+            await writer.close()
+            await _until(lambda: reader.closed())
+            assert [await reader.read() for _ in range(2)] == [{"i": 0}, {"i": 1}]
+        else:
+            await reader.close()
+        with pytest.raises(CommClosedError):
+            await asyncio.wait_for(reader.read(), 30)
+        await writer.close()
+        await reader.close()
+        listener.stop()
+
+    asyncio.run(main())

@@ -121,6 +121,7 @@ class LinkwiseComm(Comm):
         self._acks: collections.deque = collections.deque()  # (future, frames) of writes awaiting their ack
         self._messages: asyncio.Queue = asyncio.Queue()
         self._closed = False
+        self._closed_here = False  # close() or abort() on this side: read() raises at once
         self._writing = 0  # writes inside the socket (the fd stays open while any is)
         self.frames_by_address = 0  # frames this side sent by address so far (tests, diagnostics)
         self._acks_owed = 0  # messages read whose by-address frames were copied, not yet acked
@@ -183,7 +184,7 @@ class LinkwiseComm(Comm):
             async with self._write_lock:
                 await self._send_acks_locked()
         except (OSError, CommClosedError, asyncio.CancelledError):
-            self.abort()
+            self._end()
 
     async def _send_acks_locked(self) -> None:
         while self._acks_owed and not self._closed:
@@ -192,7 +193,9 @@ class LinkwiseComm(Comm):
             self._acks_owed -= owed  # more may have been owed meanwhile: the loop sends them
 
     async def read(self, deserializers=None):
-        if self._closed and self._messages.empty():
+        # After the peer ended the connection, what it sent before is still read (as tcp://
+        # reads the rest of its stream); after this side closed, nothing is (as tcp://).
+        if self._closed_here or (self._closed and self._messages.empty()):
             raise CommClosedError(f"linkwise comm to {self._peer_addr} is closed")
         frames = await self._messages.get()
         if frames is None:  # the connection ended (see _fail)
@@ -235,13 +238,13 @@ class LinkwiseComm(Comm):
             if ack is not None:
                 await ack  # the peer copied the by-address frames: they may go
         except OSError as exc:
-            self.abort()
+            self._end()
             raise CommClosedError(f"linkwise comm to {self._peer_addr}: {exc}") from exc
         except BaseException:
             # Cancelled (or failed) with a message half sent or its frames not yet copied: the
             # stream cannot go on, and the caller may reuse the frames now, so the comm ends
             # (the peer drops such a message: see the class docstring).
-            self.abort()
+            self._end()
             raise
         finally:
             self._writing -= 1
@@ -269,6 +272,12 @@ class LinkwiseComm(Comm):
         self.abort()
 
     def abort(self) -> None:
+        self._closed_here = True
+        self._end()
+
+    def _end(self) -> None:
+        """Ends the connection (a failed or given-up write, a lost ack: the stream cannot go
+        on); messages already read from the peer stay readable."""
         self._fail(CommClosedError(f"linkwise comm to {self._peer_addr} was closed"))
         if not self._reader.done():
             self._reader.cancel()
