@@ -229,13 +229,20 @@ void ShmColl::stop(int blame) {
             Error(blame >= 0 ? ErrorKind::Peer : ErrorKind::Aborted, "stopped", blame));
 }
 
+// The reason goes with the lowest number (the stop that makes a call fail is the lowest one
+// at or below it). A first stop writes its reason before its number, so whoever sees a number
+// sees a reason; a lower one replaces the reason just after (two racing stops may briefly
+// show one's number with the other's reason: the message only).
 void ShmColl::stop_calls(uint64_t from, uint32_t why) {
   auto& h = slot(0)->h();
   uint32_t none = 0;
-  h.stopped.v.compare_exchange_strong(none, why);  // first: whoever sees the number sees a reason
+  h.stopped.v.compare_exchange_strong(none, why);
   uint64_t cur = h.stop_call.v.load(std::memory_order_relaxed);
-  while ((cur == 0 || from < cur) &&
-         !h.stop_call.v.compare_exchange_weak(cur, from, std::memory_order_release, std::memory_order_relaxed)) {
+  while (cur == 0 || from < cur) {
+    if (h.stop_call.v.compare_exchange_weak(cur, from, std::memory_order_release, std::memory_order_relaxed)) {
+      if (cur != 0) h.stopped.v.store(why, std::memory_order_release);
+      return;
+    }
   }
 }
 

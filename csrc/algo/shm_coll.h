@@ -316,8 +316,8 @@ class ShmColl {
   uint32_t stop_reason(int blame) const {
     return blame >= 0 ? kStoppedByPeer | static_cast<uint32_t>(blame + 1) : static_cast<uint32_t>(rank_ + 1);
   }
-  // Calls numbered `from` and up fail on every rank (why: the `stopped` word; the first
-  // stop's reason stays, the lowest number wins). Safe from any thread.
+  // Calls numbered `from` and up fail on every rank (why: the `stopped` word; the lowest
+  // number wins, with its reason). Safe from any thread.
   void stop_calls(uint64_t from, uint32_t why);
   // Whether call number `call` (calls_ numbering) is stopped; throw_stopped raises its error.
   bool stops(uint64_t call) const;  // inline, in shm_coll_slot.h

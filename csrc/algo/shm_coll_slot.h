@@ -95,8 +95,9 @@ struct ShmColl::Slot {
     // Peers waiting in that call read it in their slow waits (check_calls) and raise instead
     // of waiting for the timeout; it outlives the owner's later calls, unlike `call`.
     Line refused;
-    // Slot 0's only: why the executor stopped (ShmColl::stop_calls): 1 + the first rank whose
-    // call failed, or kStoppedByPeer | 1 + a rank that died or failed (any rank sets it, once).
+    // Slot 0's only: why the executor stopped (ShmColl::stop_calls): 1 + the rank whose call
+    // failed, or kStoppedByPeer | 1 + a rank that died or failed (any rank sets it; the
+    // lowest stop's).
     Line stopped;
     // Slot 0's only: the first call number (every rank numbers calls alike) that fails on
     // every rank, 0 while none; the lowest of all stops. Calls before it still run: the

@@ -114,7 +114,9 @@ class Engine {
   // next_collective(): a failure elsewhere (the shared-memory executor's) stops the peers
   // from there, not the collectives before it. Any thread.
   void note_collective(uint64_t number) {
-    if (number + 1 > next_coll_.load(std::memory_order_relaxed)) next_coll_.store(number + 1, std::memory_order_relaxed);
+    uint64_t cur = next_coll_.load(std::memory_order_relaxed);
+    while (number + 1 > cur && !next_coll_.compare_exchange_weak(cur, number + 1, std::memory_order_relaxed)) {
+    }
   }
   uint64_t next_collective() const { return next_coll_.load(std::memory_order_relaxed); }
   std::string describe_link(int peer);
@@ -189,7 +191,7 @@ class Engine {
   bool notices_sent_ = false;
   std::function<void(int, bool)> failure_hook_;
   int own_failure_blame_ = -1, notice_failure_blame_ = -1;  // their blames
-  std::atomic<uint64_t> next_coll_{0};  // see note_collective; written by the thread running collectives
+  std::atomic<uint64_t> next_coll_{0};  // see note_collective (a running maximum)
   std::chrono::steady_clock::time_point last_test_reap_{};  // test()'s last look for dead peers
   // When the pulled messages announced so far should be copied by (engine_wait.cc); a waiter
   // keeps spinning until then while one still waits for its ack.
