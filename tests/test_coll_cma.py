@@ -153,7 +153,10 @@ def test_default_thresholds(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LINKWISE_COLL_THREADS", "1")
     enable, ar_min, bc_min, _, _, _, threads, _ = _cma_settings(1.0, 2)
-    assert (enable, ar_min, bc_min, threads) == (True, _NEVER, 8 << 20, 1)
+    assert (enable, ar_min, bc_min, threads) == (True, _NEVER, 4 << 20, 1)  # broadcast: 4 MiB, 2 ranks of 1 thread
+    assert [_cma_settings(1.0, n)[2] for n in (3, 4, 5)] == [8 << 20, 8 << 20, _NEVER]
+    monkeypatch.setenv("LINKWISE_COLL_THREADS", "2")
+    assert _cma_settings(1.0, 2)[2] == 8 << 20
     monkeypatch.setenv("LINKWISE_COLL_THREADS", "4")
     assert _cma_settings(4.0, 16)[1:3] == (8 << 20, _NEVER)
     monkeypatch.setenv("LINKWISE_COLL_CMA_MIN", "64K")

@@ -49,7 +49,9 @@ def cma_settings(cpus_per_rank: float, size: int) -> tuple:
       for huge pages from 4 MiB on), and process_vm_readv/writev pay ~1 us per page;
     - broadcast: from 8 MiB (below, the ring through the segment stays in cache and wins, 2
       ranks A/B), up to 4 ranks (with 16, the readers all pinning the root's pages at once ran
-      slower than the ring on the 64-core host);
+      slower than the ring on the 64-core host); from 4 MiB with 2 ranks of one thread (where
+      NumPy's arrays get huge pages: out of place ~20% faster than the ring, in place level,
+      2-core VM, twenty-fifth session);
     - one-shot all_reduce (every rank reads every input) up to 16 KiB / ranks bytes when each
       rank has a core, two-shot above: on the 64-core host the two-shot was faster from 2 KiB
       at 16 ranks (4.5-5.2 us against 7.8-8.4), 4 KiB at 8, 8 KiB at 5 and 16 KiB at 4 ranks
@@ -61,7 +63,8 @@ def cma_settings(cpus_per_rank: float, size: int) -> tuple:
         share = max(int(cpus_per_rank * THREAD_SHARE), min(THREADS_AT_TWO_CPUS, int(cpus_per_rank)))
         threads = max(1, min(DEFAULT_MAX_THREADS, share))
     ar_min = config.get("LINKWISE_COLL_CMA_MIN") or (8 << 20 if threads > 1 else NEVER)
-    bc_min = config.get("LINKWISE_COLL_CMA_BCAST_MIN") or (8 << 20 if size <= 4 else NEVER)
+    bc_min = config.get("LINKWISE_COLL_CMA_BCAST_MIN") or (
+        (4 << 20 if size == 2 and threads == 1 else 8 << 20) if size <= 4 else NEVER)
     one_max = config.get("LINKWISE_COLL_ONE_SHOT_MAX") or (
         ONE_SHOT_CAP if size <= 2 or cpus_per_rank < 1 else max(64, _ONE_SHOT_READS // size))
     return (config.get("LINKWISE_SHM_CMA"), ar_min, bc_min, config.get("LINKWISE_COLL_CMA_CHUNK"),

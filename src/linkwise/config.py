@@ -146,7 +146,8 @@ declare("LINKWISE_COLL_CMA_MIN", 0, _size,
         "all_reduce of at least this many bytes uses that single-copy path; 0 = 8M with several "
         "threads per rank (LINKWISE_COLL_THREADS), never with one (kernel copies lose to memcpy there)")
 declare("LINKWISE_COLL_CMA_BCAST_MIN", 0, _size,
-        "broadcast of at least this many bytes uses it; 0 = 8M up to 4 ranks, never with more")
+        "broadcast of at least this many bytes uses it; 0 = 4M with 2 ranks of one thread, else 8M up "
+        "to 4 ranks, never with more")
 declare("LINKWISE_COLL_CMA_CHUNK", 128 << 10, _size, "bytes a single-copy all_reduce reduces per step")
 declare("LINKWISE_COLL_CMA_PIECE", 256 << 10, _size, "bytes per piece of a single-copy broadcast")
 declare("LINKWISE_COLL_LANE_MIN", 256 << 10, _size,
