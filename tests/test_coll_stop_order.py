@@ -162,3 +162,34 @@ def test_a_late_rank_finishes_a_broadcast_across_the_executor_and_messages(befor
     for r in range(3):
         assert out[r][1] != "ok", f"rank {r}'s mismatched all_reduce returned"
         assert out[r][2] != "ok", f"rank {r} went on after the failure: {out[r][1:]}"
+
+
+def _stop_between_calls(comm):
+    """Rank 0 is a non-root of a reduce to rank 1 (it posts its input and returns), then stops
+    its executor between calls, as a close with async calls pending does when none has started
+    yet; rank 1, the root, still waits in that reduce for rank 2, which is late. Returns rank
+    1's reduce result (or its error's name) and the outcome of one more call."""
+    comm.all_reduce(np.ones(4, np.float32))  # the executor is set up before anyone is late
+    x = np.arange(1000, dtype=np.float32) + comm.rank
+    comm.barrier()
+    if comm.rank == 2:
+        time.sleep(1.0)
+    got = _outcome(lambda: comm.reduce(x, root=1))
+    if comm.rank == 0:
+        comm._shm.stop()
+    if comm.rank == 1 and not isinstance(got, str):
+        got = np.asarray(got).tolist()
+    after = _outcome(lambda: comm.all_reduce(np.ones(4, np.float32)) is not None and "ok")
+    return got, after
+
+
+def test_a_rank_that_stops_between_calls_does_not_fail_the_call_it_finished():
+    """A stop that is not a failure of a call (close, a given-up wait) stops from the rank's
+    next call: a first version stopped from its last one, so rank 1, still waiting in the
+    reduce rank 0 had finished, raised CommAbortedError within ~0.1 s of the stop."""
+    out = run_ranks(3, _stop_between_calls, env={"LINKWISE_TIMEOUT": "20"}, timeout=90)
+    got = out[1][0]
+    assert not isinstance(got, str), f"rank 1's reduce raised {got}"
+    want = sum(np.arange(1000, dtype=np.float32) + r for r in range(3))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+    assert all(after != "ok" for _, after in out), out  # the call after the stop raises everywhere
