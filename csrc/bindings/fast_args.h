@@ -27,8 +27,8 @@ void skip_call(nanobind::handle comm);
 // skip_call(comm) first. Other failures (the executor's: a peer gone, a timeout) stop the
 // communicator's collectives anyway; so does the executor's mismatch, a ValueError numbered
 // here as a refusal too, harmlessly (it stopped the executor from that call first, so
-// ShmColl::skip_call publishes nothing, and the engine, aborted, sends no refusal notice). The GIL is held where
-// it catches.
+// ShmColl::skip_call publishes nothing, and the engine, aborted, sends no refusal notice).
+// The GIL is held where it catches.
 template <class F>
 nanobind::object refusing(nanobind::handle comm, F&& body) {
   try {

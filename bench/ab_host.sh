@@ -5,14 +5,14 @@
 # entries). With AB_SWEEPS set (lines of `linkwise bench` arguments, e.g.
 # "all_reduce -N 4 -b 1M -e 16M -f 4 -n 100 -w 10"), those sweeps instead, a line per size
 # with the out-of-place and in-place µs.
-#   bash bench/ab_host_latency.sh OUTDIR ROUNDS TREE...
+#   bash bench/ab_host.sh OUTDIR ROUNDS TREE...
 # Each TREE is a directory holding a copy of a tree (`git archive <commit> | tar -x -C DIR`;
 # `.` is this one); each is built here (CPU part, bench/host_build.sh). Compare the rounds'
 # medians, not single lines.
 set -uo pipefail
 out=$1; rounds=$2; shift 2
 mkdir -p "$out"
-log="$out/ab_host_latency.txt"
+log="$out/ab_host.txt"
 . bench/host_build.sh
 for tree in "$@"; do
   name=$(basename "$(cd "$tree" && pwd)")
