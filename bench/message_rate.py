@@ -4,6 +4,7 @@ one message. Prints the µs per message of five timed runs of `R` windows. Run u
 launchers, one after the other:
     linkwise launch -n 2 bench/message_rate.py lw
     linkwise launch -n 2 bench/message_rate.py raw    # the native posts, without comm.isend's checks
+    linkwise launch -n 2 bench/message_rate.py loop   # comm.isend / irecv, a wait() each (no wait_all)
     mpirun -n 2 --allow-run-as-root python bench/message_rate.py mpi
 """
 import sys
@@ -13,21 +14,24 @@ import numpy as np
 
 mode = sys.argv[1]
 W, R = 64, 300
-if mode in ("lw", "raw"):
+if mode in ("lw", "raw", "loop"):
     import linkwise
     comm = linkwise.init()
     r = comm.rank
     nat = comm._native
 
     def isend(b, d):
-        return comm.isend(b, d, 0) if mode == "lw" else nat.isend(b, d, 0, False, comm.timeout)
+        return nat.isend(b, d, 0, False, comm.timeout) if mode == "raw" else comm.isend(b, d, 0)
 
     def irecv(b, s):
-        return comm.irecv(b, s, 0) if mode == "lw" else nat.irecv(b, s, 0, False, comm.timeout)
+        return nat.irecv(b, s, 0, False, comm.timeout) if mode == "raw" else comm.irecv(b, s, 0)
 
     def waitall(reqs):
-        for q in reqs:
-            q.wait()
+        if mode == "loop":
+            for q in reqs:
+                q.wait()
+        else:
+            linkwise.wait_all(reqs)  # as MPI.Request.Waitall below
     bar = comm.barrier
 else:
     from mpi4py import MPI

@@ -181,3 +181,60 @@ def test_sendrecv_with_a_dead_peer_raises(size, transport_env, shm_clean):
     out = run_ranks(2, _killed, size, env=transport_env, expect_fail=True)
     assert out[0] == ("ok", "raised"), out[0]
     assert not shm_of_this_process()
+
+
+def _replace_ring(comm, forms):
+    """comm.sendrecv_replace: x goes to the next rank and x then holds the previous rank's
+    message; NumPy arrays of every size class and dtype, a bytearray, torch CPU tensors
+    (bfloat16 too, through DLPack), and a shorter message than x."""
+    import torch
+    nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    done = 0
+    for dtype in DTYPES:
+        for n in SIZES:
+            x = _values(comm.rank, n, dtype)
+            assert comm.sendrecv_replace(x, nxt, prv, send_tag=3, recv_tag=3) == x.nbytes
+            np.testing.assert_array_equal(x, _values(prv, n, dtype))
+            done += 1
+    if "bytearray" in forms:
+        b = bytearray([comm.rank] * 5)
+        comm.sendrecv_replace(b, nxt, prv)
+        assert b == bytearray([prv] * 5)
+    if "torch" in forms:
+        for dt in (torch.float32, torch.bfloat16):
+            t = torch.full((300_001,), float(comm.rank + 1), dtype=dt)
+            comm.sendrecv_replace(t, nxt, prv)
+            assert bool((t == float(prv + 1)).all()), dt
+    return done
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 5])
+def test_sendrecv_replace_ring(nranks, transport_env, shm_clean):
+    out = run_ranks(nranks, _replace_ring, ("bytearray", "torch"), env=transport_env)
+    assert out == [len(DTYPES) * len(SIZES)] * nranks
+
+
+def _replace_shorter_and_longer(comm):
+    """A message shorter than x fills its front (the rest of x is kept); a longer one raises
+    ValueError and stays queued for a receive that fits, as for recv."""
+    import linkwise
+    if comm.rank == 0:
+        x = np.arange(8, dtype=np.int32)
+        assert comm.sendrecv_replace(x, 1, 1) == 12
+        assert x.tolist() == [7, 7, 7, 3, 4, 5, 6, 7]
+        small = np.zeros(2, np.int32)
+        with pytest.raises(ValueError):
+            comm.sendrecv_replace(small, 1, 1, timeout=10)
+        rest = np.zeros(8, np.int32)
+        comm.recv(rest, 1)
+        return rest.tolist()
+    out = np.zeros(8, np.int32)
+    comm.sendrecv(np.full(3, 7, np.int32), 0, out, 0)
+    assert out.tolist() == list(range(8))
+    comm.sendrecv(np.full(8, 9, np.int32), 0, out, 0)
+    assert out.tolist() == [0, 0, 2, 3, 4, 5, 6, 7]  # rank 0's send went before its receive failed
+    return None
+
+
+def test_sendrecv_replace_shorter_and_longer_messages(shm_clean):
+    assert run_ranks(2, _replace_shorter_and_longer)[0] == [9] * 8

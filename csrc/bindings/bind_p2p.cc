@@ -8,7 +8,10 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/unique_ptr.h>
 
+#include <algorithm>
+#include <exception>
 #include <memory>
+#include <vector>
 
 #include "bindings/bindings.h"
 #include "bindings/native_comm.h"
@@ -26,10 +29,14 @@ PyRequest::~PyRequest() {
   }
 }
 
+void PyRequest::wait_nogil(double timeout_s) {
+  comm_->engine().wait(*req_, timeout_s, req_->kind == Request::Kind::Send ? "send" : "recv");
+}
+
 size_t PyRequest::wait(double timeout_s) {
   {
     nb::gil_scoped_release nogil;
-    comm_->engine().wait(*req_, timeout_s, req_->kind == Request::Kind::Send ? "send" : "recv");
+    wait_nogil(timeout_s);
   }
   buf_.release();
   return req_->transferred();
@@ -49,6 +56,49 @@ bool PyRequest::test() {
 }
 
 namespace {
+// wait_all over send / receive requests only (else NotImplemented: _request.wait_all loops over
+// the general wait()s). One GIL release for the lot; each request waits at most until its
+// deadline, `timeout` (or its own timeout) after the call began, and is given up at it as its
+// own wait() gives up. A failed request does not stop the others' waits, so that no array is
+// let go while bytes still move; the first failure in list order is raised once all have ended.
+// Ctrl-C (Interrupted) is raised at once, leaving the rest pending.
+nb::object wait_all(nb::handle requests, std::optional<double> timeout) {
+  nb::list items = nb::borrow<nb::list>(requests);
+  std::vector<PyRequest*> reqs;
+  reqs.reserve(items.size());
+  for (nb::handle item : items) {
+    if (!nb::isinstance<PyRequest>(item)) return nb::borrow(Py_NotImplemented);
+    reqs.push_back(nb::inst_ptr<PyRequest>(item));
+  }
+  if (timeout) check_timeout(*timeout, "wait_all");
+  std::exception_ptr first;
+  {
+    nb::gil_scoped_release nogil;
+    const auto t0 = Clock::now();
+    for (PyRequest* r : reqs) {
+      const double left = std::max(0.0, (timeout ? *timeout : r->timeout) - seconds_since(t0));
+      try {
+        r->wait_nogil(left);
+      } catch (const Error& e) {
+        if (e.kind() == ErrorKind::Interrupted) {
+          first = std::current_exception();
+          break;
+        }
+        if (!first) first = std::current_exception();
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+  }
+  nb::list bytes;
+  for (PyRequest* r : reqs) {
+    r->let_go();
+    bytes.append(r->nbytes());
+  }
+  if (first) std::rethrow_exception(first);
+  return bytes;
+}
+
 // _request.await_request(req): what `await req` iterates (a strong reference, set once by
 // set_request_awaiter and never dropped).
 PyObject* g_awaiter = nullptr;
@@ -79,6 +129,9 @@ void bind_p2p(nb::module_& m) {
              if (!g_awaiter) throw nb::type_error("linkwise._request has not set the request awaiter");
              return nb::borrow(g_awaiter)(self);
            });
+  m.def("wait_all", &wait_all, nb::arg("requests"), nb::arg("timeout") = nb::none(),
+        "Wait for every send / receive request of the list (linkwise.wait_all's native path); returns their "
+        "bytes moved, or NotImplemented where an item is another kind of request.");
   m.def(
       "set_request_awaiter",
       [](nb::handle fn) {

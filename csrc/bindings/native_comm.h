@@ -27,6 +27,12 @@ class PyRequest {
       : timeout(timeout_s), comm_(std::move(comm)), req_(std::move(req)), owner_(std::move(owner)) {}
   ~PyRequest();
   size_t wait(double timeout_s);  // the bytes moved
+  // wait() in two halves, for wait_all: wait_nogil without the GIL (throws the request's
+  // error), then let_go with it (lets the array go once done).
+  void wait_nogil(double timeout_s);
+  void let_go() {
+    if (req_->done()) buf_.release();
+  }
   bool test();
   int fileno() { return req_->event_fd(); }
   size_t nbytes() const { return req_->transferred(); }

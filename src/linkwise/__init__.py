@@ -6,6 +6,7 @@ over shared memory and TCP, that knows the machine's links.
     comm.send(x, dst=1); comm.recv(y, src=0)
 """
 from .comm import Communicator, Request, init
+from ._request import wait_all
 from .topo.affinity import bind
 from .errors import BootstrapError, CommAbortedError, LinkwiseError, PeerError, TimeoutError
 
@@ -17,6 +18,7 @@ __all__ = [
     "bind",
     "Communicator",
     "Request",
+    "wait_all",
     "LinkwiseError",
     "PeerError",
     "TimeoutError",

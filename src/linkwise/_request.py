@@ -138,9 +138,52 @@ async def _poll_native(native_request) -> int:
     return _finished(native_request, native_request.timeout)
 
 
+def _native_wait_all(requests, timeout):  # native.wait_all once adopt_native ran
+    return NotImplemented
+
+
+def wait_all(requests, timeout: Optional[float] = None) -> list:
+    """Wait for every request of `requests` (MPI_Waitall); returns what each one's wait() returns,
+    in order (the bytes moved for a send or receive, the result array for an async collective).
+
+    `timeout`: seconds from this call for all of them; None gives each request its own timeout
+    (the communicator's, or the isend/irecv timeout=), counted from this call. A request not
+    done by then is given up as its own wait() gives it up (a send or receive is cancelled, or
+    the communicator aborted if bytes were moving; a collective goes on). One failed request
+    does not stop the waits for the others: the first failure in list order is raised once
+    every request has ended, so no array is let go while bytes still move into it (each
+    request's own test() or wait() then tells its outcome). Ctrl-C is raised at once.
+    A list of send / receive requests only is waited for in one native call, with the GIL
+    released once (as fast as a loop of their wait()s: docs/benchmarks.md); asyncio code
+    awaits requests with asyncio.gather instead."""
+    if type(requests) is not list:
+        requests = list(requests)
+    done = _native_wait_all(requests, timeout)
+    if done is not NotImplemented:
+        return done
+    for r in requests:
+        if not isinstance(r, (Request, GpuRequest)):
+            raise TypeError(f"wait_all: {type(r).__name__} is not a linkwise request")
+    start = time.monotonic()
+    results, first = [], None
+    for r in requests:
+        own = r.timeout if hasattr(r, "timeout") else r._timeout  # native requests: .timeout
+        limit = own if timeout is None else float(timeout)
+        try:
+            results.append(r.wait(max(0.0, limit - (time.monotonic() - start))))
+        except Exception as exc:  # noqa: BLE001 - raised below, after the other waits
+            results.append(None)
+            first = first or exc
+    if first is not None:
+        raise first
+    return results
+
+
 def adopt_native(native) -> None:
     """Once the native module is loaded: its send / receive requests count as Requests, and
     `await` on one runs await_request."""
+    global _native_wait_all
+    _native_wait_all = native.wait_all
     Request.register(native.Request)
     native.set_request_awaiter(await_request)
 

@@ -198,6 +198,27 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         self.isend(x, dst, send_tag, timeout=t, stream=stream).wait()
         return r.wait()
 
+    def sendrecv_replace(self, x: Any, dst: int, src: int, send_tag: int = 0, recv_tag: int = 0, *,
+                         timeout: Optional[float] = None) -> int:
+        """Send x to rank dst, then hold in x what rank src sent (MPI_Sendrecv_replace); returns
+        the bytes received. The message from src may be shorter than x (the rest of x keeps what
+        it held) but not longer (ValueError, as for recv).
+
+        x is copied first and the copy sent, while the receive lands in x: one extra copy of x,
+        as MPI makes. Host arrays only (TypeError for CUDA arrays: send a copy with sendrecv,
+        ordered on the stream you choose)."""
+        if _is_cuda(x):
+            raise TypeError("sendrecv_replace: takes host arrays; for a CUDA array pass a copy of it "
+                            "to sendrecv(copy, dst, x, src), made on the stream you use")
+        if isinstance(x, np.ndarray):
+            sent = x.copy()
+        else:
+            try:
+                sent = np.array(memoryview(x), copy=True)
+            except (TypeError, ValueError):  # DLPack arrays (torch CPU tensors, bfloat16 ones too)
+                sent = _as_buffer(x, "sendrecv_replace").copy()
+        return self.sendrecv(sent, dst, x, src, send_tag, recv_tag, timeout=timeout)
+
     def cuda(self):
         """This communicator's GPU data plane (linkwise.cuda.GpuComm), built on first use.
 

@@ -31,7 +31,7 @@ class Unsupported(Exception):
 
 def inplace_views(coll: str, send: np.ndarray, recv: np.ndarray, rank: int, size: int):
     """(input, output) arrays of nccl-tests' in-place form of coll."""
-    if coll in ("all_reduce", "broadcast", "reduce", "all_to_all"):
+    if coll in ("all_reduce", "broadcast", "reduce", "all_to_all", "sendrecv"):
         return recv, recv
     if coll == "all_gather":
         block = recv.size // size
@@ -153,9 +153,9 @@ class LinkwiseBackend(Backend):
     def bind(self, coll, send, recv, inplace, op, root):
         c = self.comm
         if coll == "sendrecv":
-            if inplace:
-                raise Unsupported("sendrecv in place")
             nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+            if inplace:  # nccl-tests' in-place sendrecv: sent from and received into recv
+                return lambda: c.sendrecv_replace(recv, nxt, prv)
 
             def sendrecv():
                 c.sendrecv(send, nxt, recv, prv)

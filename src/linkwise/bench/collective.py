@@ -41,7 +41,7 @@ def _unaligned_inputs(coll: str, op: str, rank: int, size: int, total: int, bloc
     if coll == "broadcast":
         recv = send.copy() if rank == root else np.zeros(total, dtype)
         return send, recv
-    if coll in ("all_reduce", "reduce", "all_to_all"):
+    if coll in ("all_reduce", "reduce", "all_to_all", "sendrecv"):
         return send, send.copy()
     return send, np.zeros(total, dtype)
 

@@ -291,12 +291,12 @@ class MpiBackend(Backend):
             if inplace:  # MPI puts the in-place result in the first block: see result_view
                 return lambda: c.Reduce_scatter_block(IN, s, mop)
             return lambda: c.Reduce_scatter_block(s, r, mop)
-        if coll == "sendrecv" and inplace:
-            raise Unsupported("sendrecv in place")
         if coll == "all_to_all":
             return (lambda: c.Alltoall(IN, r)) if inplace else (lambda: c.Alltoall(s, r))
         if coll == "sendrecv":
             nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+            if inplace:
+                return lambda: c.Sendrecv_replace(r, nxt, source=prv)
             return lambda: c.Sendrecv(s, nxt, recvbuf=r, source=prv)
         raise Unsupported(coll)
 
