@@ -81,15 +81,15 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
   std::unique_ptr<PyRequest> post(nb::handle obj, int peer, uint64_t tag, bool is_send, bool is_async,
                                   double timeout_s) {
     check_timeout(timeout_s, is_send ? "isend" : "irecv");
-    auto held = std::make_unique<HeldBuffer>();
-    acquire_buffer(obj, !is_send, is_send ? "send" : "recv", *held);
+    HeldBuffer held;  // moved into the PyRequest below; released here if posting throws
+    acquire_buffer(obj, !is_send, is_send ? "send" : "recv", held);
     std::shared_ptr<Request> req =
-        is_send ? engine_.isend(peer, held->ptr(), held->bytes(), tag, held->dtype(), is_async)
-                : engine_.irecv(peer, held->ptr(), held->bytes(), tag, held->dtype(), is_async);
+        is_send ? engine_.isend(peer, held.ptr(), held.bytes(), tag, held.dtype(), is_async)
+                : engine_.irecv(peer, held.ptr(), held.bytes(), tag, held.dtype(), is_async);
     auto py = std::make_unique<PyRequest>(shared_from_this(), std::move(req), nb::borrow(obj), timeout_s);
-    std::swap(py->buffer().view, held->view);
-    py->buffer().held = held->held;
-    held->held = false;
+    std::swap(py->buffer().view, held.view);
+    py->buffer().held = held.held;
+    held.held = false;
     return py;
   }
 
