@@ -238,3 +238,37 @@ def _replace_shorter_and_longer(comm):
 
 def test_sendrecv_replace_shorter_and_longer_messages(shm_clean):
     assert run_ranks(2, _replace_shorter_and_longer)[0] == [9] * 8
+
+
+def _replace_sizes_and_threads(comm):
+    """The copy sendrecv_replace sends: the communicator's kept memory (grown as needed) up to
+    16 MiB, memory of its own above it or while another thread's exchange holds the kept one.
+    Two threads exchange at once with their own tags: neither may send the other's bytes."""
+    import threading
+    peer = 1 - comm.rank
+    for n in [(16 << 20) // 8 + 1, 1000, (16 << 20) // 8, 3]:
+        x = _values(comm.rank, n, np.float64)
+        comm.sendrecv_replace(x, peer, peer)
+        np.testing.assert_array_equal(x, _values(peer, n, np.float64))
+    errors = []
+
+    def worker(k):
+        try:
+            for i in range(60):
+                n = 20_000 + 1000 * k + i
+                x = np.full(n, comm.rank * 1000 + k * 100 + i, np.int64)
+                comm.sendrecv_replace(x, peer, peer, send_tag=10 + k, recv_tag=10 + k)
+                assert (x == peer * 1000 + k * 100 + i).all(), (k, i)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return True
+
+
+def test_sendrecv_replace_large_and_from_two_threads(shm_clean):
+    assert run_ranks(2, _replace_sizes_and_threads, env={"LINKWISE_TRANSPORT": "shm"}) == [True, True]

@@ -160,6 +160,8 @@ void bind_p2p(nb::module_& m) {
            }, nb::arg("obj"), nb::arg("peer"), nb::arg("tag"), nb::arg("timeout"))
       .def("sendrecv", &NativeComm::sendrecv, nb::arg("send_obj"), nb::arg("dst"), nb::arg("send_tag"),
            nb::arg("recv_obj"), nb::arg("src"), nb::arg("recv_tag"), nb::arg("timeout"))
+      .def("sendrecv_replace", &NativeComm::sendrecv_replace, nb::arg("obj"), nb::arg("dst"), nb::arg("send_tag"),
+           nb::arg("src"), nb::arg("recv_tag"), nb::arg("timeout"))
       .def("isend", [](NativeComm& c, nb::handle obj, int peer, uint64_t tag, bool is_async, double timeout) {
              return c.post(obj, peer, tag, true, is_async, timeout);
            }, nb::arg("obj"), nb::arg("peer"), nb::arg("tag"), nb::arg("is_async"), nb::arg("timeout"))

@@ -6,6 +6,7 @@
 namespace linkwise {
 void bind_errors(nanobind::module_& m);
 void bind_p2p(nanobind::module_& m);
+void bind_p2p_entries(nanobind::module_& m);  // comm.isend / comm.irecv (bind_p2p_entries.cc)
 #ifdef LINKWISE_HAVE_CUDA
 void bind_cuda(nanobind::module_& m);
 #endif

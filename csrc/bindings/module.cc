@@ -85,6 +85,7 @@ NB_MODULE(_native, m) {
   nanobind::set_leak_warnings(false);
   linkwise::bind_errors(m);
   linkwise::bind_p2p(m);
+  linkwise::bind_p2p_entries(m);
 #ifdef LINKWISE_HAVE_CUDA
   linkwise::bind_cuda(m);
 #endif

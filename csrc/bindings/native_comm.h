@@ -6,7 +6,13 @@
 
 #include <nanobind/nanobind.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "bindings/buffer.h"
@@ -110,8 +116,6 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
 
   // Blocking exchange (MPI_Sendrecv): receives from src into recv_obj while sending send_obj
   // to dst, in one call without the GIL; returns the bytes received. Each wait has timeout_s.
-  // If the send fails, the receive is withdrawn before the buffers are let go: cancelled if no
-  // byte moved yet, else the engine aborts (its copies stop with it, under the engine's lock).
   size_t sendrecv(nb::handle send_obj, int dst, uint64_t send_tag, nb::handle recv_obj, int src,
                   uint64_t recv_tag, double timeout_s) {
     check_timeout(timeout_s, "sendrecv");
@@ -123,12 +127,68 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
     if (hs.bytes() && hr.bytes() && sp < rp + hr.bytes() && rp < sp + hs.bytes())
       throw Error(ErrorKind::Invalid,
                   "sendrecv: x and out share memory; the receive would overwrite x while it is sent. "
-                  "Send a copy (out is never x, as in MPI_Sendrecv)");
+                  "Send a copy, or call sendrecv_replace (out is never x, as in MPI_Sendrecv)");
     nb::gil_scoped_release nogil;
+    return exchange(hs.ptr(), hs.bytes(), hs.dtype(), dst, send_tag, hr, src, recv_tag, timeout_s);
+  }
+
+  // Blocking exchange in one buffer (MPI_Sendrecv_replace): sends a copy of obj's bytes to dst
+  // while receiving into obj from src; returns the bytes received. The copy goes to scratch_,
+  // kept between calls up to kScratchKeep bytes (a repeated exchange then does not fault in
+  // fresh pages each time), or to memory of its own while another thread's exchange holds it.
+  // The copy starts at obj's offset within a page: copies between buffers a few bytes apart
+  // modulo 4 KiB run several times slower (docs/benchmarks.md, fourteenth session).
+  size_t sendrecv_replace(nb::handle obj, int dst, uint64_t send_tag, int src, uint64_t recv_tag,
+                          double timeout_s) {
+    check_timeout(timeout_s, "sendrecv_replace");
+    HeldBuffer h;
+    acquire_buffer(obj, true, "sendrecv_replace", h);
+    nb::gil_scoped_release nogil;
+    const size_t offset = reinterpret_cast<uintptr_t>(h.ptr()) & (kPage - 1);
+    const size_t need = offset + h.bytes();
+    std::unique_lock<std::mutex> hold(scratch_mu_, std::try_to_lock);
+    PageMemory own;
+    char* base;
+    if (hold.owns_lock() && need <= kScratchKeep) {
+      if (scratch_bytes_ < need || !scratch_) {
+        scratch_ = page_memory(need);
+        scratch_bytes_ = need;
+      }
+      base = scratch_.get();
+    } else {
+      own = page_memory(need);
+      base = own.get();
+    }
+    std::memcpy(base + offset, h.ptr(), h.bytes());
+    return exchange(base + offset, h.bytes(), h.dtype(), dst, send_tag, h, src, recv_tag, timeout_s);
+  }
+
+  Engine& engine() { return engine_; }
+
+ private:
+  static constexpr size_t kScratchKeep = size_t{16} << 20;  // larger copies: memory of their own each call
+  static constexpr size_t kPage = 4096;
+  struct FreeMemory {
+    void operator()(char* p) const { std::free(p); }
+  };
+  using PageMemory = std::unique_ptr<char, FreeMemory>;
+  static PageMemory page_memory(size_t bytes) {
+    const size_t rounded = (std::max<size_t>(bytes, 1) + kPage - 1) / kPage * kPage;
+    char* p = static_cast<char*>(std::aligned_alloc(kPage, rounded));
+    if (!p) throw std::bad_alloc();
+    return PageMemory(p);
+  }
+
+  // The two halves of sendrecv, without the GIL: the receive into hr posted first, then the
+  // send of [sp, sp + sbytes); each wait has timeout_s. If the send fails, the receive is
+  // withdrawn before the buffers are let go: cancelled if no byte moved yet, else the engine
+  // aborts (its copies stop with it, under the engine's lock).
+  size_t exchange(const void* sp, size_t sbytes, uint32_t sdtype, int dst, uint64_t send_tag, HeldBuffer& hr,
+                  int src, uint64_t recv_tag, double timeout_s) {
     std::shared_ptr<Request> r = engine_.irecv(src, hr.ptr(), hr.bytes(), recv_tag, hr.dtype(), false);
     std::shared_ptr<Request> s;
     try {
-      s = engine_.isend(dst, hs.ptr(), hs.bytes(), send_tag, hs.dtype(), false);
+      s = engine_.isend(dst, sp, sbytes, send_tag, sdtype, false);
       engine_.wait(*s, timeout_s, "send");
     } catch (...) {
       if (!engine_.cancel(*r) && !r->done()) engine_.abort("a sendrecv's send failed while its receive was moving bytes");
@@ -138,10 +198,11 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
     return r->transferred();
   }
 
-  Engine& engine() { return engine_; }
 
- private:
   Engine engine_;
+  std::mutex scratch_mu_;  // held by the sendrecv_replace that copies into scratch_
+  PageMemory scratch_;
+  size_t scratch_bytes_ = 0;
   std::shared_ptr<ShmTransport> shm_;
   std::shared_ptr<TcpTransport> tcp_;
 };
