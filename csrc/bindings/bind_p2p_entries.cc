@@ -1,10 +1,13 @@
-// comm.isend and comm.irecv, made natively as methods of linkwise.Communicator (comm.py puts
-// them on the class when it first loads this module). The Python methods' frame and argument
-// tests cost 0.3-0.6 us of a 1-2 us message (docs/benchmarks.md, twenty-sixth session).
+// comm.isend, irecv, sendrecv and sendrecv_replace, made natively as methods of
+// linkwise.Communicator (comm.py puts them on the class when it first loads this module). The
+// Python methods' frame and argument tests cost 0.3-0.6 us of a 1-2 us message
+// (docs/benchmarks.md, twenty-sixth session).
 //
-// A plain call (peer and tag exact ints in range, no stream, the communicator open, an array
-// with the buffer protocol) posts here; any other goes to comm._post, the general path, which
-// converts DLPack and CUDA arrays or says what is wrong. The GIL is held throughout.
+// A plain call (peers and tags exact ints in range, no stream, the communicator open, arrays
+// with the buffer protocol) runs here; any other goes to the general path (comm._post, or the
+// Python definitions of sendrecv and sendrecv_replace, kept as comm._sendrecv /
+// comm._sendrecv_replace), which converts DLPack and CUDA arrays or says what is wrong. The GIL
+// is held throughout.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/unique_ptr.h>
@@ -21,7 +24,7 @@ constexpr long long kMaxTag = (1LL << 62) - 1;  // comm.MAX_TAG
 
 // The attribute names, interned once: a name made afresh each call is hashed each time and
 // misses the type's attribute cache (~0.2 us a lookup, measured).
-enum Name { kClosed, kSize, kTimeout, kNative, kPost, kNames };
+enum Name { kClosed, kSize, kTimeout, kNative, kPost, kSendrecv, kSendrecvReplace, kNames };
 PyObject* g_names[kNames] = {};
 
 nb::object attr(nb::handle obj, Name name) {
@@ -38,40 +41,61 @@ long long index_in(nb::handle peer, long long size) {
   return !overflow && v >= 0 && v < size ? v : -1;
 }
 
-// The request of a plain call posted natively, or None (not plain: take the general path).
-nb::object post_plain(nb::handle comm, nb::handle x, nb::handle peer, nb::handle tag, nb::handle timeout,
-                      nb::handle stream, bool is_send) {
-  if (!stream.is_none() || !PyLong_CheckExact(peer.ptr()) || !PyLong_CheckExact(tag.ptr())) return nb::none();
-  if (!(timeout.is_none() || PyFloat_CheckExact(timeout.ptr()) || PyLong_CheckExact(timeout.ptr()))) return nb::none();
-  if (attr(comm, kClosed).ptr() != Py_False) return nb::none();
+// The tests of a plain call: no stream, the communicator open, peers and tags exact ints in
+// range, the timeout None (the communicator's) or a number. Fills peers / tags / seconds and
+// returns the NativeComm, or nullptr (not plain: take the general path, which explains).
+template <size_t N>
+NativeComm* plain(nb::handle comm, const nb::handle (&peer_args)[N], const nb::handle (&tag_args)[N],
+                  nb::handle timeout, nb::handle stream, long long (&peers)[N], long long (&tags)[N],
+                  double& seconds) {
+  if (!stream.is_none()) return nullptr;
+  for (size_t i = 0; i < N; ++i)
+    if (!PyLong_CheckExact(peer_args[i].ptr()) || !PyLong_CheckExact(tag_args[i].ptr())) return nullptr;
+  if (!(timeout.is_none() || PyFloat_CheckExact(timeout.ptr()) || PyLong_CheckExact(timeout.ptr()))) return nullptr;
+  if (attr(comm, kClosed).ptr() != Py_False) return nullptr;
   const long long size = PyLong_AsLongLong(attr(comm, kSize).ptr());
   if (size == -1 && PyErr_Occurred()) throw nb::python_error();
-  const long long p = index_in(peer, size);
-  const long long t = index_in(tag, kMaxTag + 1);
-  if (p < 0 || t < 0) return nb::none();
-  const double seconds = PyFloat_AsDouble(timeout.is_none() ? attr(comm, kTimeout).ptr() : timeout.ptr());
+  for (size_t i = 0; i < N; ++i) {
+    peers[i] = index_in(peer_args[i], size);
+    tags[i] = index_in(tag_args[i], kMaxTag + 1);
+    if (peers[i] < 0 || tags[i] < 0) return nullptr;
+  }
+  seconds = PyFloat_AsDouble(timeout.is_none() ? attr(comm, kTimeout).ptr() : timeout.ptr());
   if (seconds == -1.0 && PyErr_Occurred()) throw nb::python_error();
-  NativeComm& native = nb::cast<NativeComm&>(attr(comm, kNative));
+  return &nb::cast<NativeComm&>(attr(comm, kNative));
+}
+
+// Runs body(native); None where it is not plain, or where the array is not one the native
+// layer takes (TypeError: DLPack and CUDA arrays, which the general path converts).
+template <size_t N, class Body>
+nb::object run_plain(nb::handle comm, const nb::handle (&peer_args)[N], const nb::handle (&tag_args)[N],
+                     nb::handle timeout, nb::handle stream, Body&& body) {
+  long long peers[N], tags[N];
+  double seconds = 0;
+  NativeComm* native = plain(comm, peer_args, tag_args, timeout, stream, peers, tags, seconds);
+  if (!native) return nb::none();
   try {
-    return nb::cast(native.post(x, static_cast<int>(p), static_cast<uint64_t>(t), is_send, false, seconds));
+    return body(*native, peers, tags, seconds);
   } catch (const nb::builtin_exception& e) {
     if (e.type() != nb::exception_type::type_error) throw;
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::Type) throw;
   }
-  return nb::none();  // not an array this path takes (DLPack, CUDA): the general path's
+  return nb::none();
 }
 
 nb::object post_entry(nb::handle comm, nb::handle x, nb::handle peer, nb::handle tag, nb::handle timeout,
                       nb::handle stream, bool is_send) {
-  nb::object req = post_plain(comm, x, peer, tag, timeout, stream, is_send);
+  nb::object req = run_plain<1>(comm, {peer}, {tag}, timeout, stream, [&](NativeComm& n, auto& p, auto& t, double s) {
+    return nb::cast(n.post(x, static_cast<int>(p[0]), static_cast<uint64_t>(t[0]), is_send, false, s));
+  });
   if (!req.is_none()) return req;
   return attr(comm, kPost)(x, peer, tag, is_send, false, timeout, stream);
 }
 }  // namespace
 
 void bind_p2p_entries(nb::module_& m) {
-  const char* names[kNames] = {"_closed", "size", "timeout", "_native", "_post"};
+  const char* names[kNames] = {"_closed", "size", "timeout", "_native", "_post", "_sendrecv", "_sendrecv_replace"};
   for (int i = 0; i < kNames; ++i)
     if (!(g_names[i] = PyUnicode_InternFromString(names[i]))) throw nb::python_error();  // kept for good
   m.def(
@@ -93,6 +117,45 @@ void bind_p2p_entries(nb::module_& m) {
       nb::arg("timeout") = nb::none(), nb::arg("stream") = nb::none(),
       "Start receiving into x from rank src; the returned request's wait()/test() finish it (CUDA "
       "arrays: as isend).");
+  m.def(
+      "comm_sendrecv",
+      [](nb::handle self, nb::handle x, nb::handle dst, nb::handle out, nb::handle src, nb::handle send_tag,
+         nb::handle recv_tag, nb::handle timeout, nb::handle stream) {
+        nb::object n = run_plain<2>(self, {dst, src}, {send_tag, recv_tag}, timeout, stream,
+                                    [&](NativeComm& c, auto& p, auto& t, double s) {
+                                      return nb::cast(c.sendrecv(x, static_cast<int>(p[0]), t[0], out,
+                                                                 static_cast<int>(p[1]), t[1], s));
+                                    });
+        if (!n.is_none()) return n;
+        return attr(self, kSendrecv)(x, dst, out, src, send_tag, recv_tag, nb::arg("timeout") = timeout,
+                                     nb::arg("stream") = stream);
+      },
+      nb::is_method(), nb::arg("x"), nb::arg("dst"), nb::arg("out"), nb::arg("src"), nb::arg("send_tag") = 0,
+      nb::arg("recv_tag") = 0, nb::kw_only(), nb::arg("timeout") = nb::none(), nb::arg("stream") = nb::none(),
+      "Send x to rank dst while receiving into out from rank src (MPI_Sendrecv); returns the bytes received. "
+      "One call: no deadlock when every rank of a ring calls it at once.\n\n"
+      "Host arrays go in one native call; CUDA arrays through the GPU plane, enqueued on `stream` (else the "
+      "array's current stream) like send and recv (linkwise.cuda.sendrecv).");
+  m.def(
+      "comm_sendrecv_replace",
+      [](nb::handle self, nb::handle x, nb::handle dst, nb::handle src, nb::handle send_tag, nb::handle recv_tag,
+         nb::handle timeout) {
+        nb::object n = run_plain<2>(self, {dst, src}, {send_tag, recv_tag}, timeout, nb::none(),
+                                    [&](NativeComm& c, auto& p, auto& t, double s) {
+                                      return nb::cast(c.sendrecv_replace(x, static_cast<int>(p[0]), t[0],
+                                                                         static_cast<int>(p[1]), t[1], s));
+                                    });
+        if (!n.is_none()) return n;
+        return attr(self, kSendrecvReplace)(x, dst, src, send_tag, recv_tag, nb::arg("timeout") = timeout);
+      },
+      nb::is_method(), nb::arg("x"), nb::arg("dst"), nb::arg("src"), nb::arg("send_tag") = 0,
+      nb::arg("recv_tag") = 0, nb::kw_only(), nb::arg("timeout") = nb::none(),
+      "Send x to rank dst, then hold in x what rank src sent (MPI_Sendrecv_replace); returns the bytes "
+      "received. The message from src may be shorter than x (the rest of x keeps what it held) but not "
+      "longer (ValueError, as for recv).\n\n"
+      "A copy of x is sent while the receive lands in x: one extra copy of x, as MPI makes (into memory the "
+      "communicator keeps for it, up to 16 MiB). Host arrays only (TypeError for CUDA arrays: pass a copy to "
+      "sendrecv, made on the stream you use).");
 }
 
 }  // namespace linkwise

@@ -44,11 +44,15 @@ def _native():
     from . import _native as native
     if not _native_adopted:
         adopt_native(native)  # its requests count as linkwise.Request; await on them works
-        # comm.isend / comm.irecv become the native methods (bind_p2p_entries.cc): they post a
-        # plain call (a host array, int peer and tag) themselves, 0.3-0.6 us faster a message,
-        # and pass any other to _post, as the Python definitions below do with every call.
+        # comm.isend / irecv / sendrecv / sendrecv_replace become native methods
+        # (bind_p2p_entries.cc): they run a plain call (host arrays, int peers and tags)
+        # themselves, 0.3-0.6 us faster, and pass any other to the Python definitions below
+        # (isend / irecv: to _post, which is all those do; the other two as _sendrecv and
+        # _sendrecv_replace).
         Communicator.isend = native.comm_isend
         Communicator.irecv = native.comm_irecv
+        Communicator.sendrecv = native.comm_sendrecv
+        Communicator.sendrecv_replace = native.comm_sendrecv_replace
         _native_adopted = True
     return native
 
@@ -182,13 +186,9 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
 
         Host arrays go in one native call; CUDA arrays through the GPU plane, enqueued on
         `stream` (else the array's current stream) like send and recv (linkwise.cuda.sendrecv)."""
-        n = self.size
-        if not (type(dst) is int and type(src) is int and type(send_tag) is int and type(recv_tag) is int
-                and 0 <= dst < n and 0 <= src < n and 0 <= send_tag <= MAX_TAG and 0 <= recv_tag <= MAX_TAG
-                and not self._closed):  # the full checks say what is wrong
-            dst, send_tag = self._check(dst, send_tag, "sendrecv")
-            src, recv_tag = self._check(src, recv_tag, "sendrecv")
-        t = self.timeout if timeout is None else float(timeout)
+        dst, send_tag = self._check(dst, send_tag, "sendrecv")
+        src, recv_tag = self._check(src, recv_tag, "sendrecv")
+        t = self._timeout(timeout)
         try:
             return self._native.sendrecv(x, dst, send_tag, out, src, recv_tag, t)
         except TypeError as exc:
@@ -212,13 +212,9 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         A copy of x is sent while the receive lands in x: one extra copy of x, as MPI makes
         (into memory the communicator keeps for it, up to 16 MiB). Host arrays only (TypeError
         for CUDA arrays: pass a copy to sendrecv, made on the stream you use)."""
-        n = self.size
-        if not (type(dst) is int and type(src) is int and type(send_tag) is int and type(recv_tag) is int
-                and 0 <= dst < n and 0 <= src < n and 0 <= send_tag <= MAX_TAG and 0 <= recv_tag <= MAX_TAG
-                and not self._closed):  # the full checks say what is wrong
-            dst, send_tag = self._check(dst, send_tag, "sendrecv_replace")
-            src, recv_tag = self._check(src, recv_tag, "sendrecv_replace")
-        t = self.timeout if timeout is None else float(timeout)
+        dst, send_tag = self._check(dst, send_tag, "sendrecv_replace")
+        src, recv_tag = self._check(src, recv_tag, "sendrecv_replace")
+        t = self._timeout(timeout)
         try:
             return self._native.sendrecv_replace(x, dst, send_tag, src, recv_tag, t)
         except TypeError as exc:
@@ -230,6 +226,9 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         # DLPack arrays (torch CPU tensors, bfloat16 ones too): through sendrecv's own fallback.
         return self.sendrecv(_as_buffer(x, "sendrecv_replace").copy(), dst, x, src, send_tag, recv_tag,
                              timeout=t)
+
+    # The general paths of the native sendrecv / sendrecv_replace (_native() above).
+    _sendrecv, _sendrecv_replace = sendrecv, sendrecv_replace
 
     def cuda(self):
         """This communicator's GPU data plane (linkwise.cuda.GpuComm), built on first use.
@@ -262,7 +261,8 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         return native_req  # it holds x (and its buffer) until done
 
     # isend / irecv: replaced by native methods of the same behaviour when the native module is
-    # loaded (_native() above); these are their general path.
+    # loaded (_native() above); these are their general path. (So are sendrecv and
+    # sendrecv_replace above, which the native methods call as _sendrecv / _sendrecv_replace.)
     def isend(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None,
               stream: Any = None):
         """Start sending x to rank dst; the returned request's wait()/test() finish it.
