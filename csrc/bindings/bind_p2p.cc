@@ -63,11 +63,15 @@ namespace {
 // let go while bytes still move; the first failure in list order is raised once all have ended.
 // Ctrl-C (Interrupted) is raised at once, leaving the rest pending.
 nb::object wait_all(nb::handle requests, std::optional<double> timeout) {
+  if (!PyList_Check(requests.ptr())) throw nb::type_error("wait_all: requests must be a list");
   nb::list items = nb::borrow<nb::list>(requests);
-  std::vector<PyRequest*> reqs;
+  std::vector<nb::object> held;  // each request stays alive while the GIL is released, even if
+  std::vector<PyRequest*> reqs;  // another thread empties the list meanwhile
+  held.reserve(items.size());
   reqs.reserve(items.size());
   for (nb::handle item : items) {
     if (!nb::isinstance<PyRequest>(item)) return nb::borrow(Py_NotImplemented);
+    held.push_back(nb::borrow(item));
     reqs.push_back(nb::inst_ptr<PyRequest>(item));
   }
   if (timeout) check_timeout(*timeout, "wait_all");

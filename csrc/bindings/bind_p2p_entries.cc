@@ -43,26 +43,30 @@ long long index_in(nb::handle peer, long long size) {
 
 // The tests of a plain call: no stream, the communicator open, peers and tags exact ints in
 // range, the timeout None (the communicator's) or a number. Fills peers / tags / seconds and
-// returns the NativeComm, or nullptr (not plain: take the general path, which explains).
+// returns comm._native (a NativeComm), or an invalid object (not plain: take the general
+// path, which explains). The caller holds the object while it uses the NativeComm: a close()
+// from another thread, while the call waits without the GIL, drops comm's reference.
 template <size_t N>
-NativeComm* plain(nb::handle comm, const nb::handle (&peer_args)[N], const nb::handle (&tag_args)[N],
+nb::object plain(nb::handle comm, const nb::handle (&peer_args)[N], const nb::handle (&tag_args)[N],
                   nb::handle timeout, nb::handle stream, long long (&peers)[N], long long (&tags)[N],
                   double& seconds) {
-  if (!stream.is_none()) return nullptr;
+  if (!stream.is_none()) return {};
   for (size_t i = 0; i < N; ++i)
-    if (!PyLong_CheckExact(peer_args[i].ptr()) || !PyLong_CheckExact(tag_args[i].ptr())) return nullptr;
-  if (!(timeout.is_none() || PyFloat_CheckExact(timeout.ptr()) || PyLong_CheckExact(timeout.ptr()))) return nullptr;
-  if (attr(comm, kClosed).ptr() != Py_False) return nullptr;
+    if (!PyLong_CheckExact(peer_args[i].ptr()) || !PyLong_CheckExact(tag_args[i].ptr())) return {};
+  if (!(timeout.is_none() || PyFloat_CheckExact(timeout.ptr()) || PyLong_CheckExact(timeout.ptr()))) return {};
+  if (attr(comm, kClosed).ptr() != Py_False) return {};
   const long long size = PyLong_AsLongLong(attr(comm, kSize).ptr());
   if (size == -1 && PyErr_Occurred()) throw nb::python_error();
   for (size_t i = 0; i < N; ++i) {
     peers[i] = index_in(peer_args[i], size);
     tags[i] = index_in(tag_args[i], kMaxTag + 1);
-    if (peers[i] < 0 || tags[i] < 0) return nullptr;
+    if (peers[i] < 0 || tags[i] < 0) return {};
   }
   seconds = PyFloat_AsDouble(timeout.is_none() ? attr(comm, kTimeout).ptr() : timeout.ptr());
   if (seconds == -1.0 && PyErr_Occurred()) throw nb::python_error();
-  return &nb::cast<NativeComm&>(attr(comm, kNative));
+  nb::object native = attr(comm, kNative);
+  if (!nb::isinstance<NativeComm>(native)) return {};
+  return native;
 }
 
 // Runs body(native); None where it is not plain, or where the array is not one the native
@@ -72,10 +76,10 @@ nb::object run_plain(nb::handle comm, const nb::handle (&peer_args)[N], const nb
                      nb::handle timeout, nb::handle stream, Body&& body) {
   long long peers[N], tags[N];
   double seconds = 0;
-  NativeComm* native = plain(comm, peer_args, tag_args, timeout, stream, peers, tags, seconds);
-  if (!native) return nb::none();
+  nb::object native = plain(comm, peer_args, tag_args, timeout, stream, peers, tags, seconds);
+  if (!native.is_valid()) return nb::none();
   try {
-    return body(*native, peers, tags, seconds);
+    return body(nb::cast<NativeComm&>(native), peers, tags, seconds);
   } catch (const nb::builtin_exception& e) {
     if (e.type() != nb::exception_type::type_error) throw;
   } catch (const Error& e) {
