@@ -10,9 +10,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <new>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 
 #include "bindings/buffer.h"
@@ -197,7 +197,6 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
     engine_.wait(*r, timeout_s, "recv");
     return r->transferred();
   }
-
 
   Engine engine_;
   std::mutex scratch_mu_;  // held by the sendrecv_replace that copies into scratch_
