@@ -50,3 +50,26 @@ def test_ranks_that_disagree_on_the_transport_all_raise_at_once():
     for message, seconds in out:
         assert "disagree on LINKWISE_TRANSPORT" in message and "ranks 0 and 1" in message, message
         assert seconds < 10, seconds
+
+
+def _next_world_before_rank_0_closed(rank, n):
+    """The other ranks close their world and make the next one while rank 0 still has the
+    first one (and its store) open: they must wait for the next store, not join the old one
+    (which failed them when rank 0 closed it, and left rank 0 waiting in the next world)."""
+    import linkwise
+    first = linkwise.init()
+    first.barrier()
+    if rank == 0:
+        time.sleep(1.5)
+    first.close()
+    again = linkwise.init()
+    y = np.ones(2, np.float32)
+    again.all_reduce(y)
+    again.barrier()
+    again.close()
+    return float(y[0])
+
+
+def test_the_next_world_waits_for_rank_0_to_close_the_previous_one():
+    out = run_ranks(3, _next_world_before_rank_0_closed, init=False, env={"LINKWISE_TIMEOUT": "20"}, timeout=60)
+    assert out == [3.0] * 3

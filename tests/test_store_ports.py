@@ -257,3 +257,30 @@ def test_cannot_listen_names_where_the_port_came_from(monkeypatch):
     assert detect().port_source == "MASTER_PORT"
     monkeypatch.setenv("LINKWISE_MASTER_PORT", str(port))
     assert detect().port_source == "LINKWISE_MASTER_PORT"
+
+
+def test_an_earlier_world_is_waited_out_and_a_later_one_joined():
+    """comm.init numbers the worlds a process makes in the token (`job|size|port|world`): a
+    client of world 2 skips world 1's store, still open, and joins world 2's once it listens;
+    a client of world 1 joins world 2's store (rank 0 retried a failed init)."""
+    import threading
+    port = free_run(1)
+    old = Store("127.0.0.1", port, is_server=True, timeout=10, token=f"j|2|{port}|1")
+    joined = {}
+
+    def client():
+        joined["store"] = Store("127.0.0.1", port, is_server=False, timeout=20, token=f"j|2|{port}|2")
+    t = threading.Thread(target=client)
+    t.start()
+    time.sleep(0.5)
+    assert "store" not in joined  # still waiting: world 1's store is not world 2's
+    old.close()
+    with Store("127.0.0.1", port, is_server=True, timeout=10, token=f"j|2|{port}|2") as new:
+        t.join(20)
+        joined["store"].set("k", b"v")
+        assert new.get("k", 5) == b"v"
+        joined["store"].close()
+        behind = Store("127.0.0.1", port, is_server=False, timeout=5, token=f"j|2|{port}|1")
+        behind.set("k2", b"w")
+        assert new.get("k2", 5) == b"w"
+        behind.close()

@@ -387,9 +387,10 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, addr: Optional[
     job_id = env.job_id
     try:
         if env.size > 1:
+            world = _worlds_made[rendezvous] = _worlds_made.get(rendezvous, 0) + 1
             store = bootstrap.Store(env.master_addr, env.master_port, is_server=env.rank == 0,
                                     timeout=setup_timeout, spare_ports=env.spare_ports,
-                                    token=f"{env.job_id}|{env.size}|{env.master_port}",
+                                    token=f"{env.job_id}|{env.size}|{env.master_port}|{world}",
                                     port_source=env.port_source)
             if not job_id:
                 if env.rank == 0:
@@ -407,6 +408,13 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, addr: Optional[
         raise
 
 
+# World communicators this process began to make, by rendezvous: the number goes into the
+# store's token, so that a rank making the next world never joins the previous world's store,
+# which rank 0 may not have closed yet (store._world_gap; a rank behind, whose rank 0 retried
+# a failed init, still joins the later world's store).
+_worlds_made: dict = {}
+
+
 def _refuse_second_world(rendezvous: tuple) -> None:
     """A second init() of the same job while its first world communicator is open would meet
     that one's rendezvous store (rank 0 could not listen on its port; the others joined the
@@ -421,8 +429,10 @@ def _refuse_second_world(rendezvous: tuple) -> None:
 
 def _forget_parents_communicators() -> None:
     """In a forked child: the parent's communicators are not the child's to close (closing
-    them at the child's exit shut the parent's store sockets, which the two share)."""
+    them at the child's exit shut the parent's store sockets, which the two share), nor are its
+    world counts the child's."""
     _live.clear()
+    _worlds_made.clear()
 
 
 os.register_at_fork(after_in_child=_forget_parents_communicators)

@@ -235,6 +235,19 @@ class _Server:
         self.listener.close()
 
 
+def _world_gap(theirs: bytes, ours: bytes) -> Optional[int]:
+    """Their world number less ours, where a store's token names this rank's job, size and
+    port (comm.init's tokens: `job|size|port|world`); None where it names another job or size. A rank
+    that closed a world and made the next one may reach rank 0 before rank 0 has closed the
+    old one (gap < 0): joining that store failed once rank 0 closed it, and rank 0 then waited
+    for the rank in the new world until the timeout. A later world (gap > 0: rank 0 retried a
+    failed init) is this rank's to join, as before worlds were numbered."""
+    t, o = theirs.split(b"|"), ours.split(b"|")
+    if len(t) != 4 or len(o) != 4 or t[:3] != o[:3] or not t[3].isdigit() or not o[3].isdigit():
+        return None
+    return int(t[3]) - int(o[3])
+
+
 class Store:
     """Client of the rendezvous store (and, with ``is_server=True``, its host).
 
@@ -245,7 +258,9 @@ class Store:
     def __init__(self, host: str, port: int, *, is_server: bool, timeout: float,
                  token: str = "", spare_ports: int = 0, port_source: str = "LINKWISE_MASTER_PORT"):
         # token: the same on every rank of one job and different between jobs (comm.init uses
-        # the job id, size and base port); it only matters with spare_ports.
+        # the job id, size, base port and world number). A client skips a store whose token
+        # differs: another job's (an error where no spare port is left) or this job's earlier
+        # world, still open (it waits for the next one; _world_gap).
         self.host, self.timeout, self.is_server = host, float(timeout), is_server
         self._server: Optional[_Server] = None
         self._lock = threading.Lock()  # guards the connection pool below
@@ -286,12 +301,15 @@ class Store:
                     last = exc
                     continue
                 theirs = self._their_token(sock)
-                if theirs == self._token:
+                gap = _world_gap(theirs, self._token) if theirs is not None else None
+                if theirs == self._token or (gap is not None and gap >= 0):
                     sock.settimeout(None)
                     return sock, port
                 sock.close()
                 if theirs is None:
                     last = f"port {port} is held by something other than this job's store"
+                elif gap is not None:  # an earlier world's, which rank 0 has not closed yet: wait
+                    last = f"the store on port {port} is still this job's previous world's"
                 else:  # a linkwise store, of another job or another size: never join it
                     last = (f"the store on port {port} is another job's or has another size (its job|size|port "
                             f"{theirs.decode(errors='replace')!r}, this rank's {self._token.decode(errors='replace')!r}); "
