@@ -197,9 +197,7 @@ def _comm_sendrecv_body(comm):
 
 
 def test_communicator_sendrecv_cuda():
-    n = _nranks()
-    if n < 2:
-        pytest.skip("needs 2 GPUs")
+    n = max(2, _nranks())  # with one GPU the ranks share it
     res = run_ranks(n, _comm_sendrecv_body, env=SAFE_ENV, timeout=120)
     assert all(len(r) in (5, 7) and all(ok == (True, True) for ok in r) for r in res), res
 

@@ -51,15 +51,19 @@ def _empty(x: Any, count_shape: tuple) -> Any:
 
 def _copy(dst: Any, src: Any, stream: Any) -> None:
     """dst <- src on the GPU (same library), ordered on `stream` (else the current one)."""
+    from .cuda.arrays import stream_handle, torch_stream, view
     if hasattr(dst, "copy_"):
         import torch
         if stream is None:
             dst.copy_(src, non_blocking=True)
             return
-        h = stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None)
-        with torch.cuda.stream(torch.cuda.ExternalStream(h, device=dst.device)):
+        if not isinstance(stream, torch.cuda.Stream):  # an int, or another library's stream
+            stream = torch_stream(stream_handle(stream, view(dst, "copy")), dst.device.index)
+        with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-    else:
+        return
+    import cupy
+    with cupy.cuda.Device(dst.device.id), cupy.cuda.ExternalStream(stream_handle(stream, view(dst, "copy"))):
         dst[...] = src
 
 

@@ -121,6 +121,16 @@ def stream_handle(stream: Any, arr: DevArray) -> int:
     return 0
 
 
+def torch_stream(handle: int, device: int):
+    """torch's Stream object for the cudaStream_t `handle` on `device`. Handle 0 is torch's
+    default stream; torch.cuda.ExternalStream(0) is not: torch reads a zero pointer as "none
+    given" and hands out a stream of its pool, which orders nothing with the caller's work."""
+    import torch
+    if handle == 0:
+        return torch.cuda.default_stream(device)
+    return torch.cuda.ExternalStream(handle, device=device)
+
+
 def torch_current_stream(device: int) -> int:
     """torch's current cudaStream_t on `device` as an int. torch.cuda.current_stream() builds a
     Stream object per call (several µs); the raw getter torch's compiler uses does not."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .arrays import stream_handle, view
+from .arrays import stream_handle, torch_stream, view
 
 
 def gpu_sendrecv(g, x: Any, dst: int, out: Any, src: int, send_tag: int, recv_tag: int,
@@ -28,7 +28,7 @@ def gpu_sendrecv(g, x: Any, dst: int, out: Any, src: int, send_tag: int, recv_ta
         side = sides.get("torch")
         if side is None:
             side = sides["torch"] = torch.cuda.Stream(device=g.device)
-        cur = torch.cuda.ExternalStream(s, device=g.device)
+        cur = torch_stream(s, g.device)
         side.wait_stream(cur)
         g.send(x, dst, send_tag, stream=side.cuda_stream)
         n = g.recv(out, src, recv_tag, stream=s)

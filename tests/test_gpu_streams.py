@@ -1,0 +1,102 @@
+"""Stream order of the CUDA calls whose work spans two streams: comm.sendrecv (the send on a
+side stream) and the in-place all_to_all (a copy first). Each call must start after the work
+already on the caller's stream and finish before the work enqueued after it, whichever way
+the stream is named: torch's current stream (the default one, or a stream of the user's),
+stream=torch.cuda.default_stream() and stream=0. torch.cuda.ExternalStream(0) is a stream of
+torch's pool, not the default stream; wrapping handle 0 that way ordered nothing (found with
+two ranks sharing one GPU, where kernels of two processes take turns).
+
+The caller's stream is kept busy (torch.cuda._sleep) before it writes x, so a call that does not
+wait for it reads x unwritten. With fewer than 2 GPUs the ranks share one GPU (CUDA IPC works
+between processes of one device).
+"""
+from __future__ import annotations
+
+import pytest
+
+from multirank import run_ranks
+from test_gpu_collectives import SAFE_ENV, _nranks, _setup
+
+pytestmark = pytest.mark.gpu
+
+SPIN = 20_000_000  # GPU clock cycles (~10 ms): the caller's stream is busy when the call is enqueued
+FORMS = ["current", "user stream", "stream=default", "stream=0"]
+
+
+def _ranks() -> int:
+    n = _nranks()
+    if n == 0:
+        pytest.skip("no GPU")
+    return max(2, n)
+
+
+def _in_form(torch, form, device, call):
+    """Runs call(stream_arg) in the stream setting `form`; returns the stream it ordered on."""
+    user = torch.cuda.Stream(device=device)
+    if form == "user stream":
+        with torch.cuda.stream(user):
+            call(None)
+        return user
+    arg = {"current": None, "stream=default": torch.cuda.default_stream(device), "stream=0": 0}[form]
+    call(arg)
+    return torch.cuda.default_stream(device)
+
+
+def _sendrecv_body(comm):
+    g, torch = _setup(comm)
+    nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    bad = []
+    for count in (1000, (1 << 20) + 3):  # through the scratch slot; a registered buffer (4 MiB+)
+        for form in FORMS:
+            box = {}
+
+            def call(stream):
+                x = torch.zeros(count, device="cuda")
+                out = torch.full((count,), -1.0, device="cuda")
+                torch.cuda._sleep(SPIN)
+                x.fill_(comm.rank + 1)
+                n = comm.sendrecv(x, nxt, out, prv, stream=stream)
+                x.fill_(-7)  # the caller reuses x at once: after the send, in stream order
+                box.update(n=n, out=out)
+            s = _in_form(torch, form, g.device, call)
+            s.synchronize()
+            out = box["out"].cpu()
+            wrong = int((out != prv + 1).sum())
+            if wrong or box["n"] != 4 * count:
+                bad.append(f"rank {comm.rank} {count} {form}: {wrong} wrong, {box['n']} bytes, "
+                           f"first {out[:3].tolist()}")
+    g.close()
+    return bad
+
+
+def test_sendrecv_follows_the_callers_stream():
+    bad = [b for r in run_ranks(_ranks(), _sendrecv_body, env=SAFE_ENV, timeout=180) for b in r]
+    assert not bad, "\n".join(bad[:12])
+
+
+def _all_to_all_body(comm):
+    g, torch = _setup(comm)
+    n, r, count = comm.size, comm.rank, 4099
+    blocks = [torch.arange(count, dtype=torch.float32) + 1000 * r + 10 * q for q in range(n)]
+    want = torch.cat([torch.arange(count, dtype=torch.float32) + 1000 * q + 10 * r for q in range(n)])
+    bad = []
+    for form in FORMS:
+        box = {}
+
+        def call(stream):
+            x = torch.zeros(n * count, device="cuda")
+            torch.cuda._sleep(SPIN)
+            x.copy_(torch.cat(blocks).cuda())
+            box["x"] = comm.all_to_all(x, stream=stream)  # in place: x is copied first
+        s = _in_form(torch, form, g.device, call)
+        s.synchronize()
+        got = box["x"].cpu()
+        if not torch.equal(got, want):
+            bad.append(f"rank {r} {form}: {int((got != want).sum())} of {got.numel()} wrong")
+    g.close()
+    return bad
+
+
+def test_in_place_all_to_all_follows_the_callers_stream():
+    bad = [b for r in run_ranks(_ranks(), _all_to_all_body, env=SAFE_ENV, timeout=180) for b in r]
+    assert not bad, "\n".join(bad[:12])
