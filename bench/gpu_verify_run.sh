@@ -6,6 +6,7 @@
 # still needs ~400 s: give TEST_T that much or split the files over two calls. Usage, repo
 # root on the device:
 #   [SKIP_BUILD=1] [TEST_T=300] [BENCH_T=90] [GROUP_A|B|C="<test files>"] bash bench/gpu_verify_run.sh "<bench cmd>"...
+# LINKWISE_TEST_GPU_RANKS=n runs n ranks on the GPUs there are (they share one on a 1-GPU kind).
 # Logs go to $OUT (tests-<group>.txt, bench.txt, log.txt). SKIP_BUILD=1 uses the extension
 # already in src/linkwise (built elsewhere for the device's Python and carried).
 set -o pipefail
@@ -20,8 +21,8 @@ if [ -z "$SKIP_BUILD" ]; then
   stamp build
 fi
 GROUP_A=${GROUP_A-tests/test_gpu_large.py}
-GROUP_B=${GROUP_B-tests/test_gpu_collectives.py tests/test_gpu_eager.py tests/test_gpu_graph.py}
-GROUP_C=${GROUP_C-tests/test_gpu_ll.py tests/test_gpu_ll_twophase.py tests/test_gpu_robust.py tests/test_coll_gpu_dispatch.py}
+GROUP_B=${GROUP_B-tests/test_gpu_collectives.py tests/test_gpu_eager.py tests/test_gpu_graph.py tests/test_gpu_streams.py tests/test_gpu_nan.py}
+GROUP_C=${GROUP_C-tests/test_gpu_ll.py tests/test_gpu_ll_twophase.py tests/test_gpu_ll128.py tests/test_gpu_robust.py tests/test_coll_gpu_dispatch.py}
 for g in A B C; do
   files=GROUP_$g
   [ -n "${!files}" ] || continue

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from multirank import run_ranks
-from test_gpu_collectives import SAFE_ENV, _check, _nranks, _setup
+from test_gpu_collectives import SAFE_ENV, _check, _nranks, _setup, _two_or_more
 
 pytestmark = pytest.mark.gpu
 
@@ -149,9 +149,7 @@ def _staged_shm_body(comm, sizes):
 
 
 def test_host_staged_shared_memory_channels():
-    n = _nranks()
-    if n < 2:
-        pytest.skip("needs 2 GPUs")
+    n = _two_or_more()
     env = {**SAFE_ENV, "LINKWISE_P2P_DISABLE": "1", "LINKWISE_CHUNK_SIZE": "8192",
            "LINKWISE_STAGED_BUFFERS": "3"}
     # odd sizes, more chunks than slots, and a size that is not a multiple of the chunk

@@ -417,8 +417,6 @@ def _prs_default_body(comm, _):
 
 
 def test_reg_all_reduce_prs_default_on_two_ranks():
-    if _nranks() < 2:
-        pytest.skip("needs 2 GPUs")
     env = {**REG_RED_ENV, "LINKWISE_GPU_AR_PRS_MIN": str(1 << 20)}
     env.pop("LINKWISE_GPU_AR_ALGO", None)
     _check(run_ranks(2, _prs_default_body, None, env=env, timeout=300))

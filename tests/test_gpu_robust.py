@@ -15,7 +15,7 @@ import time
 import pytest
 
 from multirank import run_ranks
-from test_gpu_collectives import SAFE_ENV, _nranks, _setup
+from test_gpu_collectives import SAFE_ENV, _nranks, _setup, _two_or_more
 
 pytestmark = pytest.mark.gpu
 
@@ -93,9 +93,7 @@ def _dead_peer_body(comm, case):
 
 @pytest.mark.parametrize("case", ["all_reduce", "recv", "wait", "await", "staged_recv"])
 def test_dead_peer_raises_peer_error(case):
-    n = _nranks()
-    if n < 2:
-        pytest.skip("needs 2 GPUs")
+    n = _two_or_more()
     env = {**(STAGED_ENV if case.startswith("staged") else SAFE_ENV),
            "LINKWISE_TIMEOUT": str(DEAD_TIMEOUT)}
     t0 = time.monotonic()
@@ -113,9 +111,7 @@ def test_dead_peer_raises_peer_error(case):
 
 
 def test_hung_peer_still_times_out():
-    n = _nranks()
-    if n < 2:
-        pytest.skip("needs 2 GPUs")
+    n = _two_or_more()
     # The timeout also bounds setup's store waits, and creating 4 CUDA contexts beside other
     # GPU test processes took over 2 s once (the victim's setup timed out): 5 s leaves room.
     t = 5.0
@@ -127,6 +123,46 @@ def test_hung_peer_still_times_out():
         what, _, waited, later, _, checked = val
         assert what == "TimeoutError" and 0.5 * t < waited < 6 * t, f"rank {r}: {val}"
         assert later == "TimeoutError" and checked == "TimeoutError", f"rank {r}: {val}"
+
+
+# -- Ctrl-C while a GPU request waits -------------------------------------------------------------
+def _interrupt_body(comm):
+    """Rank 1 waits on a CUDA irecv whose message rank 0 sends only 2.5 s later, and gets SIGINT
+    0.4 s in. The receive stays queued on its stream, so the data still lands."""
+    import signal
+    import threading
+    g, torch = _setup(comm)
+    x = torch.zeros(1000, device="cuda")
+    if comm.rank >= 2:  # more GPUs than the pair needs
+        g.close()
+        return None
+    if comm.rank == 0:
+        time.sleep(2.5)
+        comm.send(torch.arange(1000, dtype=torch.float32, device="cuda"), 1)
+        torch.cuda.synchronize()
+        g.close()
+        return None
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    req = comm.irecv(x, 0)
+    threading.Timer(0.4, os.kill, (os.getpid(), signal.SIGINT)).start()
+    at = time.monotonic() + 0.4
+    try:
+        req.wait()
+        kind = "returned"
+    except KeyboardInterrupt:
+        kind = "KeyboardInterrupt"
+    seconds = time.monotonic() - at
+    torch.cuda.synchronize()
+    landed = bool(torch.equal(x.cpu(), torch.arange(1000, dtype=torch.float32)))
+    g.close()
+    return kind, seconds, landed
+
+
+def test_ctrl_c_interrupts_a_gpu_request_wait():
+    res = run_ranks(_two_or_more(), _interrupt_body, env={**SAFE_ENV, "LINKWISE_TIMEOUT": "30"}, timeout=60)
+    kind, seconds, landed = res[1]
+    assert kind == "KeyboardInterrupt" and seconds < 1.5, res[1]
+    assert landed, res[1]
 
 
 # -- async forms against NumPy references --------------------------------------------------------
@@ -277,9 +313,7 @@ def test_async_collectives_and_p2p():
 
 
 def test_async_host_staged():
-    n = _nranks()
-    if n < 2:
-        pytest.skip("needs 2 GPUs")
+    n = _two_or_more()
     _check(run_ranks(n, _async_body, [0, 7, 65537], env=STAGED_ENV, timeout=300))
 
 
@@ -300,9 +334,7 @@ def _staged_reduce_body(comm, cases):
 def test_host_staged_all_reduce_shared_memory():
     """Every dtype and op, bitwise; 4 KiB chunks through 2-3 slots (sizes span many chunks);
     misaligned pointers; 2, 3 and 4 ranks (as many as there are GPUs)."""
-    n = _nranks()
-    if n < 2:
-        pytest.skip("needs 2 GPUs")
+    n = _two_or_more()
     dtypes = ["float32", "float16", "bfloat16", "int32", "float64", "int64"]
     ops = ["sum", "prod", "min", "max", "avg"]
     cases = [(c, d, o, "auto", j % 2) for d in dtypes for o in ops

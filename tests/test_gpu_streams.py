@@ -15,19 +15,12 @@ from __future__ import annotations
 import pytest
 
 from multirank import run_ranks
-from test_gpu_collectives import SAFE_ENV, _nranks, _setup
+from test_gpu_collectives import SAFE_ENV, _setup, _two_or_more
 
 pytestmark = pytest.mark.gpu
 
 SPIN = 20_000_000  # GPU clock cycles (~10 ms): the caller's stream is busy when the call is enqueued
 FORMS = ["current", "user stream", "stream=default", "stream=0"]
-
-
-def _ranks() -> int:
-    n = _nranks()
-    if n == 0:
-        pytest.skip("no GPU")
-    return max(2, n)
 
 
 def _in_form(torch, form, device, call):
@@ -70,7 +63,7 @@ def _sendrecv_body(comm):
 
 
 def test_sendrecv_follows_the_callers_stream():
-    bad = [b for r in run_ranks(_ranks(), _sendrecv_body, env=SAFE_ENV, timeout=180) for b in r]
+    bad = [b for r in run_ranks(_two_or_more(), _sendrecv_body, env=SAFE_ENV, timeout=180) for b in r]
     assert not bad, "\n".join(bad[:12])
 
 
@@ -98,5 +91,5 @@ def _all_to_all_body(comm):
 
 
 def test_in_place_all_to_all_follows_the_callers_stream():
-    bad = [b for r in run_ranks(_ranks(), _all_to_all_body, env=SAFE_ENV, timeout=180) for b in r]
+    bad = [b for r in run_ranks(_two_or_more(), _all_to_all_body, env=SAFE_ENV, timeout=180) for b in r]
     assert not bad, "\n".join(bad[:12])
