@@ -1,14 +1,15 @@
-"""Stream order of the CUDA calls whose work spans two streams: comm.sendrecv (the send on a
-side stream) and the in-place all_to_all (a copy first). Each call must start after the work
-already on the caller's stream and finish before the work enqueued after it, whichever way
-the stream is named: torch's current stream (the default one, or a stream of the user's),
-stream=torch.cuda.default_stream() and stream=0. torch.cuda.ExternalStream(0) is a stream of
-torch's pool, not the default stream; wrapping handle 0 that way ordered nothing (found with
-two ranks sharing one GPU, where kernels of two processes take turns).
+"""Stream order of the CUDA calls whose work spans two streams: comm.sendrecv (the send on a side
+stream), comm.sendrecv_replace (a copy of x, then sendrecv) and the in-place all_to_all (a copy
+first). Each call must start after the work already on the caller's stream and finish before
+the work enqueued after it, whichever way the stream is named: torch's current stream (the
+default one, or a stream of the user's), stream=torch.cuda.default_stream() and stream=0.
+torch.cuda.ExternalStream(0) is a stream of torch's pool, not the default stream; wrapping
+handle 0 that way ordered nothing (found with two ranks sharing one GPU, where kernels of two
+processes take turns).
 
-The caller's stream is kept busy (torch.cuda._sleep) before it writes x, so a call that does not
-wait for it reads x unwritten. With fewer than 2 GPUs the ranks share one GPU (CUDA IPC works
-between processes of one device).
+The caller's stream is kept busy (torch.cuda._sleep) before it writes x, so a call that does
+not wait for it reads x unwritten. With fewer than 2 GPUs the ranks share one GPU (CUDA IPC
+works between processes of one device).
 """
 from __future__ import annotations
 
@@ -35,35 +36,53 @@ def _in_form(torch, form, device, call):
     return torch.cuda.default_stream(device)
 
 
-def _sendrecv_body(comm):
+def _sendrecv_body(comm, how):
+    """A ring of sendrecv (how="sendrecv") or sendrecv_replace ("replace") in every stream
+    form; the caller writes x only after a spin, and overwrites it (sendrecv) right after."""
     g, torch = _setup(comm)
     nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     bad = []
-    for count in (1000, (1 << 20) + 3):  # through the scratch slot; a registered buffer (4 MiB+)
+    for count in (0, 1000, (1 << 20) + 3):  # the scratch slot; a registered buffer (4 MiB+)
         for form in FORMS:
             box = {}
 
             def call(stream):
                 x = torch.zeros(count, device="cuda")
-                out = torch.full((count,), -1.0, device="cuda")
+                out = torch.full((count,), -1.0, device="cuda") if how == "sendrecv" else x
                 torch.cuda._sleep(SPIN)
                 x.fill_(comm.rank + 1)
-                n = comm.sendrecv(x, nxt, out, prv, stream=stream)
-                x.fill_(-7)  # the caller reuses x at once: after the send, in stream order
+                if how == "sendrecv":
+                    n = comm.sendrecv(x, nxt, out, prv, stream=stream)
+                    x.fill_(-7)  # the caller reuses x at once: after the send, in stream order
+                else:
+                    n = comm.sendrecv_replace(x, nxt, prv, stream=stream)
                 box.update(n=n, out=out)
             s = _in_form(torch, form, g.device, call)
             s.synchronize()
             out = box["out"].cpu()
             wrong = int((out != prv + 1).sum())
             if wrong or box["n"] != 4 * count:
-                bad.append(f"rank {comm.rank} {count} {form}: {wrong} wrong, {box['n']} bytes, "
+                bad.append(f"rank {comm.rank} {how} {count} {form}: {wrong} wrong, {box['n']} bytes, "
                            f"first {out[:3].tolist()}")
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    if cupy is not None and how == "replace":  # cupy arrays: copied on cupy's current stream
+        with cupy.cuda.Device(g.device):
+            for count in (7, (1 << 20) + 3):
+                x = cupy.arange(count, dtype=cupy.float32) + 1000 * comm.rank
+                n = comm.sendrecv_replace(x, nxt, prv)
+                want = cupy.arange(count, dtype=cupy.float32) + 1000 * prv
+                if n != 4 * count or not bool((x == want).all()):
+                    bad.append(f"rank {comm.rank} cupy replace {count}: {n} bytes, wrong data")
     g.close()
     return bad
 
 
-def test_sendrecv_follows_the_callers_stream():
-    bad = [b for r in run_ranks(_two_or_more(), _sendrecv_body, env=SAFE_ENV, timeout=180) for b in r]
+@pytest.mark.parametrize("how", ["sendrecv", "replace"])
+def test_sendrecv_follows_the_callers_stream(how):
+    bad = [b for r in run_ranks(_two_or_more(), _sendrecv_body, how, env=SAFE_ENV, timeout=180) for b in r]
     assert not bad, "\n".join(bad[:12])
 
 

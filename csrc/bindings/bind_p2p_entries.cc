@@ -143,23 +143,24 @@ void bind_p2p_entries(nb::module_& m) {
   m.def(
       "comm_sendrecv_replace",
       [](nb::handle self, nb::handle x, nb::handle dst, nb::handle src, nb::handle send_tag, nb::handle recv_tag,
-         nb::handle timeout) {
-        nb::object n = run_plain<2>(self, {dst, src}, {send_tag, recv_tag}, timeout, nb::none(),
+         nb::handle timeout, nb::handle stream) {
+        nb::object n = run_plain<2>(self, {dst, src}, {send_tag, recv_tag}, timeout, stream,
                                     [&](NativeComm& c, auto& p, auto& t, double s) {
                                       return nb::cast(c.sendrecv_replace(x, static_cast<int>(p[0]), t[0],
                                                                          static_cast<int>(p[1]), t[1], s));
                                     });
         if (!n.is_none()) return n;
-        return attr(self, kSendrecvReplace)(x, dst, src, send_tag, recv_tag, nb::arg("timeout") = timeout);
+        return attr(self, kSendrecvReplace)(x, dst, src, send_tag, recv_tag, nb::arg("timeout") = timeout,
+                                            nb::arg("stream") = stream);
       },
       nb::is_method(), nb::arg("x"), nb::arg("dst"), nb::arg("src"), nb::arg("send_tag") = 0,
-      nb::arg("recv_tag") = 0, nb::kw_only(), nb::arg("timeout") = nb::none(),
+      nb::arg("recv_tag") = 0, nb::kw_only(), nb::arg("timeout") = nb::none(), nb::arg("stream") = nb::none(),
       "Send x to rank dst, then hold in x what rank src sent (MPI_Sendrecv_replace); returns the bytes "
       "received. The message from src may be shorter than x (the rest of x keeps what it held) but not "
       "longer (ValueError, as for recv).\n\n"
       "A copy of x is sent while the receive lands in x: one extra copy of x, as MPI makes (into memory the "
-      "communicator keeps for it, up to 16 MiB). Host arrays only (TypeError for CUDA arrays: pass a copy to "
-      "sendrecv, made on the stream you use).");
+      "communicator keeps for it, up to 16 MiB). A CUDA array (torch, cupy) is copied on `stream` (else its "
+      "current stream) and exchanged as sendrecv does; its message must be x's size, as for GPU send and recv.");
 }
 
 }  // namespace linkwise

@@ -204,14 +204,15 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         return r.wait()
 
     def sendrecv_replace(self, x: Any, dst: int, src: int, send_tag: int = 0, recv_tag: int = 0, *,
-                         timeout: Optional[float] = None) -> int:
+                         timeout: Optional[float] = None, stream: Any = None) -> int:
         """Send x to rank dst, then hold in x what rank src sent (MPI_Sendrecv_replace); returns
         the bytes received. The message from src may be shorter than x (the rest of x keeps what
         it held) but not longer (ValueError, as for recv).
 
         A copy of x is sent while the receive lands in x: one extra copy of x, as MPI makes
-        (into memory the communicator keeps for it, up to 16 MiB). Host arrays only (TypeError
-        for CUDA arrays: pass a copy to sendrecv, made on the stream you use)."""
+        (into memory the communicator keeps for it, up to 16 MiB). A CUDA array (torch, cupy)
+        is copied on `stream` (else its current stream) and exchanged as sendrecv does; its
+        message must be x's size, as for GPU send and recv."""
         dst, send_tag = self._check(dst, send_tag, "sendrecv_replace")
         src, recv_tag = self._check(src, recv_tag, "sendrecv_replace")
         t = self._timeout(timeout)
@@ -221,8 +222,8 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
             if "buffer protocol" not in str(exc):
                 raise
         if _is_cuda(x):
-            raise TypeError("sendrecv_replace: takes host arrays; for a CUDA array pass a copy of it "
-                            "to sendrecv(copy, dst, x, src), made on the stream you use")
+            from .cuda.sendrecv import gpu_sendrecv_replace
+            return gpu_sendrecv_replace(self.cuda(), x, dst, src, send_tag, recv_tag, stream)
         # DLPack arrays (torch CPU tensors, bfloat16 ones too): through sendrecv's own fallback.
         return self.sendrecv(_as_buffer(x, "sendrecv_replace").copy(), dst, x, src, send_tag, recv_tag,
                              timeout=t)

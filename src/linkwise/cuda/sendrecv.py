@@ -7,6 +7,7 @@ LINKWISE_GPU_REG_MIN bytes, waits on the host for the sender's description). So 
 first, on a side stream that starts after the work already on the caller's stream; the caller's
 stream then waits for it, so work enqueued after sendrecv sees both done. Side streams come
 from the array's library (torch or cupy), one per GpuComm and library, made on first use.
+sendrecv_replace sends a copy of x, made on the caller's stream, through the same exchange.
 """
 from __future__ import annotations
 
@@ -48,3 +49,24 @@ def gpu_sendrecv(g, x: Any, dst: int, out: Any, src: int, send_tag: int, recv_ta
         return n
     raise TypeError("sendrecv: CUDA arrays other than torch's and cupy's have no side stream to "
                     "send on; post comm.isend and comm.irecv on separate streams instead")
+
+
+def gpu_sendrecv_replace(g, x: Any, dst: int, src: int, send_tag: int, recv_tag: int,
+                         stream: Any = None) -> int:
+    """Sends x to dst and receives into x from src on GpuComm g; returns the bytes received
+    (enqueued). The copy that is sent is made on the caller's stream and allocated there, so
+    its memory is reused only after that stream has waited for the send."""
+    v = view(x, "sendrecv_replace")
+    s = stream_handle(stream, v)
+    if v.lib == "torch":
+        import torch
+        with torch.cuda.device(g.device), torch.cuda.stream(torch_stream(s, g.device)):
+            copy = x.clone()
+    elif v.lib == "cupy":
+        import cupy
+        with cupy.cuda.Device(g.device), cupy.cuda.ExternalStream(s):
+            copy = x.copy()
+    else:
+        raise TypeError("sendrecv_replace: CUDA arrays other than torch's and cupy's cannot be "
+                        "copied here; pass a copy of x to sendrecv(copy, dst, x, src)")
+    return gpu_sendrecv(g, copy, dst, x, src, send_tag, recv_tag, s)
