@@ -66,3 +66,32 @@ def _isend_irecv_arguments(comm):
 
 def test_isend_irecv_arguments():
     assert run_ranks(2, _isend_irecv_arguments) == ["ok", "ok"]
+
+
+ENTRIES = ("isend", "irecv", "sendrecv", "sendrecv_replace")
+
+
+def test_native_entries_repeat_the_python_docstrings():
+    """The native methods carry copies of the Python definitions' docstrings (a nanobind
+    method's __doc__ is fixed when the extension is built, and help() shows the Python ones
+    until it is loaded): both must say the same, words and signatures' keywords alike."""
+    import ast
+    import inspect
+    from pathlib import Path
+
+    import linkwise.comm as comm_module
+    from linkwise.comm import Communicator, _native
+    _native()  # installs the native methods
+    tree = ast.parse(Path(comm_module.__file__).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Communicator")
+    python_defs = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name in ENTRIES}
+    assert sorted(python_defs) == sorted(ENTRIES)
+    for name in ENTRIES:
+        method = getattr(Communicator, name)
+        assert not inspect.isfunction(method), f"{name} is not the native method"
+        signature, native_doc = method.__doc__.split("\n\n", 1)
+        python_doc = ast.get_docstring(python_defs[name])
+        assert " ".join(native_doc.split()) == " ".join(python_doc.split()), name
+        f = python_defs[name]
+        keywords = [a.arg for a in f.args.args[1:] + f.args.kwonlyargs]
+        assert all(f"{k}:" in signature for k in keywords), (name, signature, keywords)
