@@ -1,8 +1,9 @@
 """Stream order of the CUDA calls whose work spans two streams: comm.sendrecv (the send on a side
 stream), comm.sendrecv_replace (a copy of x, then sendrecv) and the in-place all_to_all (a copy
-first). Each call must start after the work already on the caller's stream and finish before
-the work enqueued after it, whichever way the stream is named: torch's current stream (the
-default one, or a stream of the user's), stream=torch.cuda.default_stream() and stream=0.
+first); sendrecv also for arrays known only by __cuda_array_interface__ or DLPack. Each call
+must start after the work already on the caller's stream and finish before the work enqueued
+after it, whichever way the stream is named: torch's current stream (the default one, or a
+stream of the user's), stream=torch.cuda.default_stream() and stream=0.
 torch.cuda.ExternalStream(0) is a stream of torch's pool, not the default stream; wrapping
 handle 0 that way ordered nothing (found with two ranks sharing one GPU, where kernels of two
 processes take turns).
@@ -36,23 +37,52 @@ def _in_form(torch, form, device, call):
     return torch.cuda.default_stream(device)
 
 
+class CaiOnly:
+    """A CUDA array known only by __cuda_array_interface__, as Numba's are (stream: stream=,
+    else the legacy default stream, which torch's default stream is)."""
+
+    def __init__(self, t):
+        self.t = t
+        self.__cuda_array_interface__ = t.__cuda_array_interface__
+
+
+class DlpackOnly:
+    """A CUDA array known only by DLPack (linkwise reads it through torch.from_dlpack)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __dlpack__(self, **kw):
+        return self.t.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
+WRAP = {"sendrecv": None, "replace": None, "cai": CaiOnly, "dlpack": DlpackOnly}
+
+
 def _sendrecv_body(comm, how):
-    """A ring of sendrecv (how="sendrecv") or sendrecv_replace ("replace") in every stream
-    form; the caller writes x only after a spin, and overwrites it (sendrecv) right after."""
+    """A ring of sendrecv (how="sendrecv"; "cai" / "dlpack": the arrays wrapped so) or
+    sendrecv_replace ("replace") in every stream form; the caller writes x only after a spin,
+    and overwrites it (sendrecv) right after."""
     g, torch = _setup(comm)
     nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    wrap = WRAP[how] or (lambda t: t)
     bad = []
     for count in (0, 1000, (1 << 20) + 3):  # the scratch slot; a registered buffer (4 MiB+)
         for form in FORMS:
+            if how == "cai" and form == "user stream":
+                continue  # a bare __cuda_array_interface__ array has no current stream to follow
             box = {}
 
             def call(stream):
                 x = torch.zeros(count, device="cuda")
-                out = torch.full((count,), -1.0, device="cuda") if how == "sendrecv" else x
+                out = torch.full((count,), -1.0, device="cuda") if how != "replace" else x
                 torch.cuda._sleep(SPIN)
                 x.fill_(comm.rank + 1)
-                if how == "sendrecv":
-                    n = comm.sendrecv(x, nxt, out, prv, stream=stream)
+                if how != "replace":
+                    n = comm.sendrecv(wrap(x), nxt, wrap(out), prv, stream=stream)
                     x.fill_(-7)  # the caller reuses x at once: after the send, in stream order
                 else:
                     n = comm.sendrecv_replace(x, nxt, prv, stream=stream)
@@ -80,7 +110,7 @@ def _sendrecv_body(comm, how):
     return bad
 
 
-@pytest.mark.parametrize("how", ["sendrecv", "replace"])
+@pytest.mark.parametrize("how", list(WRAP))
 def test_sendrecv_follows_the_callers_stream(how):
     bad = [b for r in run_ranks(_two_or_more(), _sendrecv_body, how, env=SAFE_ENV, timeout=180) for b in r]
     assert not bad, "\n".join(bad[:12])

@@ -117,6 +117,8 @@ void bind_cuda(nb::module_& m) {
       .def_static("host_free", &GpuEngine::host_free, rel())
       .def("copy_async", &GpuEngine::copy_async, rel())
       .def("event_record", &GpuEngine::event_record, rel())
+      .def("sendrecv_fork", &GpuEngine::sendrecv_fork, rel())
+      .def("sendrecv_join", &GpuEngine::sendrecv_join, rel())
       .def("event_sync", &GpuEngine::event_sync, rel())
       .def("synchronize", &GpuEngine::synchronize, rel())
       .def("error_code", &GpuEngine::error_code)

@@ -108,6 +108,13 @@ class GpuEngine {
   void copy_async(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream);
   uintptr_t event_record(uintptr_t stream);  // a new event recorded on stream
   void event_sync(uintptr_t ev);            // waits for it and destroys it
+  // sendrecv's two streams (linkwise/cuda/sendrecv.py; reg_pipeline.cu): sendrecv_fork returns the
+  // engine's side stream, which starts after the work enqueued on `stream` so far; sendrecv_join
+  // makes `stream` go on only after what was enqueued on the side stream since. Host side: one
+  // thread at a time; the side stream is shared with the registered pipelines, which also join it
+  // before they return.
+  uintptr_t sendrecv_fork(uintptr_t stream);
+  void sendrecv_join(uintptr_t stream);
 
   int device() const { return device_; }
   size_t slot_bytes() const { return slot_bytes_; }

@@ -53,6 +53,19 @@ cudaError_t join_side(EngineImpl& im, cudaStream_t s) {
   return e == cudaSuccess ? cudaStreamWaitEvent(s, im.join, 0) : e;
 }
 
+uintptr_t GpuEngine::sendrecv_fork(uintptr_t stream) {
+  check_open("sendrecv");
+  DeviceGuard g(device_);
+  LW_CUDA(linkwise::cuda::fork_side(*impl_, reinterpret_cast<cudaStream_t>(stream)), "sendrecv");
+  return reinterpret_cast<uintptr_t>(impl_->side);
+}
+
+void GpuEngine::sendrecv_join(uintptr_t stream) {
+  check_open("sendrecv");
+  DeviceGuard g(device_);
+  LW_CUDA(linkwise::cuda::join_side(*impl_, reinterpret_cast<cudaStream_t>(stream)), "sendrecv");
+}
+
 void release_side(EngineImpl& im) {
   if (im.fork) cudaEventDestroy(im.fork);
   if (im.join) cudaEventDestroy(im.join);
