@@ -59,17 +59,24 @@ class DlpackOnly:
         return self.t.__dlpack_device__()
 
 
-WRAP = {"sendrecv": None, "replace": None, "cai": CaiOnly, "dlpack": DlpackOnly}
+WRAP = {"sendrecv": None, "replace": None, "cai": CaiOnly, "dlpack": DlpackOnly, "replace-dlpack": DlpackOnly}
 
 
 def _sendrecv_body(comm, how):
     """A ring of sendrecv (how="sendrecv"; "cai" / "dlpack": the arrays wrapped so) or
-    sendrecv_replace ("replace") in every stream form; the caller writes x only after a spin,
-    and overwrites it (sendrecv) right after."""
+    sendrecv_replace ("replace"; "replace-dlpack": x wrapped) in every stream form; the caller
+    writes x only after a spin, and overwrites it (sendrecv) right after."""
     g, torch = _setup(comm)
     nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     wrap = WRAP[how] or (lambda t: t)
+    replace = how.startswith("replace")
     bad = []
+    if replace:  # an array known only by __cuda_array_interface__ cannot be copied: refused
+        try:  # before anything is sent, on every rank
+            comm.sendrecv_replace(CaiOnly(torch.zeros(4, device="cuda")), nxt, prv)
+            bad.append(f"rank {comm.rank}: sendrecv_replace took a bare __cuda_array_interface__ array")
+        except TypeError:
+            pass
     for count in (0, 1000, (1 << 20) + 3):  # the scratch slot; a registered buffer (4 MiB+)
         for form in FORMS:
             if how == "cai" and form == "user stream":
@@ -78,14 +85,14 @@ def _sendrecv_body(comm, how):
 
             def call(stream):
                 x = torch.zeros(count, device="cuda")
-                out = torch.full((count,), -1.0, device="cuda") if how != "replace" else x
+                out = x if replace else torch.full((count,), -1.0, device="cuda")
                 torch.cuda._sleep(SPIN)
                 x.fill_(comm.rank + 1)
-                if how != "replace":
+                if replace:
+                    n = comm.sendrecv_replace(wrap(x), nxt, prv, stream=stream)
+                else:
                     n = comm.sendrecv(wrap(x), nxt, wrap(out), prv, stream=stream)
                     x.fill_(-7)  # the caller reuses x at once: after the send, in stream order
-                else:
-                    n = comm.sendrecv_replace(x, nxt, prv, stream=stream)
                 box.update(n=n, out=out)
             s = _in_form(torch, form, g.device, call)
             s.synchronize()

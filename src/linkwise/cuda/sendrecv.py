@@ -41,15 +41,16 @@ def gpu_sendrecv_replace(g, x: Any, dst: int, src: int, send_tag: int, recv_tag:
     its memory is reused only after that stream has waited for the send."""
     v = view(x, "sendrecv_replace")
     s = stream_handle(stream, v)
-    if v.lib == "torch":
+    if v.lib == "torch":  # a torch tensor, or a DLPack array read through torch
         import torch
+        t = x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
         with torch.cuda.device(g.device), torch.cuda.stream(torch_stream(s, g.device)):
-            copy = x.clone()
+            copy = t.clone()
     elif v.lib == "cupy":
         import cupy
         with cupy.cuda.Device(g.device), cupy.cuda.ExternalStream(s):
             copy = x.copy()
     else:
-        raise TypeError("sendrecv_replace: CUDA arrays other than torch's and cupy's cannot be "
-                        "copied here; pass a copy of x to sendrecv(copy, dst, x, src)")
+        raise TypeError("sendrecv_replace: this CUDA array (neither torch, cupy nor DLPack) cannot "
+                        "be copied here; pass a copy of x to sendrecv(copy, dst, x, src)")
     return gpu_sendrecv(g, copy, dst, x, src, send_tag, recv_tag, s)
