@@ -49,24 +49,6 @@ def _empty(x: Any, count_shape: tuple) -> Any:
     raise TypeError(f"cannot allocate a result like {type(x).__name__}; pass out=")
 
 
-def _copy(dst: Any, src: Any, stream: Any) -> None:
-    """dst <- src on the GPU (same library), ordered on `stream` (else the current one)."""
-    from .cuda.arrays import stream_handle, torch_stream, view
-    if hasattr(dst, "copy_"):
-        import torch
-        if stream is None:
-            dst.copy_(src, non_blocking=True)
-            return
-        if not isinstance(stream, torch.cuda.Stream):  # an int, or another library's stream
-            stream = torch_stream(stream_handle(stream, view(dst, "copy")), dst.device.index)
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-        return
-    import cupy
-    with cupy.cuda.Device(dst.device.id), cupy.cuda.ExternalStream(stream_handle(stream, view(dst, "copy"))):
-        dst[...] = src
-
-
 def dispatch(comm, op: str, x: Any, *, out: Any = None, red: str = "sum", root: int = 0,
              async_op: bool = False, dtype: Optional[str] = None, stream: Any = None) -> Any:
     """Runs collective `op` of `comm` on CUDA array x through comm.cuda(); returns the result,
@@ -109,10 +91,11 @@ def _run(comm, op: str, x: Any, *, out: Any, red: str, root: int, dtype: Optiona
             out = _empty(x, block_shape(tuple(shape), comm.size))
         return g.reduce_scatter(x, out, op=red, stream=stream)
     if op == "all_to_all":
-        if out is None or out is x:
-            tmp = _empty(x, shape)
-            _copy(tmp, x, stream)
-            g.all_to_all(tmp, x, stream=stream)
+        if out is None or out is x:  # in place: from a copy made (and allocated) on the stream
+            from .cuda.arrays import copy_on_stream, stream_handle, view
+            v = view(x, op)
+            h = stream_handle(stream, v)
+            g.all_to_all(copy_on_stream(x, v, h, g.device, op), x, stream=h)
             return x
         return g.all_to_all(x, out, stream=stream)
     raise unsupported(op, "use all_reduce / all_gather (every rank gets the result) or copy to the host")

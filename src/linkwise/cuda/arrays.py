@@ -131,6 +131,24 @@ def torch_stream(handle: int, device: int):
     return torch.cuda.ExternalStream(handle, device=device)
 
 
+def copy_on_stream(x: Any, arr: DevArray, stream: int, device: int, op: str) -> Any:
+    """A copy of CUDA array x (viewed as arr), made on cudaStream_t `stream` and allocated
+    there, so the library's allocator reuses its memory only after work later enqueued on that
+    stream. torch tensors, DLPack arrays (through torch) and cupy arrays; TypeError for others,
+    which have no library to allocate with."""
+    if arr.lib == "torch":  # a torch tensor, or a DLPack array read through torch
+        import torch
+        t = x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
+        with torch.cuda.device(device), torch.cuda.stream(torch_stream(stream, device)):
+            return t.clone()
+    if arr.lib == "cupy":
+        import cupy
+        with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream):
+            return x.copy()
+    raise TypeError(f"{op}: this CUDA array (neither torch, cupy nor DLPack) cannot be copied "
+                    "here; pass a copy of it (or out=)")
+
+
 def torch_current_stream(device: int) -> int:
     """torch's current cudaStream_t on `device` as an int. torch.cuda.current_stream() builds a
     Stream object per call (several µs); the raw getter torch's compiler uses does not."""

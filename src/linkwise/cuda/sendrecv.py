@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .arrays import stream_handle, torch_stream, view
+from .arrays import copy_on_stream, stream_handle, view
 
 
 def gpu_sendrecv(g, x: Any, dst: int, out: Any, src: int, send_tag: int, recv_tag: int,
@@ -41,16 +41,5 @@ def gpu_sendrecv_replace(g, x: Any, dst: int, src: int, send_tag: int, recv_tag:
     its memory is reused only after that stream has waited for the send."""
     v = view(x, "sendrecv_replace")
     s = stream_handle(stream, v)
-    if v.lib == "torch":  # a torch tensor, or a DLPack array read through torch
-        import torch
-        t = x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
-        with torch.cuda.device(g.device), torch.cuda.stream(torch_stream(s, g.device)):
-            copy = t.clone()
-    elif v.lib == "cupy":
-        import cupy
-        with cupy.cuda.Device(g.device), cupy.cuda.ExternalStream(s):
-            copy = x.copy()
-    else:
-        raise TypeError("sendrecv_replace: this CUDA array (neither torch, cupy nor DLPack) cannot "
-                        "be copied here; pass a copy of x to sendrecv(copy, dst, x, src)")
+    copy = copy_on_stream(x, v, s, g.device, "sendrecv_replace")
     return gpu_sendrecv(g, copy, dst, x, src, send_tag, recv_tag, s)
