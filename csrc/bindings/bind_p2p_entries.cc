@@ -159,8 +159,9 @@ void bind_p2p_entries(nb::module_& m) {
       "received. The message from src may be shorter than x (the rest of x keeps what it held) but not "
       "longer (ValueError, as for recv).\n\n"
       "A copy of x is sent while the receive lands in x: one extra copy of x, as MPI makes (into memory the "
-      "communicator keeps for it, up to 16 MiB). A CUDA array (torch, cupy) is copied on `stream` (else its "
-      "current stream) and exchanged as sendrecv does; its message must be x's size, as for GPU send and recv.");
+      "communicator keeps for it, up to 16 MiB). A CUDA array (torch, cupy, DLPack) is copied on `stream` "
+      "(else its current stream) and exchanged as sendrecv does; its message must be x's size, as for GPU send "
+      "and recv. One known only by __cuda_array_interface__ raises TypeError (nothing could allocate its copy).");
 }
 
 }  // namespace linkwise

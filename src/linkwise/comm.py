@@ -210,9 +210,10 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         it held) but not longer (ValueError, as for recv).
 
         A copy of x is sent while the receive lands in x: one extra copy of x, as MPI makes
-        (into memory the communicator keeps for it, up to 16 MiB). A CUDA array (torch, cupy)
-        is copied on `stream` (else its current stream) and exchanged as sendrecv does; its
-        message must be x's size, as for GPU send and recv."""
+        (into memory the communicator keeps for it, up to 16 MiB). A CUDA array (torch, cupy,
+        DLPack) is copied on `stream` (else its current stream) and exchanged as sendrecv does;
+        its message must be x's size, as for GPU send and recv. One known only by
+        __cuda_array_interface__ raises TypeError (nothing could allocate its copy)."""
         dst, send_tag = self._check(dst, send_tag, "sendrecv_replace")
         src, recv_tag = self._check(src, recv_tag, "sendrecv_replace")
         t = self._timeout(timeout)
