@@ -98,6 +98,16 @@ def test_build_from_native(clean_env, capsys):
     assert "CUDA, testcc 1" in capsys.readouterr().out
 
 
+def test_build_names_the_cuda_architectures(clean_env, capsys):
+    fake = types.ModuleType("linkwise._native")
+    fake.build_info = lambda: {"cuda": True, "cuda_archs": "80,90", "compiler": "testcc 1"}
+    clean_env.setitem(sys.modules, "linkwise._native", fake)
+    clean_env.setattr(linkwise, "_native", fake, raising=False)
+    assert info_json(capsys)["build"]["cuda_archs"] == "80,90"
+    assert cli.main(["info"]) == 0
+    assert "CUDA (sm 80,90), testcc 1" in capsys.readouterr().out
+
+
 def test_missing_subcommand_module(capsys, monkeypatch):
     monkeypatch.setitem(cli.COMMANDS, "tune", ("linkwise.nosuchpkg.cli", "x"))
     assert cli.main(["tune", "--anything"]) == 2

@@ -104,6 +104,7 @@ NB_MODULE(_native, m) {
     nb::dict d;
 #ifdef LINKWISE_HAVE_CUDA
     d["cuda"] = true;
+    d["cuda_archs"] = LINKWISE_CUDA_ARCHS;  // CMAKE_CUDA_ARCHITECTURES, comma-separated
 #else
     d["cuda"] = false;
 #endif

@@ -94,7 +94,9 @@ def _print_rich(data: dict) -> None:
     summary.add_row("version", escape(str(data["version"])))
     b = data["build"]
     if b.get("native"):
-        summary.add_row("build", f"{'CUDA' if b.get('cuda') else 'CPU only'}, {b.get('compiler')}")
+        cuda = f"CUDA (sm {b['cuda_archs']})" if b.get("cuda") and b.get("cuda_archs") else \
+            "CUDA" if b.get("cuda") else "CPU only"
+        summary.add_row("build", f"{cuda}, {b.get('compiler')}")
     else:
         summary.add_row("build", f"[red]{escape(str(b.get('error')))}[/red]")
     lw = data["launcher"]
