@@ -110,8 +110,7 @@ def test_dead_peer_raises_peer_error(case):
     assert since < DEAD_TIMEOUT, f"{since:.1f} s from the barrier to the end of the run: {res}"
     print(f"\n{case}: survivors' PeerError after {[round(v[2], 3) for _, v in res[:-1]]} s; run {ended - t0:.1f} s, "
           f"{since:.1f} s of it from the barrier")
-    for r, (kind, val) in enumerate(res[:-1]):
-        assert kind == "ok", f"rank {r}: {val}"
+    for r, (_, val) in enumerate(res[:-1]):  # every survivor "ok": asserted above
         what, peer, waited, later, later_s, checked, _ = val
         assert (what, peer) == ("PeerError", n - 1), f"rank {r}: {val}"
         assert waited < PROMPT_S, f"rank {r}: PeerError after {waited:.1f} s"

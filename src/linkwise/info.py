@@ -94,9 +94,10 @@ def _print_rich(data: dict) -> None:
     summary.add_row("version", escape(str(data["version"])))
     b = data["build"]
     if b.get("native"):
-        cuda = f"CUDA (sm {b['cuda_archs']})" if b.get("cuda") and b.get("cuda_archs") else \
-            "CUDA" if b.get("cuda") else "CPU only"
-        summary.add_row("build", f"{cuda}, {b.get('compiler')}")
+        kind = "CPU only"
+        if b.get("cuda"):
+            kind = f"CUDA (sm {b['cuda_archs']})" if b.get("cuda_archs") else "CUDA"
+        summary.add_row("build", f"{kind}, {b.get('compiler')}")
     else:
         summary.add_row("build", f"[red]{escape(str(b.get('error')))}[/red]")
     lw = data["launcher"]
