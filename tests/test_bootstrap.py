@@ -93,6 +93,44 @@ def test_mpich_without_job_id_uses_parent_when_local(env):
     assert detect().master_port == derive_port(f"mpich:ppid:{os.getppid()}")
 
 
+def test_srun_pmi2_is_slurm_not_mpich(env):
+    """srun --mpi=pmi2 sets PMI_RANK / PMI_SIZE as Hydra does, but nothing local."""
+    env(SLURM_PROCID=0, SLURM_NTASKS=2, SLURM_NNODES=1, SLURM_STEP_TASKS_PER_NODE=2,
+        SLURM_JOB_ID=4242, SLURM_STEP_ID=0, SLURM_STEP_NODELIST="node01", SLURM_LOCALID=0,
+        PMI_RANK=0, PMI_SIZE=2, PMI_FD=7, PMI_JOBID="4242.0")
+    e = detect()
+    assert (e.launcher, e.local_size, e.master_addr) == ("slurm", 2, "node01")
+    assert e.master_port == derive_port("slurm:4242.0")
+    env(MPI_LOCALRANKID=0, MPI_LOCALNRANKS=2)  # Hydra (mpiexec) inside a Slurm step
+    assert detect().launcher == "mpich"
+
+
+# Run as a stand-in for Hydra's proxy: named hydra_pmi_proxy, it starts two ranks each through
+# a shell that does not exec (a wrapper script), and prints the ports they derived.
+_FAKE_PROXY = """
+import ctypes, os, subprocess, sys
+ctypes.CDLL(None).prctl(15, b"hydra_pmi_proxy", 0, 0, 0)  # PR_SET_NAME
+rank = "from linkwise.bootstrap import detect; print(detect().master_port)"
+outs = []
+for k in range(2):
+    env = dict(os.environ, PMI_RANK=str(k), PMI_SIZE="2", PMI_FD="9", MPI_LOCALRANKID=str(k),
+               MPI_LOCALNRANKS="2")
+    outs.append(subprocess.run(["sh", "-c", f"{sys.executable} -c '{rank}'; true"], env=env,
+                               capture_output=True, text=True, check=True).stdout.strip())
+print(os.getpid(), *outs)
+"""
+
+
+def test_mpich_ranks_behind_wrapper_scripts_agree_on_the_port(env):
+    """Hydra gives no job id (PMI_FD, no PMI_PORT): the port comes from the proxy's pid, found
+    above a wrapper shell, not from each rank's parent (its own shell)."""
+    p = subprocess.run([sys.executable, "-c", _FAKE_PROXY], env=dict(os.environ, PYTHONPATH=SRC),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    proxy, *ports = p.stdout.split()
+    assert ports == [str(derive_port(f"mpich:ppid:{proxy}"))] * 2
+
+
 def test_slurm(env):
     env(SLURM_PROCID=5, SLURM_NTASKS=7, SLURM_LOCALID=0, SLURM_NODEID=3,
         SLURM_TASKS_PER_NODE="2(x3),1", SLURM_JOB_NODELIST="node[01-03,07],gpu5",

@@ -337,8 +337,10 @@ def test_messages_read_after_a_close(closed_by):
         await _until(lambda: reader._messages.qsize() == 2)
         if closed_by == "peer":
             await writer.close()
-            await _until(lambda: reader.closed())
+            await _until(lambda: reader._closed)  # the reader task has seen the end
+            assert not reader.closed()  # while messages sent before it are unread (as tcp://)
             assert [await reader.read() for _ in range(2)] == [{"i": 0}, {"i": 1}]
+            assert reader.closed()
         else:
             await reader.close()
         with pytest.raises(CommClosedError):

@@ -261,6 +261,8 @@ def test_cpu_slices():
 def test_bind_auto_uses_topology(monkeypatch):
     fake = types.ModuleType("linkwise.topo.affinity")
     fake.binding_for = lambda k, n: types.SimpleNamespace(cpus=[k], gpu=k, nic="eth0" if k else None)
+    fake.socket_ifname = lambda nic: nic
+    monkeypatch.delenv("LINKWISE_SOCKET_IFNAME", raising=False)
     monkeypatch.setitem(sys.modules, "linkwise.topo.affinity", fake)
     said = []
     got = launch._bindings("auto", 2, said.append)
@@ -277,6 +279,7 @@ def test_bind_auto_falls_back_to_cpu(monkeypatch):
     assert "not available" in said[0]
     broken = types.ModuleType("linkwise.topo.affinity")
     broken.binding_for = lambda k, n: 1 / 0
+    broken.socket_ifname = lambda nic: nic
     monkeypatch.setitem(sys.modules, "linkwise.topo.affinity", broken)
     said.clear()
     assert launch._bindings("auto", 1, said.append) == got and "failed" in said[0]

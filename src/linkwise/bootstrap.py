@@ -5,14 +5,16 @@ torchrun, Open MPI, MPICH/Hydra, Slurm ``srun``) or explicit arguments into a
 :class:`LaunchEnv`. The rendezvous :class:`~linkwise.store.Store` that rank 0 hosts at
 ``master_addr:master_port`` is re-exported here.
 
-Contract: :func:`detect` is a pure function of its arguments and ``os.environ`` (no I/O, no
-sockets); it raises ``ValueError`` for values that are wrong (rank >= size, negative numbers,
+Contract: :func:`detect` is a function of its arguments and ``os.environ`` (no sockets; the
+only I/O is reading /proc for the MPI daemon of a local mpirun that gives no job id); it raises ``ValueError`` for values that are wrong (rank >= size, negative numbers,
 non-integers) and :class:`~linkwise.errors.BootstrapError` when the environment does not say
 enough to find rank 0 (then it says which variable to set).
 
 Precedence, field by field:
   * rank/size/local_rank/local_size: explicit arguments, else the first launcher found in the
     order linkwise, torchrun, Open MPI, MPICH/Hydra, Slurm; else a single process (0 of 1).
+    PMI variables without Hydra's MPI_LOCALRANKID inside a Slurm step are srun's own PMI
+    (``srun --mpi=pmi2``), read as Slurm.
   * master address: explicit ``addr``, ``LINKWISE_MASTER_ADDR``, ``MASTER_ADDR``, the first host
     of Slurm's node list, else 127.0.0.1 when every rank is on this host, else an error.
   * master port: the port in explicit ``addr``, ``LINKWISE_MASTER_PORT``, ``MASTER_PORT + 1``
@@ -226,6 +228,11 @@ def _openmpi(env: Mapping[str, str]) -> Optional[_Found]:
 def _mpich(env: Mapping[str, str]) -> Optional[_Found]:
     if "PMI_RANK" not in env or "PMI_SIZE" not in env:
         return None
+    if "MPI_LOCALRANKID" not in env and "SLURM_PROCID" in env and \
+            ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
+        # srun's own PMI (--mpi=pmi2) sets PMI_RANK / PMI_SIZE too, but nothing local; Hydra
+        # always sets MPI_LOCALRANKID. The Slurm variables say where rank 0 is.
+        return None
     # PMI_PORT (the Hydra PMI server's host:port) and PMIX_NAMESPACE are the same on every rank
     # of one mpiexec; PMI_ID is not used since older process managers set it per rank.
     seed = env.get("PMIX_NAMESPACE") or env.get("PMI_PORT") or ""
@@ -263,6 +270,32 @@ def _slurm(env: Mapping[str, str]) -> Optional[_Found]:
 
 
 _LAUNCHERS = (_linkwise, _torchrun, _openmpi, _mpich, _slurm)
+
+# Process names (/proc/<pid>/comm, at most 15 characters) of the daemons that start MPI ranks
+# on a host: MPICH's and Intel MPI's Hydra proxies, Open MPI's mpirun / orted / PRRTE.
+_MPI_DAEMONS = frozenset({"hydra_pmi_proxy", "pmi_proxy", "mpiexec.hydra", "mpiexec", "mpirun",
+                          "orted", "prted", "prterun"})
+
+
+def _mpi_daemon_pid(proc: str = "/proc", max_depth: int = 16) -> int:
+    """The nearest ancestor that is an MPI daemon (_MPI_DAEMONS), else the parent: the ranks
+    of one local mpirun / mpiexec agree on it even when a wrapper script (a shell that does
+    not exec) runs between it and each rank. Reads /proc; the parent where it cannot."""
+    parent = os.getppid()
+    pid = parent
+    for _ in range(max_depth):
+        try:
+            with open(f"{proc}/{pid}/comm") as f:
+                if f.read().strip() in _MPI_DAEMONS:
+                    return pid
+            with open(f"{proc}/{pid}/stat") as f:
+                # pid (comm) state ppid ...: comm may hold spaces and ')', so split after the last ')'.
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        if pid <= 1:
+            break
+    return parent
 
 
 def _find_launcher(env: Mapping[str, str]) -> Optional[_Found]:
@@ -354,8 +387,9 @@ def detect(rank: Optional[int] = None, size: Optional[int] = None,
     if port is None and found is not None and found.port_seed:
         port, source = derive_port(found.port_seed), "derived"
     if port is None and found is not None and found.launcher in ("openmpi", "mpich") and all_local:
-        # All ranks of a local mpirun/mpiexec share their parent (the MPI daemon).
-        port, source = derive_port(f"{found.launcher}:ppid:{os.getppid()}"), "derived"
+        # All ranks of a local mpirun/mpiexec descend from one MPI daemon; a wrapper script
+        # between it and the rank (mpiexec -n 2 ./wrap.sh train.py) is skipped.
+        port, source = derive_port(f"{found.launcher}:ppid:{_mpi_daemon_pid()}"), "derived"
     if port is None:
         if size > 1:
             raise BootstrapError(

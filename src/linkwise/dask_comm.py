@@ -10,15 +10,7 @@ of the writer's memory (process_vm_readv: one copy, no socket buffers; what Dask
 needs two kernel copies and many syscalls for). Across hosts, or where the kernel refuses
 that access, every frame goes through the socket.
 
-Wire (little-endian), each record a 16-byte head (magic, kind, count), then:
-  HELLO  (count = JSON bytes): host identity, pid, probe address and value, and the address
-         of this side's live word (1 until the comm fails), as JSON;
-  CAN    (count 0/1): 1 when this side could read the peer's memory (the peer may then send
-         frames by address);
-  MSG    (count = number of frames): per frame (nbytes, address; address 0: inline), then the
-         inline frames' bytes in order;
-  ACK    (count = messages acknowledged): the reader copied every by-address frame of that
-         many MSG records, in order.
+The records on the wire and the handshake are in _dask_wire.py.
 Contract: write() returns only when the peer acknowledged the message's by-address frames,
 so the caller's buffers stay alive and unchanged for as long as the reader may copy them. A
 write given up before that (cancelled, or the comm closed) ends the comm and zeroes the live
@@ -31,16 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import os
 import socket
-import struct
 import weakref
 
-import dask
 import numpy as np
-from dask.utils import parse_timedelta
 from distributed.comm import registry
 from distributed.comm.addressing import parse_host_port, unparse_host_port
 from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector
@@ -49,7 +37,8 @@ from distributed.comm.utils import from_frames, to_frames
 from distributed.utils import ensure_ip, get_ip, get_ipv6
 
 from . import _native
-from ._setup import host_identity
+from ._dask_wire import (ACK, FRAME, HEAD, MAGIC, MSG, byte_view, handshake, recv_exact, recv_head,
+                         set_keepalive, shutdown)
 
 logger = logging.getLogger(__name__)
 SCHEME = "linkwise"
@@ -57,47 +46,11 @@ CMA_MIN = 512 << 10  # smaller frames are as fast inline as by address (which co
 _OFFLOAD_MIN = 4 << 20  # by-address copies this large run in threads, off the event loop
 _COPY_THREADS = min(4, os.cpu_count() or 1)  # threads one large frame's copy is split over
 _JOIN_MAX = 64 << 10  # inline frames up to this much in all go out with the head in one send
-_MAGIC = 0x4B44574C  # "LWDK"
-_HELLO, _CAN, _MSG, _ACK = 1, 2, 3, 4
-_HEAD = struct.Struct("<IIQ")
-_FRAME = struct.Struct("<QQ")
-
-# The handshake's probe: 8 known bytes at a stable address, which a peer reads to learn
-# whether it may read this process's memory.
-_PROBE = np.array([0x6C696E6B77697365], dtype=np.uint64)
-_native.cma_allow_peers()
-
-
-async def _recv_exact(loop, sock, n: int) -> memoryview:
-    buf = memoryview(np.empty(n, np.uint8)) if n else memoryview(b"")
-    got = 0
-    while got < n:
-        k = await loop.sock_recv_into(sock, buf[got:])
-        if k == 0:
-            raise CommClosedError("linkwise comm: the peer closed the connection")
-        got += k
-    return buf
-
-
-async def _recv_head(loop, sock) -> tuple:
-    magic, kind, count = _HEAD.unpack(await _recv_exact(loop, sock, _HEAD.size))
-    if magic != _MAGIC:
-        raise CommClosedError("linkwise comm: the byte stream is corrupted (not a linkwise:// peer?)")
-    return kind, count
-
-
-def _byte_view(frame) -> memoryview:
-    """The frame as a flat view of bytes (socket calls count and slice a view by items, so a
-    float64 frame sent as it is would go out wrong), copied only if not contiguous."""
-    view = memoryview(frame)
-    if not view.c_contiguous:
-        return memoryview(view.tobytes())
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 class LinkwiseComm(Comm):
     """One connection. Created by the connector and the listener after the transport's own
-    handshake (_handshake), before Dask's.
+    handshake (_dask_wire.handshake), before Dask's.
 
     Ownership of by-address frames: a write keeps its frames (`keep`, next to its ack future in
     _acks) until the peer acknowledges them or the comm fails. A write that is cancelled, or a
@@ -120,6 +73,7 @@ class LinkwiseComm(Comm):
         self._write_lock = asyncio.Lock()
         self._acks: collections.deque = collections.deque()  # (future, frames) of writes awaiting their ack
         self._messages: asyncio.Queue = asyncio.Queue()
+        self._unread = 0  # messages in _messages (not the None that marks the end)
         self._closed = False
         self._closed_here = False  # close() or abort() on this side: read() raises at once
         self._writing = 0  # writes inside the socket (the fd stays open while any is)
@@ -130,7 +84,7 @@ class LinkwiseComm(Comm):
         ref = weakref.ref(self)
         self._reader = self._loop.create_task(_read_loop(ref, sock, self._loop))
         self._reader.add_done_callback(lambda _: (c := ref()) is not None and c._close_fd_when_idle())
-        weakref.finalize(self, _shutdown, sock)
+        weakref.finalize(self, shutdown, sock)
 
     # -- receiving (the reader task: _read_loop) ---------------------------------------------
     def _take_ack(self, count: int) -> None:
@@ -140,18 +94,23 @@ class LinkwiseComm(Comm):
                 fut.set_result(None)
 
     async def _take_message(self, count: int) -> list:
-        table = await _recv_exact(self._loop, self._sock, count * _FRAME.size)
-        specs = [_FRAME.unpack_from(table, i * _FRAME.size) for i in range(count)]
+        table = await recv_exact(self._loop, self._sock, count * FRAME.size)
+        specs = [FRAME.unpack_from(table, i * FRAME.size) for i in range(count)]
         # The inline frames come back to back: one receive for all, each frame a view of it.
-        blob = await _recv_exact(self._loop, self._sock, sum(n for n, addr in specs if not addr))
-        frames, by_address, at = [], False, 0
+        blob = await recv_exact(self._loop, self._sock, sum(n for n, addr in specs if not addr))
+        # The by-address frames land back to back in one buffer too: Dask splits a frame over
+        # 64 MiB into shards and joins them without a copy only where they are adjacent views
+        # of one buffer (distributed.protocol.utils.merge_memoryviews), as tcp:// delivers them.
+        copied = memoryview(np.empty(sum(n for n, addr in specs if addr), np.uint8))
+        frames, by_address, at, at_copied = [], False, 0, 0
         for nbytes, addr in specs:
             if addr == 0:
                 frames.append(blob[at:at + nbytes])
                 at += nbytes
                 continue
             by_address = True
-            out = np.empty(nbytes, np.uint8)
+            out = np.frombuffer(copied[at_copied:at_copied + nbytes], np.uint8)
+            at_copied += nbytes
             if nbytes >= _OFFLOAD_MIN:
                 # Off the event loop, in pieces on several threads: one core cannot both fault
                 # in fresh pages and copy at memory speed (256 MiB went slower than tcp://).
@@ -161,7 +120,7 @@ class LinkwiseComm(Comm):
                                        for lo, hi in zip(cuts, cuts[1:])))
             else:
                 _native.cma_read(self._peer_pid, addr, out)
-            frames.append(memoryview(out))
+            frames.append(copied[at_copied - nbytes:at_copied])
         if by_address:
             live = np.zeros(1, np.uint64)
             _native.cma_read(self._peer_pid, self._peer_live, live)
@@ -189,7 +148,7 @@ class LinkwiseComm(Comm):
     async def _send_acks_locked(self) -> None:
         while self._acks_owed and not self._closed:
             owed = self._acks_owed
-            await self._loop.sock_sendall(self._sock, _HEAD.pack(_MAGIC, _ACK, owed))
+            await self._loop.sock_sendall(self._sock, HEAD.pack(MAGIC, ACK, owed))
             self._acks_owed -= owed  # more may have been owed meanwhile: the loop sends them
 
     async def read(self, deserializers=None):
@@ -197,12 +156,20 @@ class LinkwiseComm(Comm):
         # reads the rest of its stream); after this side closed, nothing is (as tcp://).
         if self._closed_here or (self._closed and self._messages.empty()):
             raise CommClosedError(f"linkwise comm to {self._peer_addr} is closed")
-        frames = await self._messages.get()
+        frames = await self._messages.get()  # cancelled here, nothing is lost
         if frames is None:  # the connection ended (see _fail)
             self._messages.put_nowait(None)
             raise CommClosedError(f"linkwise comm to {self._peer_addr} is closed")
-        return await from_frames(frames, deserialize=self.deserialize, deserializers=deserializers,
-                                 allow_offload=self.allow_offload)
+        self._unread -= 1
+        try:
+            return await from_frames(frames, deserialize=self.deserialize, deserializers=deserializers,
+                                     allow_offload=self.allow_offload)
+        except BaseException:
+            # Cancelled while a large message was deserialised in a thread, or the message
+            # would not deserialise: it is lost, so the comm ends rather than go on a message
+            # short (as tcp:// aborts).
+            self.abort()
+            raise
 
     # -- sending ----------------------------------------------------------------------------
     async def write(self, msg, serializers=None, on_error="message") -> int:
@@ -213,10 +180,10 @@ class LinkwiseComm(Comm):
                                           **self.handshake_options})
         table, inline, keep, nbytes = [], [], [], 0
         for frame in frames:
-            body = _byte_view(frame)
+            body = byte_view(frame)
             nbytes += body.nbytes
             addr = np.frombuffer(body, np.uint8).ctypes.data if self._send_by_address and body.nbytes >= CMA_MIN else 0
-            table.append(_FRAME.pack(body.nbytes, addr))
+            table.append(FRAME.pack(body.nbytes, addr))
             (keep if addr else inline).append(body)
         ack = self._loop.create_future() if keep else None
         self.frames_by_address += len(keep)
@@ -227,7 +194,7 @@ class LinkwiseComm(Comm):
                     raise CommClosedError(f"linkwise comm to {self._peer_addr} is closed")
                 if ack is not None:
                     self._acks.append((ack, keep))  # in stream order: the reader acknowledges in order
-                head = [_HEAD.pack(_MAGIC, _MSG, len(frames)), *table]
+                head = [HEAD.pack(MAGIC, MSG, len(frames)), *table]
                 if sum(b.nbytes for b in inline) <= _JOIN_MAX:  # small: one send, one copy
                     await self._loop.sock_sendall(self._sock, b"".join(head + inline))
                 else:
@@ -256,7 +223,7 @@ class LinkwiseComm(Comm):
         if not self._closed:
             self._closed = True
             self._live[0] = 0  # before the frames below are let go (the peer checks it after copying)
-            _shutdown(self._sock)
+            shutdown(self._sock)
         while self._acks:  # a write waiting for its ack: the reader will never copy now
             fut, _frames = self._acks.popleft()
             if not fut.done():
@@ -272,8 +239,21 @@ class LinkwiseComm(Comm):
         self.abort()
 
     def abort(self) -> None:
+        """Any thread (Dask's rpc.__del__ may call it from one without a loop): the comm's
+        state belongs to its loop, so another thread hands the work to that loop, or, where
+        the loop has stopped, only shuts the socket down."""
         self._closed_here = True
-        self._end()
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self._end()
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._end)
+        else:
+            self._live[0] = 0  # as _fail does, before the peer could copy more
+            shutdown(self._sock)
 
     def _end(self) -> None:
         """Ends the connection (a failed or given-up write, a lost ack: the stream cannot go
@@ -283,7 +263,11 @@ class LinkwiseComm(Comm):
             self._reader.cancel()
 
     def closed(self) -> bool:
-        return self._closed
+        """True once this side closed, or the connection ended and every message that came
+        before the end was read: the reader task reads ahead, but a peer's close must not hide
+        messages Dask has yet to handle (Server.handle_comm stops at closed(), as over tcp://,
+        where the end is only seen by the read after the last message)."""
+        return self._closed and (self._closed_here or self._unread == 0)
 
     @property
     def local_address(self) -> str:
@@ -298,29 +282,20 @@ class LinkwiseComm(Comm):
         return self._read_by_address or self._send_by_address or super().same_host
 
 
-def _shutdown(sock: socket.socket) -> None:
-    """Ends both directions (a pending send fails, a pending receive reads EOF); the fd stays
-    open until nothing waits on it (closing it under a pending call would hide that call from
-    the event loop for good)."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
 async def _read_loop(ref, sock: socket.socket, loop) -> None:
     """The reader task: acks and messages, until the connection ends or the comm is dropped.
     Holds the comm only while it handles a record (see LinkwiseComm.__init__)."""
     try:
         while True:
-            kind, count = await _recv_head(loop, sock)
+            kind, count = await recv_head(loop, sock)
             comm = ref()
             if comm is None:
                 break
-            if kind == _ACK:
+            if kind == ACK:
                 comm._take_ack(count)
-            elif kind == _MSG:
+            elif kind == MSG:
                 comm._messages.put_nowait(await comm._take_message(count))
+                comm._unread += 1
             else:
                 raise CommClosedError(f"linkwise comm: unexpected record kind {kind}")
             del comm
@@ -335,34 +310,6 @@ async def _read_loop(ref, sock: socket.socket, loop) -> None:
         comm._fail(exc)
     elif comm is None:  # dropped without close(): nobody else will close the fd
         sock.close()
-
-
-async def _handshake(sock: socket.socket) -> dict:
-    """Both sides say who they are, try to read the other's probe, and say whether they could.
-    Returns what the comm needs: the peer's pid and live word, this side's live word, and
-    whether frames may go by address each way. Bounded by Dask's connect timeout."""
-    timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), default="seconds")
-    return await asyncio.wait_for(_exchange_hellos(sock), timeout)
-
-
-async def _exchange_hellos(sock: socket.socket) -> dict:
-    loop = asyncio.get_running_loop()
-    live = np.ones(1, np.uint64)
-    hello = json.dumps({"host": host_identity(), "pid": os.getpid(), "probe": int(_PROBE.ctypes.data),
-                        "value": int(_PROBE[0]), "live": int(live.ctypes.data)}).encode()
-    await loop.sock_sendall(sock, _HEAD.pack(_MAGIC, _HELLO, len(hello)) + hello)
-    kind, n = await _recv_head(loop, sock)
-    if kind != _HELLO:
-        raise CommClosedError("linkwise comm: the peer's handshake is missing")
-    peer = json.loads(bytes(await _recv_exact(loop, sock, n)))
-    can_read = peer["host"] == host_identity() and peer["pid"] != os.getpid() and _native.cma_probe(
-        peer["pid"], peer["probe"], peer["value"])
-    await loop.sock_sendall(sock, _HEAD.pack(_MAGIC, _CAN, int(can_read)))
-    kind, peer_can_read = await _recv_head(loop, sock)
-    if kind != _CAN:
-        raise CommClosedError("linkwise comm: the peer's handshake is incomplete")
-    return {"peer_pid": peer["pid"], "peer_live": peer["live"], "live": live,
-            "send_by_address": bool(peer_can_read), "read_by_address": can_read}
 
 
 def _address(sock_addr) -> str:
@@ -384,8 +331,12 @@ class LinkwiseConnector(Connector):
                 sock.close()
                 error = exc
                 continue
+            except BaseException:  # cancelled (Dask's connect retries time out): no fd left behind
+                sock.close()
+                raise
+            set_keepalive(sock)
             try:
-                link = await _handshake(sock)
+                link = await handshake(sock)
             except BaseException:
                 sock.close()
                 raise
@@ -417,7 +368,16 @@ class LinkwiseListener(BaseListener):
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as exc:
+                if self._sock.fileno() < 0:  # stop()
+                    return
+                # Out of file descriptors (EMFILE), or a connection reset before it was taken:
+                # that one is lost, the listener is not (tcp:// logs and goes on too).
+                logger.warning("linkwise listener %s: accept failed: %s", self.listen_address, exc)
+                await asyncio.sleep(0.1)  # fds may take a while to free up: do not spin
+                continue
             task = loop.create_task(self._serve(conn))  # the loop keeps tasks only weakly
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -425,9 +385,10 @@ class LinkwiseListener(BaseListener):
     async def _serve(self, conn: socket.socket) -> None:
         conn.setblocking(False)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        set_keepalive(conn)
         self._handshaking.add(conn)
         try:
-            link = await _handshake(conn)
+            link = await handshake(conn)
         except (OSError, CommClosedError, ValueError, asyncio.TimeoutError, asyncio.CancelledError):
             conn.close()  # a port probe, a peer of another kind, or stop() meanwhile
             return
@@ -457,7 +418,7 @@ class LinkwiseListener(BaseListener):
         if self._sock is not None:
             self._sock.close()
         for conn in list(self._handshaking):  # their handshake reads EOF and gives up
-            _shutdown(conn)
+            shutdown(conn)
         self.abort_handshaking_comms()
 
     @property
@@ -483,6 +444,9 @@ class LinkwiseBackend(Backend):
 
     def get_address_host(self, loc: str) -> str:
         return parse_host_port(loc)[0]
+
+    def get_address_host_port(self, loc: str) -> tuple:
+        return parse_host_port(loc)
 
     def resolve_address(self, loc: str) -> str:
         host, port = parse_host_port(loc)

@@ -12,8 +12,11 @@ Contract:
     one raises PeerError, and its handlers run), then sends SIGTERM to every remaining rank's
     process group, SIGKILL after ``TERM_GRACE`` more seconds, and returns non-zero (S, or 128 +
     the signal number).
-  * SIGINT/SIGTERM received by the launcher are forwarded to every rank; a second one escalates
-    to SIGKILL.
+  * SIGINT, SIGTERM and SIGHUP (the terminal or ssh session closed) received by the launcher
+    are forwarded to every rank; a second one escalates to SIGKILL. A rank whose launcher dies
+    without forwarding (SIGKILL) gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``, Linux).
+  * When the launcher returns, every rank's process group is sent SIGKILL, also the groups of
+    ranks that have exited: processes a rank started in its group do not outlive the job.
   * Whatever happens, any /dev/shm/linkwise-<job_id>-* is removed at the end. linkwise's own
     shared memory (CPU transports, executor, GPU host staging) is anonymous memfds and never
     named there; the sweep only guards against a build or extension that names segments.
@@ -25,10 +28,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import glob
 import os
 import queue
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -42,6 +47,7 @@ from .bootstrap import SPARE_PORTS
 
 __all__ = ["add_arguments", "run", "main", "cpu_slices", "SHM_DIR"]
 
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PEER_GRACE = 1.0  # a shared-memory wait notices a dead peer within ~0.1 s, a socket at once
 TERM_GRACE = 3.0
 SHM_DIR = "/dev/shm"
@@ -52,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", choices=("none", "cpu", "auto"), default="none",
                    help="cpu: disjoint slices of the allowed cores; auto: from the topology "
                         "(cores, GPU, NIC near each rank), else as cpu")
-    p.add_argument("--master-port", type=int, default=None,
+    p.add_argument("--master-port", type=_port, default=None,
                    help="port of rank 0's rendezvous store (default: a free port)")
     p.add_argument("-m", dest="module", action="store_true",
                    help="the first argument is a module to run, as with python -m")
@@ -62,6 +68,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "python3 (mpirun's form: linkwise launch -n 2 python3 script.py)")
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="script.py|module|program args...",
                    help="the program and its arguments")
+
+
+def _port(text: str) -> int:
+    """argparse type of --master-port: a port number, checked before any rank starts."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"{port} is not in 1..65535")
+    return port
 
 
 def _is_command(first: str) -> bool:
@@ -96,19 +113,19 @@ def _bindings(mode: str, n: int, say) -> list[tuple[list[int], dict[str, str]]]:
         return [([], {}) for _ in range(n)]
     if mode == "auto":
         try:
-            from .topo.affinity import binding_for
+            from .topo.affinity import binding_for, socket_ifname
         except ImportError as exc:
             say(f"linkwise launch: topology-aware binding is not available ({exc}); "
                 f"binding to cores")
         else:
-            return _auto_bindings(binding_for, n, say) or _bindings("cpu", n, say)
+            return _auto_bindings(binding_for, socket_ifname, n, say) or _bindings("cpu", n, say)
     allowed = sorted(os.sched_getaffinity(0))
     if n > len(allowed):
         say(f"linkwise launch: {n} ranks on {len(allowed)} cores; ranks share cores")
     return [(s, {}) for s in cpu_slices(allowed, n)]
 
 
-def _auto_bindings(binding_for, n: int, say) -> list:
+def _auto_bindings(binding_for, socket_ifname, n: int, say) -> list:
     """Bindings from linkwise.topo.affinity; [] (after a message) if it fails."""
     try:
         out = []
@@ -117,8 +134,11 @@ def _auto_bindings(binding_for, n: int, say) -> list:
             extra = {}
             if getattr(b, "gpu", None) is not None:
                 extra["LINKWISE_DEVICE"] = str(b.gpu)
-            if getattr(b, "nic", None):
-                extra["LINKWISE_SOCKET_IFNAME"] = "=" + b.nic
+            # As bind(): the NIC's interface name (an RDMA device may have none), and never
+            # over an interface the user chose.
+            ifname = socket_ifname(b.nic) if getattr(b, "nic", None) else None
+            if ifname and not os.environ.get("LINKWISE_SOCKET_IFNAME"):
+                extra["LINKWISE_SOCKET_IFNAME"] = "=" + ifname
             out.append((list(b.cpus or []), extra))
         return out
     except Exception as exc:  # a topology bug must not stop the job from starting
@@ -155,9 +175,14 @@ class _Output:
         pipe.close()
 
     def say(self, text: str) -> None:
+        """The launcher's own message on stderr; dropped when nobody reads stderr any more
+        (the job's stop sequence and exit code must not depend on a reader)."""
         with self.lock:
-            sys.stderr.buffer.write(text.encode() + b"\n")
-            sys.stderr.buffer.flush()
+            try:
+                sys.stderr.buffer.write(text.encode() + b"\n")
+                sys.stderr.buffer.flush()
+            except (BrokenPipeError, ValueError):
+                pass
 
 
 def _describe(rank: int, status: int) -> str:
@@ -171,11 +196,12 @@ def _describe(rank: int, status: int) -> str:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+    """Signal the rank's process group, also once the rank itself has exited: the group's id
+    stays taken (no new process gets it) while any process it started is still in it."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def cleanup_shm(job_id: str) -> list[str]:
@@ -241,7 +267,7 @@ def _run_ranks(cmd, n, base, bind, out: _Output, procs: list) -> int:
     # is not lost, and a rank must not inherit an *ignored* SIGINT (a launcher started as a
     # background job of a non-interactive shell has one): exec resets handled signals to the
     # default, so the ranks' Python turns a forwarded SIGINT into KeyboardInterrupt.
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     try:
         code = _spawn(cmd, n, base, bind, out, procs)
         if code:
@@ -289,11 +315,42 @@ def _spawn(cmd, n, base, bind, out: _Output, procs: list) -> int:
             with thread_affinity(cpus):
                 procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                              process_group=0))
-    except OSError as exc:
-        out.say(f"linkwise launch: cannot start {cmd[1:]}: {exc}")
+                                              preexec_fn=_rank_preexec(os.getpid())))
+    except (OSError, subprocess.SubprocessError) as exc:
+        out.say(f"linkwise launch: cannot start {shlex.join(cmd)}: {exc}")
         return 2
     return 0
+
+
+def _rank_preexec(launcher_pid: int):
+    """What a rank's child process does before exec: its own process group (so that a
+    signal reaches whatever the rank starts), and SIGTERM when the launcher dies unforwarded
+    (Linux; the setting survives exec). Popen's process_group= would do the first from
+    Python 3.11 on; this works on 3.10 too. It runs between fork and exec, while the
+    launcher has no other thread (the output threads start after the last rank): two system
+    calls and a check, nothing that takes a lock."""
+    prctl = _libc_prctl()
+
+    def preexec() -> None:
+        os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+            if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
+                os.kill(os.getpid(), signal.SIGTERM)
+    return preexec
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _libc_prctl():
+    """libc's prctl, loaded in the launcher (not between fork and exec); None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
 
 
 def _supervise(procs: list, out: _Output, signals_seen: list) -> int:

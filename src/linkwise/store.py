@@ -90,7 +90,8 @@ def _recv_frame(sock: socket.socket) -> Optional[bytes]:
 # What to change when rank 0 cannot listen, by where the port came from (LaunchEnv.port_source).
 _PORT_HINTS = {
     "addr": "pass a free port in addr='host:port' (the same on every rank)",
-    "LINKWISE_MASTER_PORT": "set LINKWISE_MASTER_PORT to a free port",
+    "LINKWISE_MASTER_PORT": "set LINKWISE_MASTER_PORT to a free port (under linkwise launch: pass "
+                            "another --master-port, or none for a free one)",
     "MASTER_PORT": "the store takes MASTER_PORT + 1 (torch's own store has MASTER_PORT); choose another "
                    "MASTER_PORT, or set LINKWISE_MASTER_PORT to a free port",
     "derived": "set LINKWISE_MASTER_PORT to a free port (the same on every rank)",

@@ -113,8 +113,19 @@ def bind(local_rank: int, local_size: Optional[int] = None,
                   file=sys.stderr)
     if b.gpu is not None:
         os.environ["LINKWISE_DEVICE"] = str(b.gpu)
-    if b.nic and not os.environ.get("LINKWISE_SOCKET_IFNAME"):
-        nic = next((n for n in topology.nics if n.name == b.nic), None)
-        if nic is not None and nic.netdev:
-            os.environ["LINKWISE_SOCKET_IFNAME"] = "=" + nic.netdev
+    ifname = socket_ifname(b.nic, topology)
+    if ifname and not os.environ.get("LINKWISE_SOCKET_IFNAME"):
+        os.environ["LINKWISE_SOCKET_IFNAME"] = "=" + ifname
     return b
+
+
+def socket_ifname(nic_name: Optional[str], topology: Optional[Topology] = None) -> Optional[str]:
+    """The interface name of a Binding's NIC, for LINKWISE_SOCKET_IFNAME; None when there is
+    no NIC or it has no interface (an RDMA device without a netdev: TCP cannot use it)."""
+    if not nic_name:
+        return None
+    if topology is None:
+        from . import load_or_discover
+        topology = load_or_discover()
+    nic = next((n for n in topology.nics if n.name == nic_name), None)
+    return nic.netdev if nic is not None else None

@@ -1,0 +1,238 @@
+"""The Dask comm backend at its edges, each as tcp:// behaves: a peer's close does not hide the
+messages it sent before (Server.handle_comm stops at closed()), a read given up in the middle
+ends the comm, the listener outlives a failed accept and a malformed handshake, shards of a
+large frame arrive joinable without a copy, and Dask's address helpers work."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("distributed")
+from distributed.comm import CommClosedError, connect, get_address_host_port, listen  # noqa: E402
+from distributed.core import Server  # noqa: E402
+from distributed.protocol.utils import merge_memoryviews  # noqa: E402
+
+from linkwise import _dask_wire, dask_comm  # noqa: E402
+from test_dask_comm import SRC  # noqa: E402
+
+
+def _run(coro, timeout=60):
+    asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def test_messages_sent_before_the_peer_closed_are_all_handled():
+    async def main():
+        handled = []
+
+        async def op(i):
+            await asyncio.sleep(0.05)  # the handler takes a while: the close arrives meanwhile
+            handled.append(i)
+
+        server = Server({"op": op})
+        await server.listen("linkwise://127.0.0.1:0")
+        comm = await connect(server.address)
+        for i in range(3):
+            await comm.write({"op": "op", "i": i, "reply": False})
+        await comm.close()
+        for _ in range(100):
+            if len(handled) == 3:
+                break
+            await asyncio.sleep(0.05)
+        server.stop()
+        assert handled == [0, 1, 2]
+
+    _run(main())
+
+
+def test_closed_turns_true_once_the_last_message_is_read():
+    async def main():
+        comms = asyncio.Queue()
+        listener = listen("linkwise://127.0.0.1:0", comms.put)
+        await listener.start()
+        writer = await connect(listener.contact_address)
+        reader = await comms.get()
+        await writer.write({"i": 0})
+        await writer.close()
+        await asyncio.sleep(0.3)  # the reader task has seen the end by now
+        assert not reader.closed()
+        assert (await reader.read())["i"] == 0
+        assert reader.closed()
+        with pytest.raises(CommClosedError):
+            await reader.read()
+        listener.stop()
+
+    _run(main())
+
+
+def test_a_read_cancelled_while_deserialising_ends_the_comm(monkeypatch):
+    """Over the socket the message is gone once read() took it: going on would hand the next
+    read the message after it, one short and without a word."""
+    started = asyncio.Event
+
+    async def main():
+        taken = started()
+
+        async def slow_from_frames(*args, **kwargs):  # a large message deserialised in a thread
+            taken.set()
+            await asyncio.sleep(60)
+
+        comms = asyncio.Queue()
+        listener = listen("linkwise://127.0.0.1:0", comms.put)
+        await listener.start()
+        writer = await connect(listener.contact_address)
+        reader = await comms.get()
+        await writer.write({"i": 0})
+        await writer.write({"i": 1})
+        monkeypatch.setattr(dask_comm, "from_frames", slow_from_frames)
+        task = asyncio.ensure_future(reader.read())
+        await taken.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert reader.closed()
+        with pytest.raises(CommClosedError):
+            await reader.read()
+        await writer.close()
+        listener.stop()
+
+    _run(main())
+
+
+def test_listener_survives_a_failed_accept():
+    """EMFILE (out of file descriptors) used to end the accept loop for good."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        real_accept, failures = loop.sock_accept, []
+
+        async def flaky_accept(sock):
+            if len(failures) < 2:
+                failures.append(1)
+                await asyncio.sleep(0)
+                raise OSError(errno.EMFILE, "Too many open files")
+            return await real_accept(sock)
+
+        loop.sock_accept = flaky_accept
+
+        async def echo(comm):
+            await comm.write(await comm.read())
+
+        listener = listen("linkwise://127.0.0.1:0", echo)
+        await listener.start()
+        comm = await connect(listener.contact_address, timeout=10)
+        await comm.write({"x": 5})
+        assert (await asyncio.wait_for(comm.read(), 10))["x"] == 5
+        assert len(failures) == 2
+        await comm.close()
+        listener.stop()
+
+    _run(main())
+
+
+@pytest.mark.parametrize("body", [b"[]", b'{"x": 1}', b"not json", b'{"host": "h", "pid": -1, "probe": 0, '
+                                  b'"value": 0, "live": 0}'])
+def test_malformed_hello_closes_that_connection_only(body):
+    async def main():
+        async def echo(comm):
+            await comm.write(await comm.read())
+
+        listener = listen("linkwise://127.0.0.1:0", echo)
+        await listener.start()
+        host, port = get_address_host_port(listener.contact_address)
+        loop = asyncio.get_running_loop()
+        raw = socket.create_connection((host, port))
+        raw.setblocking(False)
+        await loop.sock_sendall(raw, _dask_wire.HEAD.pack(_dask_wire.MAGIC, _dask_wire.HELLO, len(body)) + body)
+        rest = b""
+        while True:  # the server's HELLO, then the end of the stream (not a hang)
+            chunk = await asyncio.wait_for(loop.sock_recv(raw, 4096), 10)
+            if not chunk:
+                break
+            rest += chunk
+        raw.close()
+        assert not listener._handshaking and not listener._tasks
+        comm = await connect(listener.contact_address)  # the listener goes on
+        await comm.write({"x": 1})
+        assert (await asyncio.wait_for(comm.read(), 10))["x"] == 1
+        await comm.close()
+        listener.stop()
+
+    _run(main())
+
+
+def test_address_helpers():
+    assert get_address_host_port("linkwise://127.0.0.1:8786") == ("127.0.0.1", 8786)
+    assert get_address_host_port("linkwise://[::1]:99") == ("::1", 99)
+
+
+def test_empty_frames_of_any_shape():
+    for shape in [(0,), (0, 5), (3, 0, 2)]:
+        assert _dask_wire.byte_view(np.zeros(shape)).nbytes == 0
+    assert _dask_wire.byte_view(np.arange(6.0).reshape(2, 3)).nbytes == 48
+
+
+# A peer that, once connected to, sends one 80 MiB array through Dask's array serializer.
+SENDER = """
+import asyncio, sys
+import numpy as np
+from distributed.comm import listen
+from distributed.protocol import to_serialize
+from linkwise import dask_comm
+
+async def main():
+    async def send(comm):
+        await comm.write({"x": to_serialize(np.arange(10 << 20, dtype=np.int64))})
+        await comm.read()  # until the test closes
+    listener = listen("linkwise://127.0.0.1:0", send)
+    await listener.start()
+    print(listener.contact_address, flush=True)
+    await asyncio.sleep(120)
+
+asyncio.run(main())
+"""
+
+
+def test_shards_of_a_large_frame_arrive_joinable():
+    """Dask cuts a frame over 64 MiB into shards and joins them without a copy only where they
+    are adjacent views of one buffer (as tcp:// delivers them); each arrived in a buffer of
+    its own before."""
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", SENDER], stdout=subprocess.PIPE, env=env, text=True)
+
+    async def main():
+        comm = await connect(proc.stdout.readline().strip())
+        assert comm._read_by_address
+        frames = await asyncio.wait_for(comm._messages.get(), 60)  # before deserialising
+        big = [f for f in frames if f.nbytes >= dask_comm.CMA_MIN]
+        assert [f.nbytes for f in big] == [64 << 20, 16 << 20]
+        joined = merge_memoryviews(big)  # raises where they are not adjacent in one buffer
+        assert np.array_equal(np.frombuffer(joined, np.int64), np.arange(10 << 20, dtype=np.int64))
+        await comm.close()
+
+    try:
+        _run(main(), timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_sockets_get_tcp_keepalive():
+    async def main():
+        comms = asyncio.Queue()
+        listener = listen("linkwise://127.0.0.1:0", comms.put)
+        await listener.start()
+        writer = await connect(listener.contact_address)
+        reader = await comms.get()
+        for comm in (writer, reader):
+            assert comm._sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        await writer.close()
+        await reader.close()
+        listener.stop()
+
+    _run(main())
