@@ -174,7 +174,13 @@ def _check_ranks(args, nranks: int) -> None:
 
 
 def _command(args) -> str:
-    argv = sys.argv[sys.argv.index(args.test):] if args.test in sys.argv else [args.test]
+    """The command as typed, for the JSON: every argument after ``bench`` (options may come
+    before the test's name), or this module's own arguments when run as ``python -m``."""
+    argv = sys.argv[1:]
+    if "bench" in argv:
+        argv = argv[argv.index("bench") + 1:]
+    elif args.test not in argv:  # called from Python (main(argv)): only the name is known
+        argv = [args.test]
     return "linkwise bench " + " ".join(shlex.quote(a) for a in argv)
 
 
@@ -203,9 +209,13 @@ def _finish(doc: dict, args) -> int:
     if lw.get("status") == "not available" and not measured:
         print(f"linkwise bench {coll}: {lw.get('reason')}", file=sys.stderr)
         return 2
-    wrong = sum((c.get("wrong") or 0) for s in measured for r in s.get("rows", [])
-                for c in (r.get("oop", {}), r.get("ip", {})) if isinstance(c, dict))
-    return max(written, 1 if wrong else 0)
+    wrong = {name: sum((c.get("wrong") or 0) for r in s.get("rows", [])
+                       for c in (r.get("oop", {}), r.get("ip", {})) if isinstance(c, dict))
+             for name, s in doc["systems"].items() if s.get("status") == "ok"}
+    for name, count in wrong.items():
+        if count and name != "linkwise":  # the table's own count is linkwise's
+            print(f"linkwise bench {coll}: {name} gave {count} wrong elements (rows in --json)", file=sys.stderr)
+    return max(written, 1 if any(wrong.values()) else 0)
 
 
 def _write_outputs(doc: dict, args, plot: bool = True) -> int:

@@ -131,6 +131,8 @@ def bind_torch_dist(dist, name: str, ops: dict, coll: str, inplace: bool, op: st
     if coll in ("sendrecv", "all_to_all") and inplace:
         raise Unsupported(f"{coll} in place")
     if coll == "sendrecv":
+        if size == 1 and name == "gloo":  # its pair to itself never connects (RuntimeError)
+            raise Unsupported("gloo cannot send to its own rank")
         nxt, prv = (rank + 1) % size, (rank - 1) % size
 
         def sendrecv():

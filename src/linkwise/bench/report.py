@@ -245,12 +245,20 @@ def _plot_lines(doc: dict) -> list[tuple]:
                 if pts:
                     lines.append((ax, name) + tuple(zip(*pts)))
             continue
-        for var, label in VARIANTS:
-            pts = [(r["size"], r[var]) for r in rows if r.get(var, {}).get("busbw", 0) > 0]
-            if pts:
-                lines.append((0, f"{name} ({label})", [p[0] for p in pts], [p[1]["busbw"] for p in pts]))
-                lines.append((1, f"{name} ({label})", [p[0] for p in pts], [p[1]["time_us"] for p in pts]))
-                break
+        # One line per type and op of the sweep (-d / -o with several), each named by them
+        # when there are several: one line through them all would double back on itself.
+        series: dict = {}
+        for r in rows:
+            series.setdefault((r.get("type"), r.get("redop")), []).append(r)
+        for (tname, redop), group in series.items():
+            what = f" {tname} {redop}" if len(series) > 1 else ""
+            for var, label in VARIANTS:
+                pts = [(r["size"], r[var]) for r in group if r.get(var, {}).get("busbw", 0) > 0]
+                if pts:
+                    name_var = f"{name} ({label}){what}"
+                    lines.append((0, name_var, [p[0] for p in pts], [p[1]["busbw"] for p in pts]))
+                    lines.append((1, name_var, [p[0] for p in pts], [p[1]["time_us"] for p in pts]))
+                    break
     return lines
 
 
