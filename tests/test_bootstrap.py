@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -376,6 +377,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="needs IPv6")
+def test_ipv6_master_address_gets_an_ipv6_listener():
+    """Rank 0 at fd00::5 (not loopback): it listened on 0.0.0.0, which no IPv6 client reaches."""
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    s = Store("fd00::5", 0, is_server=True, timeout=5)
+    try:
+        c = Store("::1", s.port, is_server=False, timeout=5)
+        c.set("k", b"v")
+        assert s.get("k") == b"v"
+        c.close()
+    finally:
+        s.close()
 
 
 def test_port_in_use_is_clear(server):

@@ -102,10 +102,12 @@ class _Server:
     """The store itself; lives in rank 0's process. See the module docstring for threading."""
 
     def __init__(self, host: str, port: int, token: bytes, spare_ports: int, port_source: str):
-        bind = host if host in _LOOPBACK else "0.0.0.0"
+        bind = host if host in _LOOPBACK else "::" if ":" in host else "0.0.0.0"
         if bind == "localhost":
             bind = "127.0.0.1"
-        family = socket.AF_INET6 if bind == "::1" else socket.AF_INET
+        # An IPv6 master address (fd00::5) needs an IPv6 listener; "::" takes IPv4 too where
+        # the system allows both on one socket.
+        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
         last = None
         ports = [port] if port == 0 else list(range(port, min(port + spare_ports, 65535) + 1))
         for p in ports:
@@ -273,7 +275,7 @@ class Store:
         if is_server:
             self._server = _Server(host, port, self._token, spare_ports, port_source)
             port = candidates[0] = self._server.port
-            host = "127.0.0.1" if self._server.bind == "0.0.0.0" else self._server.bind
+            host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self._server.bind, self._server.bind)
         elif spare_ports > 0 and port > 0:
             candidates = list(range(port, min(port + spare_ports, 65535) + 1))
         try:
