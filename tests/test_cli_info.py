@@ -87,6 +87,20 @@ def test_info_table(clean_env, capsys):
         assert name in out
 
 
+def test_info_table_with_markup_like_values(clean_env, capsys):
+    """Values and errors holding '[' ... ']' are text, not rich markup: a MarkupError
+    traceback before, and the transport's error showed its own [red] tags."""
+    clean_env.setenv("LINKWISE_TIMEOUT", "[/x]")
+    clean_env.setenv("LINKWISE_TRANSPORT", "bogus")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "[red]" not in out and "LINKWISE_TRANSPORT='bogus' is not valid" in out
+
+
+def test_single_process_has_no_port_source(clean_env, capsys):
+    assert info_json(capsys)["launcher"]["port_source"] == "none"
+
+
 def test_build_from_native(clean_env, capsys):
     fake = types.ModuleType("linkwise._native")
     fake.build_info = lambda: {"cuda": True, "compiler": "testcc 1"}

@@ -1,6 +1,7 @@
 """Topology model, fixtures, the nvidia-smi matrix, JSON round trip and affinity (no GPU)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 import linkwise.topo as topo_mod
 from linkwise.topo import (Topology, discover, fixture, fixture_names, format_cpulist,
                            parse_cpulist, render_matrix)
+from linkwise.netif import select_interface
 from linkwise.topo.affinity import Binding, binding_for
 from linkwise.topo.model import Link, Nic, NumaNode, Socket
 from linkwise.topo.sysfs import classify_pcie
@@ -178,7 +180,9 @@ def test_topo_file_env_is_used(tmp_path, monkeypatch):
     path = tmp_path / "saved.json"
     fixture("epyc-a100-pcie").save(str(path))
     monkeypatch.setenv("LINKWISE_TOPO_FILE", str(path))
-    assert topo_mod.load_or_discover(refresh=True) == fixture("epyc-a100-pcie")
+    got = topo_mod.load_or_discover(refresh=True)
+    assert got.source == f"file:{path}"
+    assert dataclasses.replace(got, source="") == dataclasses.replace(fixture("epyc-a100-pcie"), source="")
     assert binding_for(5, 8).gpu == 5       # binding_for(topology=None) follows the file
     monkeypatch.delenv("LINKWISE_TOPO_FILE")
     assert topo_mod.load_or_discover(refresh=True).source == "discovered"
@@ -190,18 +194,26 @@ def test_bind_applies_affinity_and_env(monkeypatch):
     monkeypatch.delenv("LINKWISE_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("LINKWISE_DEVICE", raising=False)
     cpus = sorted(before)
+    here = select_interface().name  # an interface that is up with an IPv4 address
+    nic = Nic(name=here, kind="ethernet", netdev=here, numa_node=0)
     t = Topology(sockets=[Socket(0, cpus, [0])], numa_nodes=[NumaNode(0, cpus, 0)],
-                 cpus_allowed=cpus, nics=[Nic(name="eth0", kind="ethernet", netdev="eth0",
-                                              numa_node=0)])
+                 cpus_allowed=cpus, nics=[nic])
+    # A faster NIC whose interface has no address here (a bond's member port): chosen as the
+    # binding's NIC, but TCP could not use it, so the default selection is left to choose.
+    bonded = Topology(sockets=t.sockets, numa_nodes=t.numa_nodes, cpus_allowed=cpus,
+                      nics=[nic, Nic(name="bondslave9", kind="ethernet", netdev="bondslave9",
+                                     numa_node=0, speed_mbps=100000)])
     try:
+        b = bind(0, 1, topology=bonded)
+        assert b.nic == "bondslave9" and "LINKWISE_SOCKET_IFNAME" not in os.environ
         b = bind(0, 1, topology=t)
         assert os.sched_getaffinity(0) == set(b.cpus)
-        assert os.environ["LINKWISE_SOCKET_IFNAME"] == "=eth0"
+        assert os.environ["LINKWISE_SOCKET_IFNAME"] == "=" + here
         assert "LINKWISE_DEVICE" not in os.environ      # no GPU
         dgx = fixture("dgx1")                            # its CPUs 0-79 mostly absent here
         b = bind(2, 8, topology=dgx)
         assert b.gpu == 2 and os.environ["LINKWISE_DEVICE"] == "2"
-        assert os.environ["LINKWISE_SOCKET_IFNAME"] == "=eth0"   # user's/earlier value kept
+        assert os.environ["LINKWISE_SOCKET_IFNAME"] == "=" + here   # user's/earlier value kept
     finally:
         os.sched_setaffinity(0, before)
         os.environ.pop("LINKWISE_SOCKET_IFNAME", None)

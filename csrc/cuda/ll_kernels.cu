@@ -8,7 +8,9 @@
 // optimum) and, from LINKWISE_GPU_LL_TWOPHASE_MIN / _LL_BCAST2_MIN bytes with 3+ ranks, two
 // phases (reduce-scatter + all-gather, scatter + all-gather for broadcast) that move each
 // byte over fewer links.
+#include <cctype>
 #include <cstdlib>
+#include <string>
 
 #include "cuda/ll128.cuh"
 #include "cuda/launch.h"
@@ -257,10 +259,22 @@ template <typename T, class Op> struct LLAllReduce {
   }
 };
 
-// Tuning knob read per call only when set at start-up (sweeps change it in one process).
+// Whether LINKWISE_GPU_TUNE was on at start-up: set and not one of config.py's false
+// spellings ("", 0, false, no, off), as `linkwise info` reports it.
+bool tuning_on() {
+  static const bool on = [] {
+    const char* e = std::getenv("LINKWISE_GPU_TUNE");
+    if (!e) return false;
+    std::string v(e);
+    for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return !(v.empty() || v == "0" || v == "false" || v == "no" || v == "off");
+  }();
+  return on;
+}
+
+// Tuning knob read per call only when tuning was on at start-up (sweeps change it in one process).
 int env_int(const char* name, int dflt) {
-  static const bool any = std::getenv("LINKWISE_GPU_TUNE") != nullptr;
-  if (!any) return dflt;
+  if (!tuning_on()) return dflt;
   const char* e = std::getenv(name);
   return e && std::atoi(e) > 0 ? std::atoi(e) : dflt;
 }
@@ -268,8 +282,7 @@ int env_int(const char* name, int dflt) {
 // LINKWISE_GPU_LL_VARIANT (ll.cuh's bits; 0 allowed) when LINKWISE_GPU_TUNE was set at
 // start-up, else kLLDefaultVariant.
 int ll_variant() {
-  static const bool any = std::getenv("LINKWISE_GPU_TUNE") != nullptr;
-  const char* e = any ? std::getenv("LINKWISE_GPU_LL_VARIANT") : nullptr;
+  const char* e = tuning_on() ? std::getenv("LINKWISE_GPU_LL_VARIANT") : nullptr;
   return e && *e ? std::atoi(e) : kLLDefaultVariant;
 }
 

@@ -63,7 +63,8 @@ class LaunchEnv:
     #: unless LINKWISE_MASTER_PORT_SPARE says otherwise.
     spare_ports: int = 0
     #: Where master_port came from, for error hints: "addr", "LINKWISE_MASTER_PORT",
-    #: "MASTER_PORT" (its port + 1) or "derived" (from the job id or the launcher).
+    #: "MASTER_PORT" (its port + 1), "derived" (from the job id or the launcher), or "none"
+    #: (a single process: port 0, any free one).
     port_source: str = field(default="derived", compare=False)
 
 
@@ -395,7 +396,7 @@ def detect(rank: Optional[int] = None, size: Optional[int] = None,
             raise BootstrapError(
                 f"cannot choose the rendezvous port: {launcher} gives no job id; set "
                 f"LINKWISE_MASTER_PORT (the same free port on every rank) or pass addr='host:port'")
-        port = 0
+        port, source = 0, "none"  # a single process: no store to find
 
     job_id = config.get("LINKWISE_JOB_ID") or (found.job_id if found else "") or ""
     spare = config.get("LINKWISE_MASTER_PORT_SPARE")

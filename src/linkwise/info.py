@@ -77,9 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _show(value: Any) -> str:
+    """Rich markup for a value: its text escaped (a value may hold '[' ... ']'), an error red."""
+    from rich.markup import escape
     if isinstance(value, dict) and "error" in value:
-        return f"[red]{value['error']}[/red]"
-    return "" if value is None else str(value)
+        return f"[red]{escape(str(value['error']))}[/red]"
+    return escape("" if value is None else str(value))
 
 
 def _print_rich(data: dict) -> None:
@@ -108,7 +110,7 @@ def _print_rich(data: dict) -> None:
                         f"local {lw['local_rank']} of {lw['local_size']}")
         summary.add_row("rendezvous", f"{lw['master_addr']}:{lw['master_port']}"
                         + (f"  job {lw['job_id']}" if lw["job_id"] else ""))
-    summary.add_row("transport", escape(_show(data["transport"])))
+    summary.add_row("transport", _show(data["transport"]))
     ifc = data["interface"]
     summary.add_row("interface", f"[red]{escape(ifc['error'])}[/red]" if "error" in ifc else
                     f"{ifc['name']} ({ifc['address']})" + (f"  [yellow]{escape(ifc['warning'])}"
@@ -123,8 +125,8 @@ def _print_rich(data: dict) -> None:
     for t in data["tunables"]:
         cur = t["current"]
         changed = not (isinstance(cur, dict) and "error" in cur) and cur != t["default"]
-        cur_text = escape(_show(cur)) if not isinstance(cur, dict) else _show(cur)
-        tun.add_row(t["name"], escape(_show(t["default"])),
+        cur_text = _show(cur)
+        tun.add_row(t["name"], _show(t["default"]),
                     f"[bold yellow]{cur_text}[/bold yellow]" if changed else cur_text,
                     escape(t["help"]))
     console.print(tun)

@@ -13,6 +13,7 @@ Topology is plain data; ``to_json``/``from_json`` round-trip exactly.
 from __future__ import annotations
 
 import os
+import socket
 from importlib import resources
 from typing import Optional
 
@@ -31,8 +32,16 @@ _cache: dict[str, Topology] = {}
 
 
 def load(path: str) -> Topology:
-    """A topology saved with ``Topology.save`` / ``linkwise topo --save``."""
-    return Topology.load(path)
+    """A topology saved with ``Topology.save`` / ``linkwise topo --save``, its source now
+    ``file:<path>``. Saved on this host, its allowed CPUs become this process's: they were
+    the saving process's, which a taskset or a cgroup may have narrowed (two ranks bound to
+    the one CPU a `taskset -c 0 linkwise topo --save` saw). A file from another host keeps
+    its own."""
+    topo = Topology.load(path)
+    topo.source = f"file:{path}"
+    if topo.hostname == socket.gethostname() and hasattr(os, "sched_getaffinity"):
+        topo.cpus_allowed = sorted(set(topo.cpus) & os.sched_getaffinity(0)) or list(topo.cpus)
+    return topo
 
 
 def fixture_names() -> list[str]:
@@ -57,7 +66,7 @@ def load_or_discover(refresh: bool = False) -> Topology:
     path = _topo_file()
     key = f"file:{path}" if path else "discovered"
     if refresh or key not in _cache:
-        _cache[key] = Topology.load(path) if path else discover()
+        _cache[key] = load(path) if path else discover()
     return _cache[key]
 
 

@@ -121,11 +121,17 @@ def bind(local_rank: int, local_size: Optional[int] = None,
 
 def socket_ifname(nic_name: Optional[str], topology: Optional[Topology] = None) -> Optional[str]:
     """The interface name of a Binding's NIC, for LINKWISE_SOCKET_IFNAME; None when there is
-    no NIC or it has no interface (an RDMA device without a netdev: TCP cannot use it)."""
+    no NIC, it has no interface (an RDMA device without a netdev), or its interface is not up
+    with an IPv4 address here (a bond's member port: the address is the bond's, which the
+    default selection finds), since TCP could not use it."""
     if not nic_name:
         return None
     if topology is None:
         from . import load_or_discover
         topology = load_or_discover()
     nic = next((n for n in topology.nics if n.name == nic_name), None)
-    return nic.netdev if nic is not None else None
+    if nic is None or not nic.netdev:
+        return None
+    from ..netif import list_interfaces
+    usable = {i.name for i in list_interfaces() if i.address and i.up}
+    return nic.netdev if nic.netdev in usable else None

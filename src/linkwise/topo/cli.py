@@ -9,19 +9,41 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from dataclasses import asdict
 from typing import Optional
 
 from . import fixture, fixture_names, load, load_or_discover
+from .affinity import binding_for
 from .model import Topology
 from .render import render_bindings, render_matrix, render_summary
 
 
+MAX_RANKS = 4096  # --ranks: ranks of one host (the binding table grows with the square)
+
+
 def _size(text: str) -> int:
-    """``268435456``, ``256M``, ``1G``, ``64KiB`` -> bytes."""
+    """``268435456``, ``256M``, ``1G``, ``64KiB`` -> bytes, at least 1."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
-    return int(float(t[:-1] if t[-1:] in "KMG" else t) * mult)
+    try:
+        value = int(float(t[:-1] if t[-1:] in "KMG" else t) * mult)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 256M, 1G)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: need at least 1 byte")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: need at least 1")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of THIS machine (needs PyTorch and a GPU)")
     parser.add_argument("--size", type=_size, default=256 << 20,
                         help="bytes per bandwidth copy in --probe (default 256M)")
-    parser.add_argument("--iters", type=int, default=10,
+    parser.add_argument("--iters", type=_positive, default=10,
                         help="timed copies per pair in --probe (default 10)")
     parser.add_argument("--reference", action="store_true",
                         help="with --probe: also time cudaMemcpyPeer (CuPy) per GPU pair "
@@ -51,16 +73,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _topology(args) -> Topology:
-    if args.fixture:
+    if args.fixture is not None:
+        if args.fixture not in fixture_names():  # also no paths: --fixture ../x
+            raise ValueError(f"no topology fixture {args.fixture!r}; have {', '.join(fixture_names())}")
         return fixture(args.fixture)
-    if args.load:
+    if args.load is not None:
+        if not args.load:
+            raise ValueError("--load needs a file name")
         return load(args.load)
     return load_or_discover()
 
 
 def run(args) -> int:
-    if args.ranks is not None and args.ranks < 1:
-        print(f"linkwise topo: --ranks {args.ranks}: need at least 1 rank", file=sys.stderr)
+    """The exit status; a reader of stdout that goes away (``linkwise topo | head``) ends
+    the output quietly."""
+    try:
+        return _run(args)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the flush at exit must not raise again
+        os.close(devnull)
+        return 0
+
+
+def _run(args) -> int:
+    if args.ranks is not None and not 1 <= args.ranks <= MAX_RANKS:
+        print(f"linkwise topo: --ranks {args.ranks}: need 1 to {MAX_RANKS} ranks", file=sys.stderr)
         return 2
     try:
         topo = _topology(args)
@@ -69,18 +107,25 @@ def run(args) -> int:
         print(f"linkwise topo: {text}", file=sys.stderr)
         return 2
     if args.save:
-        topo.save(args.save)
+        try:
+            topo.save(args.save)
+        except OSError as exc:
+            print(f"linkwise topo: --save {args.save}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
         print(f"saved {topo.source} topology to {args.save}", file=sys.stderr)
 
     probed: Optional[dict] = None
     if args.probe or args.plot:
         probed = _run_probe(args, topo)
 
+    plot_error = (probed or {}).pop("plot_error", None)
     if args.json:
         extra = {k: v for k, v in (probed or {}).items() if k != "text"}
         doc = topo.to_dict() if probed is None else {"topology": topo.to_dict(), **extra}
+        if args.ranks:
+            doc = dict(doc, bindings=[asdict(binding_for(r, args.ranks, topo)) for r in range(args.ranks)])
         print(json.dumps(doc, indent=1))
-        return 0
+        return _said(plot_error)
     print(render_summary(topo))
     print()
     print(render_matrix(topo))
@@ -91,6 +136,15 @@ def run(args) -> int:
     if probed and "text" in probed:
         print()
         print(probed.pop("text"))
+    return _said(plot_error)
+
+
+def _said(plot_error: Optional[str]) -> int:
+    """1 after one line on stderr when --plot could not be written (the tables are out)."""
+    if plot_error:
+        sys.stdout.flush()
+        print(plot_error, file=sys.stderr)
+        return 1
     return 0
 
 
@@ -130,8 +184,12 @@ def _run_probe(args, topo: Topology) -> dict:
         else:
             out["text"] += "\n\ncudaMemcpyPeer reference: CuPy missing or fewer than 2 GPUs"
     if args.plot:
-        plot_bandwidth(result, args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr)
+        try:
+            plot_bandwidth(result, args.plot)
+            print(f"wrote {args.plot}", file=sys.stderr)
+        except Exception as exc:  # noqa: BLE001 - matplotlib raises many kinds; the probe's results still print
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            out["plot_error"] = f"linkwise topo: --plot {args.plot}: {why}"
     return out
 
 

@@ -212,8 +212,19 @@ class Topology:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Topology":
+        """Raises ValueError for anything that is not a saved topology (wrong format, or
+        fields of the wrong shape), never another error."""
+        if not isinstance(d, dict):
+            raise ValueError(f"not a linkwise topology (a JSON {type(d).__name__}, not an object)")
         if d.get("format", "linkwise-topology") != "linkwise-topology":
             raise ValueError(f"not a linkwise topology (format={d.get('format')!r})")
+        try:
+            return cls._from_fields(d)
+        except (TypeError, AttributeError, KeyError) as exc:
+            raise ValueError(f"not a linkwise topology ({exc})") from None
+
+    @classmethod
+    def _from_fields(cls, d: dict[str, Any]) -> "Topology":
         kinds = {"sockets": Socket, "numa_nodes": NumaNode, "gpus": Gpu, "nics": Nic,
                  "links": Link}
         names = {f.name for f in fields(cls)}
@@ -240,5 +251,6 @@ class Topology:
 
     @classmethod
     def load(cls, path: str) -> "Topology":
+        """Exactly what was saved (linkwise.topo.load also notes where it came from)."""
         with open(path, encoding="utf-8") as f:
             return cls.from_json(f.read())

@@ -172,7 +172,7 @@ def render_probe(result: ProbeResult) -> str:
                 ("-" if v is None else format(v, fmt)).rjust(w) for v in row))
         return out
 
-    lines = table(f"bandwidth GB/s ({result.size_bytes >> 20} MiB copies, "
+    lines = table(f"bandwidth GB/s ({_bytes_text(result.size_bytes)} copies, "
                   f"mean of {result.iters})", result.bandwidth_gbs, ".1f")
     lines += [""] + table(f"latency us ({result.latency_bytes} B copies)",
                           result.latency_us, ".2f")
@@ -195,7 +195,7 @@ def plot_bandwidth(result: ProbeResult, path: str) -> None:
     ax.set_yticks(range(n), result.devices)
     ax.set_xlabel("destination")
     ax.set_ylabel("source")
-    ax.set_title(f"copy bandwidth, GB/s ({result.size_bytes >> 20} MiB)")
+    ax.set_title(f"copy bandwidth, GB/s ({_bytes_text(result.size_bytes)})")
     mid = (np.nanmin(m) + np.nanmax(m)) / 2 if np.isfinite(m).any() else 0.0
     for s in range(n):
         for d in range(n):
@@ -206,3 +206,11 @@ def plot_bandwidth(result: ProbeResult, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _bytes_text(n: int) -> str:
+    """256 MiB, 64 KiB, 100 B: the largest unit that divides n (a 1 KiB probe said 0 MiB)."""
+    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"

@@ -16,20 +16,22 @@ def render_matrix(topo: Topology, legend: bool = True) -> str:
         lines = ["(no GPUs and no real NICs: nothing to put in a matrix)"]
     else:
         width = max(6, max(len(d) for d in devices) + 2)
-        head = " " * width + "".join(d.ljust(width) for d in devices)
-        lines = [head + "CPU Affinity".ljust(16) + "NUMA Affinity"]
         gpu_by_label = {g.label: g for g in topo.gpus}
+        affinity = {g.label: format_cpulist(topo.gpu_cpus(g.index)) or "N/A" for g in topo.gpus}
+        # Wide enough for the longest CPU list and a space: the NUMA column stays a token of its own.
+        cpu_width = max([16] + [len(a) + 2 for a in affinity.values()])
+        head = " " * width + "".join(d.ljust(width) for d in devices)
+        lines = [head + "CPU Affinity".ljust(cpu_width) + "NUMA Affinity"]
         nic_by_name = {n.name: n for n in topo.real_nics()}
         for a in devices:
             row = a.ljust(width) + "".join(topo.link_class(a, b).ljust(width) for b in devices)
             if a in gpu_by_label:
                 g = gpu_by_label[a]
-                cpus = format_cpulist(topo.gpu_cpus(g.index)) or "N/A"
                 numa = "N/A" if g.numa_node is None else str(g.numa_node)
-                row += cpus.ljust(16) + numa
+                row += affinity[a].ljust(cpu_width) + numa
             else:
                 node = nic_by_name[a].numa_node
-                row += "".ljust(16) + ("" if node is None else str(node))
+                row += "".ljust(cpu_width) + ("" if node is None else str(node))
             lines.append(row.rstrip())
     if legend:
         lines += ["", "Legend:", ""]

@@ -205,6 +205,8 @@ def read_nics(sysfs: str, warnings: list[str], notes: list[str]) -> list[Nic]:
         warnings.append(f"no network interfaces readable under {net_dir}")
     for name in names:
         base = os.path.join(net_dir, name)
+        if not os.path.isdir(base):  # bonding_masters and the like: files, not interfaces
+            continue
         real = os.path.realpath(base)
         ntype = read_int(os.path.join(base, "type"))
         kind = {1: "ethernet", 32: "infiniband", 772: "loopback"}.get(ntype or -1, "other")

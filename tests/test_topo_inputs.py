@@ -1,0 +1,105 @@
+"""`linkwise topo` on odd input: files of the wrong shape, outputs that cannot be written, bad
+probe arguments, a stdout reader that goes away; long CPU lists in the matrix; a saved
+topology loaded back on the host (and CPU mask) it came from."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from linkwise import topo as topo_mod
+from linkwise.topo import fixture
+from linkwise.topo.probe import ProbeResult, render_probe
+from linkwise.topo.render import render_matrix
+from linkwise.topo.sysfs import read_nics
+from test_topo_cli import run
+
+SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(topo_mod.__file__))))
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "null", '{"gpus": 5}', '{"gpus": [{"name": "x"}]}',
+                                  '{"nics": [7]}'])
+def test_load_of_the_wrong_shape_is_one_line(tmp_path, capsys, text):
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    assert run(["--load", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("linkwise topo: not a linkwise topology") and len(err.splitlines()) == 1, err
+
+
+def test_empty_or_path_like_names_are_refused(capsys):
+    for argv in (["--fixture", ""], ["--fixture", "../fixtures/dgx1"], ["--load", ""]):
+        assert run(argv) == 2, argv
+        assert capsys.readouterr().err.startswith("linkwise topo: "), argv
+
+
+def test_save_that_fails_is_one_line(tmp_path, capsys):
+    assert run(["--fixture", "dgx1", "--save", str(tmp_path / "no" / "such" / "dir.json")]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"linkwise topo: --save {tmp_path / 'no' / 'such' / 'dir.json'}: No such file or directory")
+
+
+@pytest.mark.parametrize("argv", [["--iters", "0"], ["--iters", "-2"], ["--size", "-5"],
+                                  ["--size", "0"], ["--size", "inf"], ["--size", "1e400"],
+                                  ["--ranks", "100000"]])
+def test_probe_and_ranks_arguments_are_checked(argv, capsys):
+    try:
+        code = run(["--fixture", "dgx1", *argv])
+    except SystemExit as exc:  # argparse's usage error
+        code = exc.code
+    assert code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_json_with_ranks_has_the_bindings(capsys):
+    assert run(["--fixture", "dgx1", "--json", "--ranks", "8"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [b["gpu"] for b in doc["bindings"]] == list(range(8))
+    assert doc["bindings"][0]["cpus"][:2] == [0, 1]
+
+
+def test_long_cpu_affinity_keeps_the_numa_column_apart():
+    t = fixture("dgx1")
+    t.gpus[0].cpu_affinity = list(range(0, 20)) + list(range(40, 60)) + [100, 101]
+    row = next(line for line in render_matrix(t, legend=False).splitlines() if line.startswith("GPU0"))
+    tokens = row.split()
+    assert tokens[-2:] == ["0-19,40-59,100-101", "0"], row
+
+
+def test_loaded_on_its_own_host_uses_this_processes_cpus(tmp_path):
+    t = fixture("epyc-a100-pcie")
+    t.hostname = socket.gethostname()
+    t.cpus_allowed = [t.cpus[0]]  # as a `taskset -c 0` process saved it
+    path = tmp_path / "here.json"
+    t.save(str(path))
+    got = topo_mod.load(str(path))
+    assert got.source == f"file:{path}"
+    assert got.cpus_allowed == sorted(set(t.cpus) & os.sched_getaffinity(0)) or got.cpus_allowed == t.cpus
+    other = fixture("epyc-a100-pcie")  # saved on another host: its own mask stays
+    other.save(str(tmp_path / "there.json"))
+    assert topo_mod.load(str(tmp_path / "there.json")).cpus_allowed == other.cpus_allowed
+
+
+def test_probe_sizes_below_a_mib_are_labelled():
+    r = ProbeResult(devices=["host", "GPU0"], size_bytes=1024, iters=1, latency_bytes=8, backend="torch",
+                    bandwidth_gbs=[[None, 1.0], [1.0, None]], latency_us=[[None, 1.0], [1.0, None]])
+    assert "1 KiB copies" in render_probe(r)
+
+
+def test_files_in_the_net_directory_are_not_interfaces(tmp_path):
+    net = tmp_path / "class" / "net"
+    (net / "lo").mkdir(parents=True)
+    (net / "lo" / "type").write_text("772\n")
+    (net / "bonding_masters").write_text("bond0\n")
+    names = [n.name for n in read_nics(str(tmp_path), [], [])]
+    assert names == ["lo"]
+
+
+def test_output_to_a_closed_pipe_is_quiet():
+    p = subprocess.run(f"{sys.executable} -m linkwise.cli topo --fixture dgx1 | head -1", shell=True,
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=SRC))
+    assert p.stdout.startswith("host") and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
