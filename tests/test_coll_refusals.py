@@ -136,3 +136,69 @@ def _close_with_pending(comm):
 
 def test_close_fails_an_async_collective_pending_in_shared_memory():
     assert run_ranks(3, _close_with_pending, timeout=60) == ["aborted"] * 3
+
+
+def _refused_after_numbering(comm, case):
+    """Rank 1 alone passes what only the native layer used to refuse, after the call had
+    taken its number: the others waited for the timeout (20 s here), then its own next call
+    did too. Now every rank raises at once."""
+    t0 = time.monotonic()
+    try:
+        if case == "readonly_out":
+            x, out = np.ones(8, np.float32), np.empty(8, np.float32)
+            out.flags.writeable = comm.rank != 1
+            comm.all_reduce(x, out=out)
+        else:  # a scatter larger than the executor's 32 KiB, objects at the root
+            n = 30000  # float64 blocks of 240 KB: messages
+            if comm.rank == 1:
+                comm.scatter(np.array([None] * (n * comm.size), dtype=object), root=1)
+            else:
+                comm.scatter(None, root=1, out=np.empty(n, np.float64))
+        what = "returned"
+    except (ValueError, TypeError) as exc:
+        what = type(exc).__name__
+    except Exception as exc:  # noqa: BLE001 - the peers' error kind is what is tested
+        what = type(exc).__name__
+    first = time.monotonic() - t0
+    try:  # stays alive and calls again: its peers must not learn of the refusal by its exit
+        comm.all_reduce(np.ones(2, np.float32))
+    except Exception:  # noqa: BLE001 - the collectives stop after a refusal; how fast is tested
+        pass
+    return what, first, time.monotonic() - t0 - first
+
+
+@pytest.mark.parametrize("case", ["readonly_out", "object_scatter"])
+def test_one_ranks_late_refusal_is_told_at_once(case):
+    env = {"LINKWISE_TIMEOUT": "20"}
+    if case == "readonly_out":
+        env["LINKWISE_ALGO"] = "ring"  # the message path: the executor refused in time already
+    out = run_ranks(3, _refused_after_numbering, case, env=env)
+    assert out[1][0] in ("ValueError", "TypeError"), out
+    assert all(first < 5 and then < 5 for _, first, then in out), out  # not the 20 s timeout
+
+
+def _byte_order_with_dtype(comm):
+    try:
+        comm.all_reduce(np.ones(4, ">f4"), dtype="float32")
+        return "accepted"
+    except TypeError as exc:
+        return "byte order" in str(exc)
+
+
+def test_dtype_argument_does_not_skip_the_byte_order_check():
+    assert run_ranks(2, _byte_order_with_dtype) == [True, True]
+
+
+def _bf16_outs(comm):
+    import ml_dtypes
+    x = np.arange(4, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    rs = comm.reduce_scatter(x, out=np.empty(4 // comm.size, "V2"))
+    u = np.arange(4, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+    ar = comm.all_reduce(u, out=np.empty(4, ml_dtypes.bfloat16), dtype="bfloat16")
+    return rs.view(ml_dtypes.bfloat16).astype(np.float32).tolist(), ar.astype(np.float32).tolist()
+
+
+def test_bfloat16_forms_match_as_out():
+    pytest.importorskip("ml_dtypes")
+    out = run_ranks(2, _bf16_outs)
+    assert out == [([0.0, 2.0], [0.0, 2.0, 4.0, 6.0]), ([4.0, 6.0], [0.0, 2.0, 4.0, 6.0])], out

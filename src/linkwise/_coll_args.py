@@ -160,6 +160,8 @@ def _as_array(x: Any, what: str, name: str = "x") -> np.ndarray:
             a = _as_buffer(x, what)  # a NumPy view; a CPU torch.bfloat16 tensor comes typed bfloat16
     if not a.flags.c_contiguous:
         raise ValueError(f"{what}: {name} is not C-contiguous; pass np.ascontiguousarray({name})")
+    if a.dtype.hasobject:  # refused here, before the call takes its number (not natively, after)
+        raise TypeError(f"{what}: {name} holds Python objects ({a.dtype}); only plain numbers can be sent")
     return a
 
 
@@ -177,12 +179,18 @@ def _dtype_name(a: np.ndarray, dtype: Optional[str]) -> str:
             raise TypeError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}")
         if np.dtype(dtype if dtype != "bfloat16" else np.uint16).itemsize != a.itemsize:
             raise TypeError(f"dtype={dtype!r} does not match the array's {a.itemsize}-byte elements")
+        if not a.dtype.isnative:  # dtype= names the values' type, not their byte order
+            raise _byte_order_error(a)
         return dtype
     name = _NAMES.get(a.dtype)
     if name is None and not a.dtype.isnative:  # '>f4' is named float32, but is not reduced as one
-        raise TypeError(f"the array's byte order is not this machine's ({a.dtype.str}); reductions need "
-                        f"native byte order: x.astype(x.dtype.newbyteorder('='))")
+        raise _byte_order_error(a)
     return name if name is not None else _dtype_label(a.dtype)
+
+
+def _byte_order_error(a: np.ndarray) -> TypeError:
+    return TypeError(f"the array's byte order is not this machine's ({a.dtype.str}); reductions need "
+                     f"native byte order: x.astype(x.dtype.newbyteorder('='))")
 
 
 _LABELS: dict = {}
@@ -209,15 +217,20 @@ def _skips_on_argument_error(method):
     every rank refused it (the same arguments everywhere), they stay in step and go on; if only
     this rank did, the others are in the call: those waiting there for this rank raise at once
     (_skip_call tells them), and this rank's next call meets it under another number, which
-    raises on both sides (a mismatch) instead of pairing with it. A call that raised natively
-    has already failed the communicator (every later call raises), so the skip changes nothing
-    there (nor is a refusal published then)."""
+    raises on both sides (a mismatch) instead of pairing with it. A call refused natively
+    after it took its number on the message path (CollectivesMixin._refused_under_number) was
+    published under that number already: no second number is taken. A call that failed
+    natively otherwise has already failed the communicator (every later call raises), so the
+    skip changes nothing there (nor is a refusal published then)."""
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
         seq = self._coll_seq
+        self.__dict__.pop("_refused_natively", None)
         try:
             return method(self, *args, **kwargs)
         except (ValueError, TypeError):
+            if self.__dict__.pop("_refused_natively", False):
+                raise  # refused under the number it had taken, and the peers told (_run)
             # Refused before LINKWISE_CHECK's exchange (it takes a number): join it anyway.
             if self._coll_seq == seq and _env_set(b"LINKWISE_CHECK") and config.get("LINKWISE_CHECK") \
                     and self.__dict__.get("_native") is not None and self.size > 1:

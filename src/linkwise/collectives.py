@@ -27,6 +27,7 @@ rank when they do not.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Optional
 
@@ -142,7 +143,8 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
             args = (KINDS[kind], xr, outr, dcode, OPS.get(op, 0), root, self._next_seq(), algo, chunk,
                     order, parent, children, self.timeout)
             if inline:  # a failure here stops the shared-memory executor natively (Engine's failure hook)
-                _native_module().coll(self._native, *args)
+                with self._refused_under_number(args[6]):
+                    _native_module().coll(self._native, *args)
                 return result
         if worker is None:
             worker = self._coll_worker = _native_module().CollWorker(self._native)
@@ -150,7 +152,9 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         # Each call queued ahead may take up to the timeout before this one starts; and the
         # call's own error (raised natively at its timeout) should win over this wait's.
         ahead = worker.pending
-        req = CollectiveRequest(worker.submit(*args), self.timeout * (1 + ahead) + 1.0, result)
+        with self._refused_under_number(args[6] if shm is None else None):
+            submitted = worker.submit(*args)
+        req = CollectiveRequest(submitted, self.timeout * (1 + ahead) + 1.0, result)
         if async_op:
             return req
         try:
@@ -159,6 +163,22 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
             # A collective that failed stopped the shared-memory executor natively already;
             # this wait may also give up first (its own timeout), leaving the call behind.
             self._stop_shm()
+            raise
+
+    @contextlib.contextmanager
+    def _refused_under_number(self, seq: Optional[int]):
+        """Around a native call that already has its number `seq` (the message path): an
+        argument error raised there (before any data moves; say, an out= the buffer protocol
+        will not give writable) is a refusal of that call, so the peers waiting in it get the
+        notice for `seq`, and _skips_on_argument_error must not number one more call as
+        refused (it would tell them about the next number and leave this rank one ahead)."""
+        try:
+            yield
+        except (ValueError, TypeError):
+            native = self.__dict__.get("_native")
+            if seq is not None and native is not None:
+                native.notify_refused(seq)
+                self._refused_natively = True
             raise
 
     def _root(self, root: Any, op: str) -> int:
@@ -184,10 +204,14 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         if not a.flags.writeable:
             raise ValueError(f"{what}: the result array is read-only; pass a writable array or out=")
 
-    def _same(self, a: np.ndarray, b: np.ndarray, what: str, n: int = 1) -> None:
-        # Two forms of one dtype match (a V2 array against an ml_dtypes / torch bfloat16 one).
-        same_dtype = b.dtype == a.dtype or _dtype_name(a, None) == _dtype_name(b, None) == "bfloat16"
-        if not same_dtype or b.size != a.size * n:
+    @staticmethod
+    def _same_dtype(a: np.ndarray, b: np.ndarray, dt: Optional[str] = None) -> bool:
+        """Two forms of one dtype match (a V2 array against an ml_dtypes / torch bfloat16
+        one; with dt, the call's dtype=, a uint16 x named bfloat16 too)."""
+        return b.dtype == a.dtype or (dt or _dtype_name(a, None)) == _dtype_name(b, None) == "bfloat16"
+
+    def _same(self, a: np.ndarray, b: np.ndarray, what: str, n: int = 1, dt: Optional[str] = None) -> None:
+        if not self._same_dtype(a, b, dt) or b.size != a.size * n:
             raise ValueError(f"{what}: out must be a {a.dtype} array of {a.size * n} elements, "
                              f"got {b.dtype} with {b.size}")
 
@@ -243,7 +267,10 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
             self._writable(x, "all_reduce")
         else:
             out = _host_out(out, "all_reduce")
-            self._same(x, out, "all_reduce")
+            self._same(x, out, "all_reduce", dt=dt)
+            # Here, not natively once the call has its number: a refusal there left the other
+            # ranks waiting in the call for this one (message path).
+            self._writable(out, "all_reduce")
         return self._run("all_reduce", x, out, dt, op, 0, x.size, x.nbytes, async_op, result)
 
     def broadcast(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False,
@@ -354,7 +381,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
             out = result = np.empty(block_shape(x.shape, self.size), dtype=x.dtype)
         else:
             result, out = out, _host_out(out, "reduce_scatter")
-            if out.dtype != x.dtype or out.size * self.size != x.size:
+            if not self._same_dtype(x, out, dt) or out.size * self.size != x.size:
                 raise ValueError(f"reduce_scatter: out must be a {x.dtype} array of {x.size // self.size} "
                                  f"elements, got {out.dtype} with {out.size}")
         self._writable(out, "reduce_scatter")
