@@ -332,7 +332,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
                 self._writable(x, "reduce")
         else:  # checked on every rank, though only the root writes it: a bad one raises everywhere
             out = _as_array(out, "reduce")
-            self._same(x, out, "reduce")
+            self._same(x, out, "reduce", dt=dt)
             self._writable(out, "reduce")
         return self._run("reduce", x, out if self.rank == root else None, dt, op, root, x.size, x.nbytes,
                          async_op, result)
