@@ -27,6 +27,15 @@ def _run(coro, timeout=60):
     asyncio.run(asyncio.wait_for(coro, timeout))
 
 
+async def _pair():
+    """A listener and the two ends of one comm to it: (listener, writer, reader)."""
+    comms = asyncio.Queue()
+    listener = listen("linkwise://127.0.0.1:0", comms.put)
+    await listener.start()
+    writer = await connect(listener.contact_address)
+    return listener, writer, await comms.get()
+
+
 def test_messages_sent_before_the_peer_closed_are_all_handled():
     async def main():
         handled = []
@@ -53,11 +62,7 @@ def test_messages_sent_before_the_peer_closed_are_all_handled():
 
 def test_closed_turns_true_once_the_last_message_is_read():
     async def main():
-        comms = asyncio.Queue()
-        listener = listen("linkwise://127.0.0.1:0", comms.put)
-        await listener.start()
-        writer = await connect(listener.contact_address)
-        reader = await comms.get()
+        listener, writer, reader = await _pair()
         await writer.write({"i": 0})
         await writer.close()
         await asyncio.sleep(0.3)  # the reader task has seen the end by now
@@ -83,11 +88,7 @@ def test_a_read_cancelled_while_deserialising_ends_the_comm(monkeypatch):
             taken.set()
             await asyncio.sleep(60)
 
-        comms = asyncio.Queue()
-        listener = listen("linkwise://127.0.0.1:0", comms.put)
-        await listener.start()
-        writer = await connect(listener.contact_address)
-        reader = await comms.get()
+        listener, writer, reader = await _pair()
         await writer.write({"i": 0})
         await writer.write({"i": 1})
         monkeypatch.setattr(dask_comm, "from_frames", slow_from_frames)
@@ -224,11 +225,7 @@ def test_shards_of_a_large_frame_arrive_joinable():
 
 def test_sockets_get_tcp_keepalive():
     async def main():
-        comms = asyncio.Queue()
-        listener = listen("linkwise://127.0.0.1:0", comms.put)
-        await listener.start()
-        writer = await connect(listener.contact_address)
-        reader = await comms.get()
+        listener, writer, reader = await _pair()
         for comm in (writer, reader):
             assert comm._sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         await writer.close()
