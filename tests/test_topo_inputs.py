@@ -103,3 +103,45 @@ def test_output_to_a_closed_pipe_is_quiet():
     p = subprocess.run(f"{sys.executable} -m linkwise.cli topo --fixture dgx1 | head -1", shell=True,
                        capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=SRC))
     assert p.stdout.startswith("host") and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+
+
+def test_cuda_visible_devices_picks_and_numbers_the_gpus():
+    from linkwise.topo.affinity import binding_for, visible_gpus
+    t = fixture("dgx1")  # 8 GPUs
+    assert visible_gpus(t, {}) is None
+    assert visible_gpus(t, {"CUDA_VISIBLE_DEVICES": "6,2"}) == [6, 2]
+    assert visible_gpus(t, {"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert visible_gpus(t, {"CUDA_VISIBLE_DEVICES": "3,99,1"}) == [3]  # CUDA stops at a bad entry
+    assert visible_gpus(t, {"CUDA_VISIBLE_DEVICES": "MIG-abc"}) is None
+    t.gpus[5].uuid = "GPU-1234abcd-0000"
+    assert visible_gpus(t, {"CUDA_VISIBLE_DEVICES": "GPU-1234"}) == [5]
+    b = [binding_for(r, 2, t, visible=[6, 2]) for r in range(2)]
+    # rank 0 gets GPU6 (CUDA ordinal 0) and GPU6's CPUs, not GPU0's
+    assert [(x.gpu, x.device) for x in b] == [(6, 0), (2, 1)]
+    assert set(b[0].cpus) <= set(t.gpu_cpus(6))
+    assert set(b[1].cpus) <= set(t.gpu_cpus(2))
+    none = binding_for(0, 1, t, visible=[])  # no GPU visible: placed as without GPUs
+    assert none.gpu is None and none.device is None
+
+
+def test_bind_uses_cuda_visible_devices_for_the_device(tmp_path, monkeypatch):
+    from linkwise.topo.affinity import bind
+    t = fixture("dgx1")
+    t.hostname = "elsewhere"  # keeps its own CPUs when loaded
+    path = tmp_path / "dgx1.json"
+    t.save(str(path))
+    monkeypatch.setenv("LINKWISE_TOPO_FILE", str(path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    monkeypatch.delenv("LINKWISE_LOCAL_SIZE", raising=False)
+    monkeypatch.delenv("LINKWISE_DEVICE", raising=False)
+    before = os.sched_getaffinity(0)
+    topo_mod.load_or_discover(refresh=True)
+    try:
+        b = bind(1)  # local size: the 2 visible GPUs
+        assert (b.gpu, b.device, os.environ["LINKWISE_DEVICE"]) == (5, 1, "1")
+    finally:
+        os.sched_setaffinity(0, before)
+        os.environ.pop("LINKWISE_DEVICE", None)
+        os.environ.pop("LINKWISE_SOCKET_IFNAME", None)
+        monkeypatch.delenv("LINKWISE_TOPO_FILE")
+        topo_mod.load_or_discover(refresh=True)

@@ -132,8 +132,9 @@ def _auto_bindings(binding_for, socket_ifname, n: int, say) -> list:
         for k in range(n):
             b = binding_for(k, n)
             extra = {}
-            if getattr(b, "gpu", None) is not None:
-                extra["LINKWISE_DEVICE"] = str(b.gpu)
+            if getattr(b, "gpu", None) is not None:  # its CUDA ordinal (CUDA_VISIBLE_DEVICES)
+                device = getattr(b, "device", None)
+                extra["LINKWISE_DEVICE"] = str(b.gpu if device is None else device)
             # As bind(): the NIC's interface name (an RDMA device may have none), and never
             # over an interface the user chose.
             ifname = socket_ifname(b.nic) if getattr(b, "nic", None) else None

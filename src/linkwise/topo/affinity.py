@@ -5,7 +5,11 @@ it for ``--bind auto``. ``bind`` applies it to the calling process, for processe
 another launcher (torchrun, mpirun, srun, Dask).
 
 Rules
-- GPU: ``local_rank % ngpus``.
+- GPU: ``local_rank % ngpus`` over the GPUs CUDA can see: with ``CUDA_VISIBLE_DEVICES`` set
+  (indices or ``GPU-<uuid>`` prefixes), those, in its order; ``Binding.gpu`` is then the
+  GPU's index in the topology (NVML's) and ``Binding.device`` its CUDA ordinal, which
+  ``LINKWISE_DEVICE`` gets. The variable is read for this machine's topology (none passed);
+  ``visible=`` gives the list for any other.
 - CPUs: the GPU's CPU affinity (NVML), else its NUMA node's CPUs, else all CPUs; ranks that
   share one GPU split that list into contiguous, disjoint slices (one CPU at least each).
 - No GPU: the allowed CPUs are split into ``local_size`` contiguous, disjoint slices.
@@ -24,9 +28,10 @@ from .model import Topology
 
 @dataclass(frozen=True)
 class Binding:
-    gpu: Optional[int]
+    gpu: Optional[int]                  # the GPU's index in the topology (NVML's order)
     cpus: list[int] = field(default_factory=list)
     nic: Optional[str] = None
+    device: Optional[int] = None        # its CUDA ordinal (= gpu unless CUDA_VISIBLE_DEVICES reorders)
 
 
 def _slice(items: list[int], k: int, n: int) -> list[int]:
@@ -43,26 +48,53 @@ def _slice(items: list[int], k: int, n: int) -> list[int]:
     return list(items[lo:hi])
 
 
-def binding_for(local_rank: int, local_size: int,
-                topology: Optional[Topology] = None) -> Binding:
+def binding_for(local_rank: int, local_size: int, topology: Optional[Topology] = None,
+                visible: Optional[list[int]] = None) -> Binding:
+    """See the module docstring. ``visible``: the topology indices of the GPUs CUDA sees, in
+    CUDA's order (None: every GPU; read from CUDA_VISIBLE_DEVICES when topology is None)."""
     if local_size < 1 or not 0 <= local_rank < local_size:
         raise ValueError(f"local_rank {local_rank} not in [0, local_size={local_size})")
     if topology is None:
         from . import load_or_discover
         topology = load_or_discover()
+        if visible is None:
+            visible = visible_gpus(topology)
     topo = topology
     allowed = sorted(topo.cpus_allowed or topo.cpus)
-    if topo.gpus:
-        gpus = sorted(g.index for g in topo.gpus)
+    gpus = sorted(g.index for g in topo.gpus) if visible is None else list(visible)
+    if gpus:
         gpu = gpus[local_rank % len(gpus)]
         sharers = [r for r in range(local_size) if gpus[r % len(gpus)] == gpu]
         near = sorted(topo.gpu_cpus(gpu))
         allowed_set = set(allowed)
         usable = [c for c in near if c in allowed_set] if allowed else near
         cpus = _slice(usable or near, sharers.index(local_rank), len(sharers))
-        return Binding(gpu=gpu, cpus=cpus, nic=topo.nearest_nic(gpu))
+        return Binding(gpu=gpu, cpus=cpus, nic=topo.nearest_nic(gpu), device=gpus.index(gpu))
     cpus = _slice(allowed, local_rank, local_size)
     return Binding(gpu=None, cpus=cpus, nic=_nic_for_cpus(topo, cpus))
+
+
+def visible_gpus(topo: Topology, env: Optional[dict] = None) -> Optional[list[int]]:
+    """The topology indices of the GPUs ``CUDA_VISIBLE_DEVICES`` leaves CUDA, in its order;
+    None when it is unset (all) or names what cannot be mapped here (MIG instances). As CUDA
+    does, the list ends at the first entry that names no GPU. Integer entries are taken as
+    NVML's (PCI bus) order, which is CUDA's on machines of one GPU model."""
+    value = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    out: list[int] = []
+    for item in (v.strip() for v in value.split(",")):
+        if item.startswith("MIG-"):
+            return None
+        if item.lstrip("-").isdigit():
+            idx = int(item)
+            match = [g.index for g in topo.gpus if g.index == idx]
+        else:
+            match = [g.index for g in topo.gpus if g.uuid and item and g.uuid.startswith(item)]
+        if len(match) != 1 or match[0] in out:
+            break
+        out.append(match[0])
+    return out
 
 
 def _nic_for_cpus(topo: Topology, cpus: list[int]) -> Optional[str]:
@@ -93,16 +125,20 @@ def bind(local_rank: int, local_size: Optional[int] = None,
 
     Sets the CPU affinity of the calling thread's process (``os.sched_setaffinity``; CPUs
     this process may not use are dropped, and if none remain the affinity is left alone),
-    sets ``LINKWISE_DEVICE`` to the GPU index, and sets ``LINKWISE_SOCKET_IFNAME`` to
+    sets ``LINKWISE_DEVICE`` to the GPU's CUDA ordinal, and sets ``LINKWISE_SOCKET_IFNAME`` to
     ``=<nic>`` unless the user has already set it. ``local_size`` defaults to the launcher's
-    variable (LINKWISE_LOCAL_SIZE, LOCAL_WORLD_SIZE, OMPI/MVAPICH/Slurm), else the GPU count,
-    else ``local_rank + 1``."""
+    variable (LINKWISE_LOCAL_SIZE, LOCAL_WORLD_SIZE, OMPI/MVAPICH/Slurm), else the count of
+    GPUs CUDA sees, else ``local_rank + 1``. Without ``topology``, this machine's, and
+    CUDA_VISIBLE_DEVICES applies."""
+    visible = None
     if topology is None:
         from . import load_or_discover
         topology = load_or_discover()
+        visible = visible_gpus(topology)
     if local_size is None:
-        local_size = _local_size_from_env() or max(len(topology.gpus), local_rank + 1)
-    b = binding_for(local_rank, local_size, topology)
+        seen = len(topology.gpus) if visible is None else len(visible)
+        local_size = _local_size_from_env() or max(seen, local_rank + 1)
+    b = binding_for(local_rank, local_size, topology, visible)
     if b.cpus and hasattr(os, "sched_setaffinity"):
         mine = os.sched_getaffinity(0)
         cpus = [c for c in b.cpus if c in mine]
@@ -112,7 +148,7 @@ def bind(local_rank: int, local_size: Optional[int] = None,
             print(f"linkwise.bind: CPUs {b.cpus} not allowed here; affinity unchanged",
                   file=sys.stderr)
     if b.gpu is not None:
-        os.environ["LINKWISE_DEVICE"] = str(b.gpu)
+        os.environ["LINKWISE_DEVICE"] = str(b.gpu if b.device is None else b.device)
     ifname = socket_ifname(b.nic, topology)
     if ifname and not os.environ.get("LINKWISE_SOCKET_IFNAME"):
         os.environ["LINKWISE_SOCKET_IFNAME"] = "=" + ifname
