@@ -202,3 +202,26 @@ def test_bfloat16_forms_match_as_out():
     pytest.importorskip("ml_dtypes")
     out = run_ranks(2, _bf16_outs)
     assert out == [([0.0, 2.0], [0.0, 2.0, 4.0, 6.0]), ([4.0, 6.0], [0.0, 2.0, 4.0, 6.0])], out
+
+
+def _split_after_a_death(comm):
+    if comm.rank == 2:
+        return "left"  # its process exits without joining the split
+    t0 = time.monotonic()
+    try:
+        comm.split(0)
+        what = "returned"
+    except Exception as exc:  # noqa: BLE001 - the kind is what is tested
+        what = type(exc).__name__, getattr(exc, "peer", None)
+    took = time.monotonic() - t0
+    if comm.rank == 0:
+        time.sleep(1.0)  # it hosts the store: rank 1 must meet the death, not the store's end
+    return what, took
+
+
+def test_split_with_a_dead_peer_raises_peer_error_at_once():
+    """It waited for the whole timeout, then raised a TimeoutError naming a store key."""
+    out = run_ranks(3, _split_after_a_death, env={"LINKWISE_TIMEOUT": "20"}, expect_fail=True)
+    for rank in (0, 1):
+        kind, value = out[rank]
+        assert kind == "ok" and value[0] == ("PeerError", 2) and value[1] < 5, out

@@ -314,7 +314,9 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         if self.size == 1:
             cards = [json.loads(me)]
         else:
-            cards = [json.loads(c) for c in self._store.all_gather(tag, self.rank, self.size, me)]
+            native = self._native  # a peer that died fails the split at once (PeerError)
+            alive = native.peer_alive if native is not None else None
+            cards = [json.loads(c) for c in self._store.all_gather(tag, self.rank, self.size, me, alive=alive)]
         refused = [(r, c[1]) for r, c in enumerate(cards) if c[0] == "refused"]
         if refused:
             r, reason = refused[0]

@@ -36,7 +36,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from .errors import BootstrapError, PeerError, TimeoutError
 
@@ -447,14 +447,30 @@ class Store:
                                f"{t:g} s; a rank is missing or stuck") from None
 
     def all_gather(self, name: str, rank: int, size: int, value: bytes,
-                   timeout: Optional[float] = None) -> list[bytes]:
-        """Every rank contributes ``value``; returns all ``size`` values in rank order."""
+                   timeout: Optional[float] = None,
+                   alive: Optional[Callable[[int], bool]] = None) -> list[bytes]:
+        """Every rank contributes ``value``; returns all ``size`` values in rank order.
+        ``alive(r)`` (a communicator's peer check): a rank whose value is missing and whose
+        process is gone raises PeerError within ~0.25 s instead of the timeout."""
         if not 0 <= rank < size:
             raise ValueError(f"all_gather {name!r}: rank {rank} is not in 0..{size - 1}")
         deadline = time.monotonic() + (self.timeout if timeout is None else float(timeout))
         self.set(f"__ag/{name}/{rank}", value)
-        return [self.get(f"__ag/{name}/{r}", timeout=max(0.0, deadline - time.monotonic()))
-                for r in range(size)]
+        out = []
+        for r in range(size):
+            key = f"__ag/{name}/{r}"
+            while True:
+                left = max(0.0, deadline - time.monotonic())
+                try:
+                    out.append(self.get(key, timeout=left if alive is None else min(left, 0.25)))
+                    break
+                except TimeoutError:
+                    if alive is not None and not alive(r):
+                        raise PeerError(f"rank {rank}: rank {r} exited before it joined {name!r}",
+                                        rank=rank, peer=r, op=name) from None
+                    if alive is None or time.monotonic() >= deadline:
+                        raise
+        return out
 
     def close(self) -> None:
         """Close the connection and, on rank 0, the server (others then get StoreClosedError)."""
