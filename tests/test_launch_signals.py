@@ -148,3 +148,27 @@ def test_bind_auto_uses_the_interface_name_and_keeps_the_users(monkeypatch):
     assert got == [([0], {"LINKWISE_SOCKET_IFNAME": "=eth3"}), ([1], {})]
     monkeypatch.setenv("LINKWISE_SOCKET_IFNAME", "lo")
     assert launch._bindings("auto", 2, print) == [([0], {}), ([1], {})]
+
+
+def test_ctrl_c_exits_130_without_blaming_a_rank(tmp_path):
+    """Ranks that turn the forwarded SIGINT into their own exit status (a KeyboardInterrupt
+    handler's sys.exit(1)) are the signal's doing: exit 130, as a shell reports Ctrl-C."""
+    d = tmp_path / "pids"
+    d.mkdir()
+    script = tmp_path / "prog.py"
+    script.write_text("import os, sys, time\nRANK = int(os.environ['LINKWISE_RANK'])\n"
+                      + PIDS.format(d=str(d)) + "print('ready', flush=True)\n"
+                      "try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    sys.exit(1)\n")
+    p = subprocess.Popen([sys.executable, "-m", "linkwise.cli", "launch", "-n", "2", str(script)],
+                         env=dict(os.environ, PYTHONPATH=SRC), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    for _ in range(2):
+        assert "ready" in p.stdout.readline()
+    pids = _pids(d, ["0", "1"])
+    try:
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=10)
+        assert p.returncode == 130 and "exited with status" not in err, (p.returncode, err)
+    finally:
+        p.kill()
+        _kill_all(pids)

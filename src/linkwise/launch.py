@@ -13,7 +13,8 @@ Contract:
     process group, SIGKILL after ``TERM_GRACE`` more seconds, and returns non-zero (S, or 128 +
     the signal number).
   * SIGINT, SIGTERM and SIGHUP (the terminal or ssh session closed) received by the launcher
-    are forwarded to every rank; a second one escalates to SIGKILL. A rank whose launcher dies
+    are forwarded to every rank; a second one escalates to SIGKILL. The launcher then exits
+    128 + the signal (130 for Ctrl-C), whatever status the ranks end with. A rank whose launcher dies
     without forwarding (SIGKILL) gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``, Linux).
   * When the launcher returns, every rank's process group is sent SIGKILL, also the groups of
     ranks that have exited: processes a rank started in its group do not outlive the job.
@@ -384,8 +385,9 @@ def _supervise(procs: list, out: _Output, signals_seen: list) -> int:
                 deadline = None
             continue
         left -= 1
-        if status != 0 and code == 0:
-            # The first failure decides the exit code; the ranks we stop are not news.
+        if status != 0 and code == 0 and not signals_seen:
+            # The first failure decides the exit code; the ranks we stop are not news, nor
+            # are ranks ending on a signal passed on to them (Ctrl-C: 130, as the shell says).
             out.say(_describe(k, status))
             code = status if status > 0 else 128 - status
             if left:
