@@ -341,10 +341,16 @@ def _select_on_async(comm, algo):
     if algo:
         os.environ["LINKWISE_ALGO"] = algo
     x = np.full(1000, comm.rank + 1.0, np.float32)
-    if comm.rank == 1:
-        time.sleep(0.5)  # rank 0's request cannot be done before rank 1 calls
-    req = comm.all_reduce(x, async_op=True)
-    early = select.select([req], [], [], 0)[0] if comm.rank == 0 else []
+    token = np.zeros(1, np.int32)
+    comm.all_reduce(np.zeros(1, np.float32))  # sets up the shared-memory executor (every rank joins)
+    if comm.rank == 1:  # calls only once rank 0 has looked: its request cannot be done before
+        comm.recv(token, src=0, tag=5)
+        req = comm.all_reduce(x, async_op=True)
+        early = []
+    else:
+        req = comm.all_reduce(x, async_op=True)
+        early = select.select([req], [], [], 0)[0]
+        comm.send(token, dst=1, tag=5)
     ready = select.select([req], [], [], 30)[0]
     return len(early), len(ready), float(req.wait()[0])
 
