@@ -199,11 +199,19 @@ def _describe(rank: int, status: int) -> str:
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     """Signal the rank's process group, also once the rank itself has exited: the group's id
-    stays taken (no new process gets it) while any process it started is still in it."""
+    stays taken (no new process gets it) while any process it started is still in it. A
+    group found empty once is never signalled again (its id may go to another process)."""
+    if getattr(proc, "group_gone", False):
+        return
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
-        pass
+        proc.group_gone = True
+
+
+def _note_group_state(proc: subprocess.Popen) -> None:
+    """Right after the rank was reaped: whether anything is left in its group."""
+    _signal_group(proc, 0)
 
 
 def cleanup_shm(job_id: str) -> list[str]:
@@ -385,6 +393,7 @@ def _supervise(procs: list, out: _Output, signals_seen: list) -> int:
                 deadline = None
             continue
         left -= 1
+        _note_group_state(procs[k])
         if status != 0 and code == 0 and not signals_seen:
             # The first failure decides the exit code; the ranks we stop are not news, nor
             # are ranks ending on a signal passed on to them (Ctrl-C: 130, as the shell says).
