@@ -233,3 +233,18 @@ def test_sockets_get_tcp_keepalive():
         listener.stop()
 
     _run(main())
+
+
+def test_abort_from_another_thread_ends_the_comm_on_its_loop():
+    """Dask's rpc.__del__ may abort a comm from a thread without a loop: the work is handed
+    to the comm's own loop (asyncio's queue and futures are not thread-safe)."""
+    async def main():
+        listener, writer, reader = await _pair()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, writer.abort)
+        assert writer.closed()
+        with pytest.raises(CommClosedError):
+            await asyncio.wait_for(reader.read(), 10)  # the peer sees the end
+        listener.stop()
+
+    _run(main())

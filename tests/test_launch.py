@@ -260,14 +260,12 @@ def test_cpu_slices():
 
 def test_bind_auto_uses_topology(monkeypatch):
     fake = types.ModuleType("linkwise.topo.affinity")
-    fake.binding_for = lambda k, n: types.SimpleNamespace(cpus=[k], gpu=k, nic="eth0" if k else None)
-    fake.socket_ifname = lambda nic: nic
-    monkeypatch.delenv("LINKWISE_SOCKET_IFNAME", raising=False)
+    fake.binding_for = lambda k, n: types.SimpleNamespace(cpus=[k], gpu=k)
+    fake.binding_env = lambda b: {"LINKWISE_DEVICE": str(b.gpu)}  # each rank gets its binding's variables
     monkeypatch.setitem(sys.modules, "linkwise.topo.affinity", fake)
     said = []
     got = launch._bindings("auto", 2, said.append)
-    assert got == [([0], {"LINKWISE_DEVICE": "0"}),
-                   ([1], {"LINKWISE_DEVICE": "1", "LINKWISE_SOCKET_IFNAME": "=eth0"})]
+    assert got == [([0], {"LINKWISE_DEVICE": "0"}), ([1], {"LINKWISE_DEVICE": "1"})]
     assert said == []
 
 
@@ -279,7 +277,7 @@ def test_bind_auto_falls_back_to_cpu(monkeypatch):
     assert "not available" in said[0]
     broken = types.ModuleType("linkwise.topo.affinity")
     broken.binding_for = lambda k, n: 1 / 0
-    broken.socket_ifname = lambda nic: nic
+    broken.binding_env = lambda b: {}
     monkeypatch.setitem(sys.modules, "linkwise.topo.affinity", broken)
     said.clear()
     assert launch._bindings("auto", 1, said.append) == got and "failed" in said[0]

@@ -8,11 +8,9 @@ import signal
 import subprocess
 import sys
 import time
-import types
 
 import pytest
 
-from linkwise import launch
 from test_launch import PIDS, SRC, _wait_others, alive, run_launch
 
 # Each rank starts a sleeper in its process group and notes its pid beside its own.
@@ -131,23 +129,6 @@ def test_failure_message_to_a_closed_stderr_keeps_the_exit_code(tmp_path):
     finally:
         os.close(write_end)
     assert p.returncode == 3
-
-
-def _fake_affinity(monkeypatch, nic_names):
-    fake = types.ModuleType("linkwise.topo.affinity")
-    fake.binding_for = lambda k, n: types.SimpleNamespace(cpus=[k], gpu=None, nic="nic%d" % k)
-    fake.socket_ifname = lambda nic: nic_names.get(nic)
-    monkeypatch.setitem(sys.modules, "linkwise.topo.affinity", fake)
-
-
-def test_bind_auto_uses_the_interface_name_and_keeps_the_users(monkeypatch):
-    # nic1 is an RDMA device without an interface: no LINKWISE_SOCKET_IFNAME for it.
-    _fake_affinity(monkeypatch, {"nic0": "eth3"})
-    monkeypatch.delenv("LINKWISE_SOCKET_IFNAME", raising=False)
-    got = launch._bindings("auto", 2, print)
-    assert got == [([0], {"LINKWISE_SOCKET_IFNAME": "=eth3"}), ([1], {})]
-    monkeypatch.setenv("LINKWISE_SOCKET_IFNAME", "lo")
-    assert launch._bindings("auto", 2, print) == [([0], {}), ([1], {})]
 
 
 def test_ctrl_c_exits_130_without_blaming_a_rank(tmp_path):

@@ -78,7 +78,7 @@ def test_loaded_on_its_own_host_uses_this_processes_cpus(tmp_path):
     t.save(str(path))
     got = topo_mod.load(str(path))
     assert got.source == f"file:{path}"
-    assert got.cpus_allowed == sorted(set(t.cpus) & os.sched_getaffinity(0)) or got.cpus_allowed == t.cpus
+    assert got.cpus_allowed == (sorted(set(t.cpus) & os.sched_getaffinity(0)) or t.cpus)
     other = fixture("epyc-a100-pcie")  # saved on another host: its own mask stays
     other.save(str(tmp_path / "there.json"))
     assert topo_mod.load(str(tmp_path / "there.json")).cpus_allowed == other.cpus_allowed
@@ -99,10 +99,30 @@ def test_files_in_the_net_directory_are_not_interfaces(tmp_path):
     assert names == ["lo"]
 
 
-def test_output_to_a_closed_pipe_is_quiet():
-    p = subprocess.run(f"{sys.executable} -m linkwise.cli topo --fixture dgx1 | head -1", shell=True,
+@pytest.mark.parametrize("tool, first", [("topo --fixture dgx1", "host"), ("info --json", "{")])
+def test_output_to_a_closed_pipe_is_quiet(tool, first):
+    p = subprocess.run(f"{sys.executable} -m linkwise.cli {tool} | head -1", shell=True,
                        capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=SRC))
-    assert p.stdout.startswith("host") and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+    assert p.stdout.startswith(first) and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+
+
+def test_ranks_of_this_machine_follow_cuda_visible_devices(tmp_path, monkeypatch, capsys):
+    t = fixture("dgx1")
+    path = tmp_path / "here.json"
+    t.save(str(path))
+    monkeypatch.setenv("LINKWISE_TOPO_FILE", str(path))  # stands for this machine's
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,2")
+    topo_mod.load_or_discover(refresh=True)
+    try:
+        assert run(["--json", "--ranks", "2"]) == 0
+        got = [(b["gpu"], b["device"]) for b in json.loads(capsys.readouterr().out)["bindings"]]
+        assert got == [(6, 0), (2, 1)]
+        assert run(["--fixture", "dgx1", "--json", "--ranks", "2"]) == 0  # a fixture is another machine
+        got = [(b["gpu"], b["device"]) for b in json.loads(capsys.readouterr().out)["bindings"]]
+        assert got == [(0, 0), (1, 1)]
+    finally:
+        monkeypatch.delenv("LINKWISE_TOPO_FILE")
+        topo_mod.load_or_discover(refresh=True)
 
 
 def test_cuda_visible_devices_picks_and_numbers_the_gpus():
@@ -145,3 +165,24 @@ def test_bind_uses_cuda_visible_devices_for_the_device(tmp_path, monkeypatch):
         os.environ.pop("LINKWISE_SOCKET_IFNAME", None)
         monkeypatch.delenv("LINKWISE_TOPO_FILE")
         topo_mod.load_or_discover(refresh=True)
+
+
+def test_binding_env_names_usable_interfaces_and_keeps_the_users(monkeypatch):
+    """What bind() and `linkwise launch --bind auto` give a rank: the CUDA ordinal, and the
+    NIC's interface when TCP can use it here; launch put an RDMA device's name (no interface)
+    and a user's choice was overwritten before."""
+    import linkwise.netif as netif
+    from linkwise.topo.affinity import Binding, binding_env
+    from linkwise.topo.model import Nic
+    t = fixture("dgx1")
+    t.nics = [Nic(name="eth3", kind="ethernet", netdev="eth3"), Nic(name="mlx5_0", kind="infiniband"),
+              Nic(name="eth9", kind="ethernet", netdev="eth9")]
+    monkeypatch.setattr(netif, "list_interfaces", lambda: [netif.Interface("eth3", "10.0.0.5", True),
+                                                          netif.Interface("eth9", "", True)])
+    monkeypatch.delenv("LINKWISE_SOCKET_IFNAME", raising=False)
+    assert binding_env(Binding(gpu=6, nic="eth3", device=0), t) == {
+        "LINKWISE_DEVICE": "0", "LINKWISE_SOCKET_IFNAME": "=eth3"}
+    assert binding_env(Binding(gpu=None, nic="mlx5_0"), t) == {}   # no interface
+    assert binding_env(Binding(gpu=None, nic="eth9"), t) == {}     # no IPv4 address (a bond member)
+    monkeypatch.setenv("LINKWISE_SOCKET_IFNAME", "lo")
+    assert binding_env(Binding(gpu=2, nic="eth3"), t) == {"LINKWISE_DEVICE": "2"}

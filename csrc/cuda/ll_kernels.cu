@@ -279,8 +279,8 @@ int env_int(const char* name, int dflt) {
   return e && std::atoi(e) > 0 ? std::atoi(e) : dflt;
 }
 
-// LINKWISE_GPU_LL_VARIANT (ll.cuh's bits; 0 allowed) when LINKWISE_GPU_TUNE was set at
-// start-up, else kLLDefaultVariant.
+// LINKWISE_GPU_LL_VARIANT (ll.cuh's bits; 0 allowed) when tuning was on at start-up
+// (tuning_on), else kLLDefaultVariant.
 int ll_variant() {
   const char* e = tuning_on() ? std::getenv("LINKWISE_GPU_LL_VARIANT") : nullptr;
   return e && *e ? std::atoi(e) : kLLDefaultVariant;

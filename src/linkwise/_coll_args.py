@@ -211,6 +211,11 @@ def _raw(a: np.ndarray) -> np.ndarray:
     return a
 
 
+# Set on an argument error the native layer raised after the call took its number (and that
+# refusal was announced under it): CollectivesMixin._refused_under_number.
+REFUSED_UNDER_NUMBER = "_linkwise_refused_under_number"
+
+
 def _skips_on_argument_error(method):
     """Wraps a collective: when its arguments raise on this rank (ValueError, TypeError) before
     it reached the native layer, this rank numbers its calls as if it had run (_skip_call). If
@@ -225,11 +230,10 @@ def _skips_on_argument_error(method):
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
         seq = self._coll_seq
-        self.__dict__.pop("_refused_natively", None)
         try:
             return method(self, *args, **kwargs)
-        except (ValueError, TypeError):
-            if self.__dict__.pop("_refused_natively", False):
+        except (ValueError, TypeError) as exc:
+            if getattr(exc, REFUSED_UNDER_NUMBER, False):
                 raise  # refused under the number it had taken, and the peers told (_run)
             # Refused before LINKWISE_CHECK's exchange (it takes a number): join it anyway.
             if self._coll_seq == seq and _env_set(b"LINKWISE_CHECK") and config.get("LINKWISE_CHECK") \

@@ -6,7 +6,8 @@ torchrun, Open MPI, MPICH/Hydra, Slurm ``srun``) or explicit arguments into a
 ``master_addr:master_port`` is re-exported here.
 
 Contract: :func:`detect` is a function of its arguments and ``os.environ`` (no sockets; the
-only I/O is reading /proc for the MPI daemon of a local mpirun that gives no job id); it raises ``ValueError`` for values that are wrong (rank >= size, negative numbers,
+only I/O is reading /proc for the MPI daemon of a local mpirun that gives no job id); it
+raises ``ValueError`` for values that are wrong (rank >= size, negative numbers,
 non-integers) and :class:`~linkwise.errors.BootstrapError` when the environment does not say
 enough to find rank 0 (then it says which variable to set).
 

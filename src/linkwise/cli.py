@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from typing import Optional
 
@@ -68,7 +69,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     parser = argparse.ArgumentParser(prog=f"linkwise {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)
-    return int(module.run(parser.parse_args(rest)) or 0)
+    try:
+        return int(module.run(parser.parse_args(rest)) or 0)
+    except BrokenPipeError:
+        # A reader of stdout that went away (`linkwise topo | head`): end quietly, as other
+        # Unix tools do; later writes and the flush at exit go nowhere instead of raising.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ from . import _gpu_coll, _shm_exec, config
 from ._coll_fast import all_reduce_bf16_fast
 from .plan.schedule import default_schedule
 from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from here
-    _ENV, _FAST_CODES, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, CollectiveRequest, _as_array,
+    _ENV, _FAST_CODES, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, REFUSED_UNDER_NUMBER,
+    CollectiveRequest, _as_array,
     _check_tunables, _dtype_label, _dtype_name, _env_set, _host_out, _native_module, _raw,
     _skips_on_argument_error,
     block_shape, check_agree, gathered_shape)
@@ -170,15 +171,16 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         """Around a native call that already has its number `seq` (the message path): an
         argument error raised there (before any data moves; say, an out= the buffer protocol
         will not give writable) is a refusal of that call, so the peers waiting in it get the
-        notice for `seq`, and _skips_on_argument_error must not number one more call as
-        refused (it would tell them about the next number and leave this rank one ahead)."""
+        notice for `seq`, and the error is marked (REFUSED_UNDER_NUMBER) so that
+        _skips_on_argument_error numbers no further call as refused (that would tell them about
+        the next number and leave this rank one ahead)."""
         try:
             yield
-        except (ValueError, TypeError):
+        except (ValueError, TypeError) as exc:
             native = self.__dict__.get("_native")
             if seq is not None and native is not None:
                 native.notify_refused(seq)
-                self._refused_natively = True
+                setattr(exc, REFUSED_UNDER_NUMBER, True)
             raise
 
     def _root(self, root: Any, op: str) -> int:
@@ -264,13 +266,11 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         self._redop(op, dt, "all_reduce")
         if out is None:
             out = x
-            self._writable(x, "all_reduce")
         else:
             out = _host_out(out, "all_reduce")
             self._same(x, out, "all_reduce", dt=dt)
-            # Here, not natively once the call has its number: a refusal there left the other
-            # ranks waiting in the call for this one (message path).
-            self._writable(out, "all_reduce")
+        # Here, before the call takes its number, not natively after (_refused_under_number).
+        self._writable(out, "all_reduce")
         return self._run("all_reduce", x, out, dt, op, 0, x.size, x.nbytes, async_op, result)
 
     def broadcast(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False,

@@ -109,7 +109,8 @@ class LinkwiseComm(Comm):
                 at += nbytes
                 continue
             by_address = True
-            out = np.frombuffer(copied[at_copied:at_copied + nbytes], np.uint8)
+            piece = copied[at_copied:at_copied + nbytes]
+            out = np.frombuffer(piece, np.uint8)
             at_copied += nbytes
             if nbytes >= _OFFLOAD_MIN:
                 # Off the event loop, in pieces on several threads: one core cannot both fault
@@ -120,7 +121,7 @@ class LinkwiseComm(Comm):
                                        for lo, hi in zip(cuts, cuts[1:])))
             else:
                 _native.cma_read(self._peer_pid, addr, out)
-            frames.append(copied[at_copied - nbytes:at_copied])
+            frames.append(piece)
         if by_address:
             live = np.zeros(1, np.uint64)
             _native.cma_read(self._peer_pid, self._peer_live, live)

@@ -101,10 +101,10 @@ def _print_rich(data: dict) -> None:
             kind = f"CUDA (sm {b['cuda_archs']})" if b.get("cuda_archs") else "CUDA"
         summary.add_row("build", f"{kind}, {b.get('compiler')}")
     else:
-        summary.add_row("build", f"[red]{escape(str(b.get('error')))}[/red]")
+        summary.add_row("build", _show({"error": b.get("error")}))
     lw = data["launcher"]
     if "error" in lw:
-        summary.add_row("launcher", f"[red]{escape(lw['error'])}[/red]")
+        summary.add_row("launcher", _show(lw))
     else:
         summary.add_row("launcher", f"{lw['launcher']}: rank {lw['rank']} of {lw['size']}, "
                         f"local {lw['local_rank']} of {lw['local_size']}")
@@ -112,7 +112,7 @@ def _print_rich(data: dict) -> None:
                         + (f"  job {lw['job_id']}" if lw["job_id"] else ""))
     summary.add_row("transport", _show(data["transport"]))
     ifc = data["interface"]
-    summary.add_row("interface", f"[red]{escape(ifc['error'])}[/red]" if "error" in ifc else
+    summary.add_row("interface", _show(ifc) if "error" in ifc else
                     f"{ifc['name']} ({ifc['address']})" + (f"  [yellow]{escape(ifc['warning'])}"
                                                           f"[/yellow]" if "warning" in ifc else ""))
     console.print(summary)

@@ -14,8 +14,9 @@ Contract:
     the signal number).
   * SIGINT, SIGTERM and SIGHUP (the terminal or ssh session closed) received by the launcher
     are forwarded to every rank; a second one escalates to SIGKILL. The launcher then exits
-    128 + the signal (130 for Ctrl-C), whatever status the ranks end with. A rank whose launcher dies
-    without forwarding (SIGKILL) gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``, Linux).
+    128 + the signal (130 for Ctrl-C), whatever status the ranks end with. A rank whose
+    launcher dies without forwarding (SIGKILL) gets SIGTERM from the kernel
+    (``PR_SET_PDEATHSIG``, Linux).
   * When the launcher returns, every rank's process group is sent SIGKILL, also the groups of
     ranks that have exited: processes a rank started in its group do not outlive the job.
   * Whatever happens, any /dev/shm/linkwise-<job_id>-* is removed at the end. linkwise's own
@@ -114,35 +115,23 @@ def _bindings(mode: str, n: int, say) -> list[tuple[list[int], dict[str, str]]]:
         return [([], {}) for _ in range(n)]
     if mode == "auto":
         try:
-            from .topo.affinity import binding_for, socket_ifname
+            from .topo.affinity import binding_env, binding_for
         except ImportError as exc:
             say(f"linkwise launch: topology-aware binding is not available ({exc}); "
                 f"binding to cores")
         else:
-            return _auto_bindings(binding_for, socket_ifname, n, say) or _bindings("cpu", n, say)
+            return _auto_bindings(binding_for, binding_env, n, say) or _bindings("cpu", n, say)
     allowed = sorted(os.sched_getaffinity(0))
     if n > len(allowed):
         say(f"linkwise launch: {n} ranks on {len(allowed)} cores; ranks share cores")
     return [(s, {}) for s in cpu_slices(allowed, n)]
 
 
-def _auto_bindings(binding_for, socket_ifname, n: int, say) -> list:
-    """Bindings from linkwise.topo.affinity; [] (after a message) if it fails."""
+def _auto_bindings(binding_for, binding_env, n: int, say) -> list:
+    """Bindings from linkwise.topo.affinity (the variables as bind() sets them); [] (after a
+    message) if it fails."""
     try:
-        out = []
-        for k in range(n):
-            b = binding_for(k, n)
-            extra = {}
-            if getattr(b, "gpu", None) is not None:  # its CUDA ordinal (CUDA_VISIBLE_DEVICES)
-                device = getattr(b, "device", None)
-                extra["LINKWISE_DEVICE"] = str(b.gpu if device is None else device)
-            # As bind(): the NIC's interface name (an RDMA device may have none), and never
-            # over an interface the user chose.
-            ifname = socket_ifname(b.nic) if getattr(b, "nic", None) else None
-            if ifname and not os.environ.get("LINKWISE_SOCKET_IFNAME"):
-                extra["LINKWISE_SOCKET_IFNAME"] = "=" + ifname
-            out.append((list(b.cpus or []), extra))
-        return out
+        return [(list(b.cpus or []), binding_env(b)) for b in (binding_for(k, n) for k in range(n))]
     except Exception as exc:  # a topology bug must not stop the job from starting
         say(f"linkwise launch: topology-aware binding failed ({exc}); binding to cores")
         return []
@@ -207,11 +196,6 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         proc.group_gone = True
-
-
-def _note_group_state(proc: subprocess.Popen) -> None:
-    """Right after the rank was reaped: whether anything is left in its group."""
-    _signal_group(proc, 0)
 
 
 def cleanup_shm(job_id: str) -> list[str]:
@@ -337,8 +321,8 @@ def _rank_preexec(launcher_pid: int):
     signal reaches whatever the rank starts), and SIGTERM when the launcher dies unforwarded
     (Linux; the setting survives exec). Popen's process_group= would do the first from
     Python 3.11 on; this works on 3.10 too. It runs between fork and exec, while the
-    launcher has no other thread (the output threads start after the last rank): two system
-    calls and a check, nothing that takes a lock."""
+    launcher has no other thread (the output threads start after the last rank), and makes
+    two system calls and a check."""
     prctl = _libc_prctl()
 
     def preexec() -> None:
@@ -393,7 +377,7 @@ def _supervise(procs: list, out: _Output, signals_seen: list) -> int:
                 deadline = None
             continue
         left -= 1
-        _note_group_state(procs[k])
+        _signal_group(procs[k], 0)  # notes whether the reaped rank left anything in its group
         if status != 0 and code == 0 and not signals_seen:
             # The first failure decides the exit code; the ranks we stop are not news, nor
             # are ranks ending on a signal passed on to them (Ctrl-C: 130, as the shell says).

@@ -147,12 +147,21 @@ def bind(local_rank: int, local_size: Optional[int] = None,
         else:
             print(f"linkwise.bind: CPUs {b.cpus} not allowed here; affinity unchanged",
                   file=sys.stderr)
+    os.environ.update(binding_env(b, topology))
+    return b
+
+
+def binding_env(b: Binding, topology: Optional[Topology] = None) -> dict[str, str]:
+    """The variables a process bound as ``b`` gets (bind() sets them here, ``linkwise launch
+    --bind auto`` in each rank): LINKWISE_DEVICE, the GPU's CUDA ordinal; and
+    LINKWISE_SOCKET_IFNAME, the NIC's interface (socket_ifname), unless the user set one."""
+    env = {}
     if b.gpu is not None:
-        os.environ["LINKWISE_DEVICE"] = str(b.gpu if b.device is None else b.device)
+        env["LINKWISE_DEVICE"] = str(b.gpu if b.device is None else b.device)
     ifname = socket_ifname(b.nic, topology)
     if ifname and not os.environ.get("LINKWISE_SOCKET_IFNAME"):
-        os.environ["LINKWISE_SOCKET_IFNAME"] = "=" + ifname
-    return b
+        env["LINKWISE_SOCKET_IFNAME"] = "=" + ifname
+    return env
 
 
 def socket_ifname(nic_name: Optional[str], topology: Optional[Topology] = None) -> Optional[str]:

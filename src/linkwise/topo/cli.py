@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import asdict
 from typing import Optional
 
 from . import fixture, fixture_names, load, load_or_discover
-from .affinity import binding_for
+from .affinity import binding_for, visible_gpus
 from .model import Topology
 from .render import render_bindings, render_matrix, render_summary
 
@@ -85,18 +84,6 @@ def _topology(args) -> Topology:
 
 
 def run(args) -> int:
-    """The exit status; a reader of stdout that goes away (``linkwise topo | head``) ends
-    the output quietly."""
-    try:
-        return _run(args)
-    except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # the flush at exit must not raise again
-        os.close(devnull)
-        return 0
-
-
-def _run(args) -> int:
     if args.ranks is not None and not 1 <= args.ranks <= MAX_RANKS:
         print(f"linkwise topo: --ranks {args.ranks}: need 1 to {MAX_RANKS} ranks", file=sys.stderr)
         return 2
@@ -119,11 +106,13 @@ def _run(args) -> int:
         probed = _run_probe(args, topo)
 
     plot_error = (probed or {}).pop("plot_error", None)
+    # This machine's bindings follow CUDA_VISIBLE_DEVICES, as launch --bind auto's do.
+    visible = visible_gpus(topo) if args.fixture is None and args.load is None else None
     if args.json:
         extra = {k: v for k, v in (probed or {}).items() if k != "text"}
         doc = topo.to_dict() if probed is None else {"topology": topo.to_dict(), **extra}
         if args.ranks:
-            doc = dict(doc, bindings=[asdict(binding_for(r, args.ranks, topo)) for r in range(args.ranks)])
+            doc = dict(doc, bindings=[asdict(binding_for(r, args.ranks, topo, visible)) for r in range(args.ranks)])
         print(json.dumps(doc, indent=1))
         return _said(plot_error)
     print(render_summary(topo))
@@ -132,7 +121,7 @@ def _run(args) -> int:
     if args.ranks:
         print()
         print(f"binding for {args.ranks} local rank(s) (linkwise launch --bind auto):")
-        print(render_bindings(topo, args.ranks))
+        print(render_bindings(topo, args.ranks, visible))
     if probed and "text" in probed:
         print()
         print(probed.pop("text"))

@@ -7,6 +7,8 @@ cell for cell with nvidia-smi's. GPU rows end with CPU affinity and NUMA affinit
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from .model import LEGEND, Topology, format_cpulist
 
 
@@ -61,12 +63,13 @@ def render_summary(topo: Topology) -> str:
     return "\n".join(lines)
 
 
-def render_bindings(topo: Topology, nranks: int) -> str:
-    """The binding ``linkwise launch --bind auto`` would give ``nranks`` local ranks."""
+def render_bindings(topo: Topology, nranks: int, visible: Optional[list[int]] = None) -> str:
+    """The binding ``linkwise launch --bind auto`` would give ``nranks`` local ranks (GPUs as
+    ``binding_for``'s ``visible`` leaves them)."""
     from .affinity import binding_for
     lines = [f"{'rank':<6}{'GPU':<6}{'NIC':<10}CPUs"]
     for r in range(nranks):
-        b = binding_for(r, nranks, topo)
+        b = binding_for(r, nranks, topo, visible)
         gpu = "-" if b.gpu is None else str(b.gpu)
         lines.append(f"{r:<6}{gpu:<6}{(b.nic or '-'):<10}{format_cpulist(b.cpus)}")
     return "\n".join(lines)
