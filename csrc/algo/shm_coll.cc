@@ -122,7 +122,19 @@ ShmColl::Slot* ShmColl::slot(int r) const {
   return reinterpret_cast<Slot*>(static_cast<char*>(seg_.data()) + static_cast<size_t>(r) * Slot::bytes());
 }
 
+bool ShmColl::peer_closed(int peer, bool first) const {
+  const uint32_t closed = slot(peer)->h().closed.v.load(std::memory_order_acquire);
+  return first ? closed == kClosedFirst : closed != 0;
+}
+
+void ShmColl::mark_closed() {
+  auto& h = slot(rank_)->h();
+  const bool failed = h.failed.v.load(std::memory_order_acquire) != 0;
+  h.closed.v.store(failed ? kClosedAfterFailure : kClosedFirst, std::memory_order_seq_cst);
+}
+
 bool ShmColl::peer_gone(int peer) {
+  if (peer_closed(peer)) return true;
   int fd = pidfds_.empty() ? -1 : pidfds_[peer];
   if (fd >= 0) {
     struct pollfd p = {fd, POLLIN, 0};
@@ -137,11 +149,13 @@ void ShmColl::publish(std::atomic<uint32_t>& word, uint32_t value) {
 }
 
 void ShmColl::peer_died(int peer, const char* what) const {
+  const std::string who = "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(peer) + " (pid " +
+                          std::to_string(slot(peer)->h().pid) + ")";
+  if (peer_closed(peer))
+    throw Error(ErrorKind::Peer, who + " closed its communicator while this rank waited in a shared-memory " + what,
+                peer);
   throw Error(ErrorKind::Peer,
-              "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(peer) + " (pid " +
-                  std::to_string(slot(peer)->h().pid) + ") died during a shared-memory " + what +
-                  ". Look at that rank's output for the cause.",
-              peer);
+              who + " died during a shared-memory " + what + ". Look at that rank's output for the cause.", peer);
 }
 
 void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, const char* what,
@@ -170,10 +184,12 @@ void ShmColl::wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, co
       // communicator failed: the engine's failure hook): this call can no longer complete.
       if (slot(rank_)->h().failed.v.load(std::memory_order_acquire) && !reached(word.load(std::memory_order_acquire), target))
         throw Error(ErrorKind::Aborted,
-                    "rank " + std::to_string(rank_) + ": this rank's shared-memory collectives were stopped (the "
-                        "communicator was closed, or another of its collectives failed) while it waited in a "
-                        "shared-memory " + what,
+                    "rank " + std::to_string(rank_) + ": this rank's shared-memory collectives were stopped (" +
+                        (peer_closed(rank_, true) ? "the communicator was closed" : "another of its collectives failed") +
+                        ") while it waited in a shared-memory " + what,
                     -1);
+      // A peer that closed with a call pending also marked itself failed (its stop): report the close.
+      if (peer_closed(peer, true) && !reached(word.load(std::memory_order_acquire), target)) peer_died(peer, what);
       const uint32_t blame = slot(peer)->h().failed.v.load(std::memory_order_acquire);
       if (blame && !reached(word.load(std::memory_order_acquire), target)) {
         const int culprit = static_cast<int>(blame) - 1;

@@ -179,6 +179,12 @@ class ShmColl {
   // (a point-to-point one, which ran in issue order: the engine's failure hook). blame >= 0:
   // a rank died or failed (later calls raise PeerError naming it). Safe from any thread.
   void stop(int blame = -1);
+  // This rank closed its communicator (it may go on living): peers waiting on it for what it
+  // has not posted raise PeerError naming it, as if it had died (its pieces of calls it
+  // finished stay readable: a wait on a word already reached never looks). Set before any
+  // stop() of the close, so a peer that sees this rank's `failed` sees this too and reports
+  // the close. Safe from any thread.
+  void mark_closed();
   // A peer's abort notice reached this rank (the failure hook). The peer stopped this host's
   // executor itself (stop, or mark_failed) before it sent the notice, and then nothing
   // changes here; if it could not (it never set the executor up), stop(blame).
@@ -260,7 +266,10 @@ class ShmColl {
   void wait_ge(int peer, std::atomic<uint32_t>& word, uint32_t target, const char* what, bool every_peer = false);
   [[noreturn]] void peer_died(int peer, const char* what) const;
   void publish(std::atomic<uint32_t>& word, uint32_t value);
-  bool peer_gone(int peer);
+  bool peer_gone(int peer);  // exited, or closed its communicator
+  // Closed its communicator (first: before any failure of its own, so what failed or stopped
+  // after it came of the close).
+  bool peer_closed(int peer, bool first = false) const;
   // The all-reduce / reduce paths after begin_call; out == nullptr: this rank keeps no result.
   void reduce_call(const void* in, void* out, size_t count, DType t, RedOp op);
   void one_shot(const void* in, void* out, size_t count, DType t, RedOp op);

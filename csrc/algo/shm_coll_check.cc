@@ -48,6 +48,17 @@ void ShmColl::throw_stopped() const {
   const uint32_t why = slot(0)->h().stopped.v.load(std::memory_order_acquire);
   const int who = static_cast<int>(why & (kStoppedByPeer - 1)) - 1;
   const std::string from = std::to_string(slot(0)->h().stop_call.v.load(std::memory_order_acquire));
+  // It closed first: the stop came of the close (its own stop of calls it left pending, or a
+  // peer that found it closed and failed naming it).
+  if (who >= 0 && peer_closed(who, true)) {
+    if (who == rank_)
+      throw Error(ErrorKind::Aborted, "rank " + std::to_string(rank_) + ": the communicator was closed", -1);
+    throw Error(ErrorKind::Peer,
+                "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(who) +
+                    " closed its communicator; the shared-memory collectives of this communicator stopped from "
+                    "call " + from,
+                who);
+  }
   if (why & kStoppedByPeer)
     throw Error(ErrorKind::Peer,
                 "rank " + std::to_string(rank_) + ": peer rank " + std::to_string(who) +

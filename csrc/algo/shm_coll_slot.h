@@ -47,6 +47,8 @@ struct alignas(64) Line64 {
   std::atomic<uint64_t> v;
 };
 
+constexpr uint32_t kClosedFirst = 1, kClosedAfterFailure = 2;  // Header::closed
+
 constexpr size_t kSlotHeader = 8192;  // two pages: the per-lane counters of 16 lanes fill one
 
 inline bool reached(uint32_t have, uint32_t want) { return static_cast<int32_t>(have - want) >= 0; }
@@ -90,6 +92,10 @@ struct ShmColl::Slot {
     ParityLine b_in;
     Line sleepers;
     Line failed;  // 1 + the rank blamed, once a collective failed on the owner (then never cleared)
+    // Set once the owner closed its communicator (ShmColl::mark_closed; never cleared):
+    // kClosedFirst, or kClosedAfterFailure when `failed` was set before (that failure is what
+    // peers report; a `failed` or a stop after kClosedFirst came of the close).
+    Line closed;
     CallLine call;
     // The owner's latest call refused before it reached the executor (skip_call; 0: none).
     // Peers waiting in that call read it in their slow waits (check_calls) and raise instead

@@ -184,6 +184,9 @@ void bind_p2p(nb::module_& m) {
            "fail every pending request and refuse new ones; with notify, also send the peers an abort notice "
            "(blame: the rank that died or failed, which the peers' PeerError names; -1: none) that stops their "
            "collectives numbered stop_from and up (0: all)")
+      .def("close", [](NativeComm& c, const std::string& why) { c.engine().close(why); }, nb::arg("why"),
+           "abort(why), then close this side of every link: the peers raise PeerError naming this rank once "
+           "they have read what it sent before")
       .def("notify_refused", [](NativeComm& c, uint64_t number) { c.engine().notify_refused(number); },
            nb::arg("number"),
            "this rank refused collective `number` (its arguments): the peers' receives of it from this rank fail")

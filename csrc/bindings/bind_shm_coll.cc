@@ -149,6 +149,8 @@ void bind_shm_coll(nb::module_& m) {
       .def("stop", [](PyShmColl& s) { s.shm_.stop(); },
            "this rank gives up on its collectives: its next call and every later one raise on every "
            "rank, and a call in progress here fails, as do peers waiting on it there")
+      .def("mark_closed", [](PyShmColl& s) { s.shm_.mark_closed(); },
+           "this rank closed its communicator: peers waiting on it raise PeerError naming it")
       .def_prop_ro("segment_name", [](PyShmColl& s) { return s.shm_.segment_name(); })
       .def("all_reduce",
            [](PyShmColl& s, nb::handle x, nb::handle out, int code, double timeout) {

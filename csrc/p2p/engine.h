@@ -89,6 +89,10 @@ class Engine {
   bool cancel(Request& req);
   // Fails every pending request and refuses new ones. Idempotent.
   void abort(const std::string& why);
+  // abort(why), then ends this side's stream on every link (close_write): a peer reads what
+  // was written before, then finds the link closed and raises PeerError naming this rank,
+  // as if this process had exited (Communicator.close on a rank that goes on living).
+  void close(const std::string& why);
   // abort(why), and an abort notice blaming rank `blame` (-1: none, e.g. a timeout) to every
   // live peer; after collective number `from` failed on this rank (algo/coll.h), which the
   // peers stop from; 0 stops everything there (a failure not tied to one collective number).

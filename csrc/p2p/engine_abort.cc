@@ -16,6 +16,21 @@ void Engine::abort(const std::string& why) {
   abort_locked(own_abort_reason(why), ErrorKind::Aborted, -1);
 }
 
+void Engine::close(const std::string& why) {
+  std::lock_guard<std::mutex> g(mu_);
+  abort_locked(own_abort_reason(why), ErrorKind::Aborted, -1);
+  for (auto& pp : peers_) {
+    Peer& p = *pp;
+    if (!p.link || p.dead || p.write_closed || p.rank == rank_) continue;
+    p.write_closed = true;
+    try {
+      p.link->close_write();
+    } catch (const Error&) {
+      // the peer is gone too
+    }
+  }
+}
+
 void Engine::abort_and_notify(const std::string& why, int blame, uint64_t from) {
   std::lock_guard<std::mutex> g(mu_);
   if (blame >= 0)  // a rank died or failed: later calls here raise PeerError naming it, as the peers' do

@@ -349,15 +349,19 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         if gpu is not None:
             gpu.close()
             self._gpu_comm = None
-        # A pending async collective in the shared-memory executor fails too (and the peers
-        # waiting in it on this rank raise CommAbortedError or PeerError, whichever notice
-        # reaches them first), as the point-to-point ones do below.
-        # Only then: after a completed call peers may still be reading this rank's pieces
-        # from the segment (a broadcast root returns before its readers), which stays mapped.
+        # The peers learn of the close as of a death: PeerError naming this rank once they wait
+        # on it for something it never sent (the executor's closed word; the links' streams
+        # end after what was written). A pending async collective in the executor fails too,
+        # as the point-to-point ones do below. The segment stays mapped: after a completed
+        # call peers may still be reading this rank's pieces (a broadcast root returns before
+        # its readers).
+        shm = self.__dict__.get("_shm")
+        if shm:
+            shm.mark_closed()
         worker = self.__dict__.get("_coll_worker")
         if worker is not None and worker.pending:
             self._stop_shm()
-        self._native.abort("the communicator was closed")
+        self._native.close("the communicator was closed")
         self._native = None
         self._fast_shm = None  # the latency paths end here; later calls take the general path and raise
         if self._store is not None and self.comm_id == "world":
