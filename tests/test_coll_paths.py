@@ -141,3 +141,33 @@ def test_one_shot_limit_agreed_and_two_shot_below_32k(nranks):
     op, in place and out=, and asynchronously."""
     got = run_ranks(nranks, _one_shot_boundary, timeout=240)
     assert all(limit == 256 and checked > 0 for checked, limit in got), got
+
+
+def _off_on_some_ranks(comm, var, value):
+    """Rank 0 alone sets var to a value that means the default (LINKWISE_CHECK=0, an empty
+    LINKWISE_ALGO): every path must be the unset one's. barrier() looked only at whether the
+    variable was set and went over messages on rank 0, through the executor on rank 1: both
+    waited for the timeout."""
+    if comm.rank == 0:
+        os.environ[var] = value
+    try:
+        results = []
+        for _ in range(2):
+            comm.barrier()
+            comm.barrier(async_op=True).wait()
+            x = np.arange(5, dtype=np.float32) + comm.rank
+            comm.all_reduce(x)
+            results.append(x.tolist())
+            y = np.arange(3.0) if comm.rank == 1 else np.zeros(3)
+            comm.broadcast(y, root=1)
+            results.append(y.tolist())
+        return results
+    finally:
+        os.environ.pop(var, None)
+
+
+@pytest.mark.parametrize("var,value", [("LINKWISE_CHECK", "0"), ("LINKWISE_CHECK", "off"), ("LINKWISE_ALGO", "")])
+def test_a_variable_set_to_its_default_on_one_rank_changes_no_path(var, value):
+    out = run_ranks(2, _off_on_some_ranks, var, value, env={"LINKWISE_TIMEOUT": "5"}, timeout=60)
+    want = [[2.0 * i + 1 for i in range(5)], [0.0, 1.0, 2.0]] * 2
+    assert out == [want, want]

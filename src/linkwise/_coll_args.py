@@ -60,6 +60,11 @@ def _env_set(name: bytes) -> bool:
     return bool(os.environ.get(name.decode()))
 
 
+def check_on() -> bool:
+    """LINKWISE_CHECK's value (read per call): set to 0/false/off it is off, as when unset."""
+    return _env_set(b"LINKWISE_CHECK") and bool(config.get("LINKWISE_CHECK"))
+
+
 _REFUSED = -1  # the kind in a refusal's check row
 
 
@@ -236,7 +241,7 @@ def _skips_on_argument_error(method):
             if getattr(exc, REFUSED_UNDER_NUMBER, False):
                 raise  # refused under the number it had taken, and the peers told (_run)
             # Refused before LINKWISE_CHECK's exchange (it takes a number): join it anyway.
-            if self._coll_seq == seq and _env_set(b"LINKWISE_CHECK") and config.get("LINKWISE_CHECK") \
+            if self._coll_seq == seq and check_on() \
                     and self.__dict__.get("_native") is not None and self.size > 1:
                 check_refused(self)
             self._skip_call()

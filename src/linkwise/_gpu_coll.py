@@ -65,8 +65,8 @@ def _run(comm, op: str, x: Any, *, out: Any, red: str, root: int, dtype: Optiona
         raise TypeError(f"{op}: dtype= is for host arrays; a CUDA array carries its own dtype")
     if out is not None and not is_cuda(out):
         raise host_device_mix(op, True)
-    from ._coll_args import _env_set
-    if _env_set(b"LINKWISE_CHECK"):
+    from ._coll_args import check_on
+    if check_on():
         _check_agree(comm, op, x, red, root)
     g = comm._gpu_comm if getattr(comm, "_gpu_comm", None) is not None else comm.cuda()
     if op == "all_reduce":
@@ -105,9 +105,6 @@ def _check_agree(comm, op: str, x: Any, red: str, root: int) -> None:
     """LINKWISE_CHECK on a CUDA call: the same descriptor the host path sends (count as the host
     path counts it), marked as a CUDA array, so a rank that passed a host array while the
     others passed CUDA arrays makes every rank raise instead of hanging."""
-    from . import config
-    if not config.get("LINKWISE_CHECK"):
-        return
     from .cuda.arrays import view
     v = view(x, op)
     count = v.count // comm.size if op == "reduce_scatter" else v.count

@@ -41,7 +41,7 @@ from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from 
     CollectiveRequest, _as_array,
     _check_tunables, _dtype_label, _dtype_name, _env_set, _host_out, _native_module, _raw,
     _skips_on_argument_error,
-    block_shape, check_agree, gathered_shape)
+    block_shape, check_agree, check_on, gathered_shape)
 
 
 _BARRIER_CODE = _FAST_CODES[(np.dtype(np.uint8), "sum")]
@@ -109,7 +109,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
     def _run(self, kind: str, x: Optional[np.ndarray], out: Optional[np.ndarray], dtype: str, op: str,
              root: int, count: int, nbytes: int, async_op: bool, result: Any):
         self._check_open(kind)
-        if _env_set(b"LINKWISE_CHECK") and config.get("LINKWISE_CHECK"):
+        if check_on():
             self._check_agree(kind, count, dtype, op, root)
         worker = self.__dict__.get("_coll_worker")
         # Collectives run in issue order: inline when no async one is pending, else queued
@@ -240,7 +240,8 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         # not serve the call (an argument error it raises, after numbering the call as refused
         # here through self._skip_call); bfloat16 forms go through uint16 views here. Every
         # *_fast entry also declines while LINKWISE_ALGO or LINKWISE_CHECK is set (to anything,
-        # even empty): the general path honours them.
+        # even empty): the general path honours them. A value that means the default takes
+        # the same protocol there (the executor), so ranks may differ in that (slower only).
         if fast is not None and not async_op and dtype is None:
             r = fast.all_reduce_fast(self, x, op, out)
             if r is NotImplemented and type(x) is _ndarray and x.dtype.kind == "V":
@@ -425,13 +426,14 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
                 raise TypeError("barrier: async_op=True cannot be combined with stream=")
             return self.cuda().barrier(stream=stream if isinstance(stream, int)
                                        else _gpu_coll.stream_int(stream))
-        if (self.size > 1 and self._native is not None
-                and b"LINKWISE_ALGO" not in _ENV and b"LINKWISE_CHECK" not in _ENV
+        if (self.size > 1 and self._native is not None and not check_on()
                 and self._shm_for("all_reduce", 1) is not None):
             # On one host: a one-byte all_reduce through the shared-memory executor (no rank
             # leaves before every rank has arrived; ~1 us instead of a dissemination over
             # messages). The choice depends only on what every rank shares (the host, the
-            # environment), so all ranks take the same path whatever forms they call.
+            # values of LINKWISE_CHECK and LINKWISE_ALGO, not whether they are set: 0 or an
+            # empty value is the default's path), so all ranks take the same path whatever
+            # forms they call.
             token = self.__dict__.get("_barrier_token")
             if token is None:
                 token = self._barrier_token = np.zeros(1, np.uint8)
