@@ -26,6 +26,20 @@ def test_chunk_size_accepts_sizes(monkeypatch, raw, value):
     assert config.get("LINKWISE_CHUNK_SIZE") == value
 
 
+@pytest.mark.parametrize("raw", ["inf", "nan", "-5", "1e7", "abc"])
+def test_spin_us_rejects_endless_and_negative_spins(monkeypatch, raw):
+    """An endless spin never reached the waits' timeout and dead-peer checks (inf was taken)."""
+    monkeypatch.setenv("LINKWISE_SPIN_US", raw)
+    with pytest.raises(ValueError, match=f"LINKWISE_SPIN_US={raw!r} is not valid"):
+        config.get("LINKWISE_SPIN_US")
+
+
+@pytest.mark.parametrize("raw,value", [("-1", -1.0), ("0", 0.0), ("50", 50.0), ("1e6", 1e6)])
+def test_spin_us_accepts_pick_and_microseconds(monkeypatch, raw, value):
+    monkeypatch.setenv("LINKWISE_SPIN_US", raw)
+    assert config.get("LINKWISE_SPIN_US") == value
+
+
 def test_algo_error_lists_real_choices(monkeypatch):
     monkeypatch.setenv("LINKWISE_ALGO", "foo")
     with pytest.raises(ValueError) as info:

@@ -103,8 +103,17 @@ declare("LINKWISE_SOCKET_IFNAME", "", str,
 declare("LINKWISE_SHM_RING_SIZE", 1 << 20, _size, "bytes of each shared-memory ring between two ranks")
 declare("LINKWISE_SHM_RNDV_THRESHOLD", 64 << 10, _size,
         "messages at least this large go single-copy (process_vm_readv) instead of through the ring")
-declare("LINKWISE_SPIN_US", -1.0, float,
-        "microseconds a waiting rank spins before it sleeps; -1 picks by cores per local rank "
+def _spin_us(text: str) -> float:
+    """-1 (pick), or 0 to 1,000,000 microseconds: a wait checks the timeout and its peers only
+    after spinning, so an endless spin (inf) would never notice either."""
+    value = float(text)
+    if value != -1 and not 0 <= value <= 1e6:  # also NaN and infinity
+        raise ValueError("expected -1 (pick by cores) or microseconds from 0 to 1000000")
+    return value
+
+
+declare("LINKWISE_SPIN_US", -1.0, _spin_us,
+        "microseconds a waiting rank spins before it sleeps (0 to 1000000); -1 picks by cores per local rank "
         "(50 with a core each, else 1); from 10 up, point-to-point waits adapt it (up to 2 ms)")
 declare("LINKWISE_COPY_DETOUR", "auto", _choice("auto", "on", "off", "1", "0"),
         "copies whose destination lies 1-31 bytes past the source within a 4 KiB page avoid the "
