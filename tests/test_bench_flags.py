@@ -235,6 +235,23 @@ def test_bad_sizes_and_steps(argv, start):
     _one_error(bench("all_reduce", "-b", "8", "-e", "64", *FAST, *argv), start)
 
 
+@pytest.mark.parametrize("nranks", ["1", "2"])
+def test_sizes_beyond_memory_are_one_line_per_rank(nranks):
+    """A size whose buffers cannot be allocated (here: under a 3 GiB address-space limit,
+    which the ranks inherit) gives one line per rank naming -e, not a MemoryError traceback."""
+    import resource
+    limit = 3 << 30
+    e = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "linkwise.bench.cli", "all_reduce", "-N", nranks, "-b", "2G", "-e", "2G",
+                        *FAST], env=e, capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "not enough memory" in ln]
+    assert lines and all("-e 2G" in ln for ln in lines), r.stderr
+    assert "rank 0: not enough memory" in r.stderr
+
+
 @pytest.mark.parametrize("argv,sizes", [
     (["-i", "1K"], [1024, 2048, 3072, 4096]),              # -i alone steps by bytes (nccl-tests)
     (["-f", "1", "-i", "1K"], [1024, 2048, 3072, 4096]),

@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "system alike); 'both': eager and graph sweeps in the same processes, "
                         "two tables; default: eager back-to-back calls only")
     p.add_argument("--reps", type=int, default=1,
-                   help="repeat the whole sweep (every system, alternating); report medians")
+                   help="repeat the whole sweep (every system, alternating); report medians "
+                   "(#wrong: the largest count of any repetition)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw and time against size "
                    "(needs matplotlib; the extension picks the format: .png, .pdf, .svg, ...)")
@@ -275,10 +276,14 @@ def _self_launched(args, others: list[str]) -> int:
 
 
 def _in_launcher(args, others: list[str]) -> int:
-    from .runner import measure
+    from .runner import OutOfMemory, measure
     mpi_here = compare.under_mpirun()
     systems = ["linkwise"] + [s for s in others if s != "mpi" or mpi_here]
-    out = measure(args, systems, show_progress=not args.no_progress)
+    try:
+        out = measure(args, systems, show_progress=not args.no_progress)
+    except OutOfMemory as exc:
+        print(f"linkwise bench: {exc}", file=sys.stderr)
+        return 1
     rank, nranks = out.pop("_rank"), out.pop("_nranks")
     if rank != 0:
         return 0

@@ -20,6 +20,10 @@ from .backends import Backend, LinkwiseBackend
 _TAG_PORT = (1 << 61) + 21
 
 
+class OutOfMemory(Exception):
+    """A rank could not allocate a size's buffers: what its caller prints as one line."""
+
+
 def plan(args) -> SimpleNamespace:
     """Sizes, types, ops and iteration counts of the sweep from the parsed flags."""
     is_p2p = args.test == "p2p"
@@ -176,7 +180,12 @@ def measure(args, systems: list[str], comm=None, show_progress: bool = True) -> 
              if b is not None and out[name]["status"] == "ok"]
     for _ in range(pl.reps):
         for name, b in order:
-            out[name]["runs"].append(_sweep(b, pl, show_progress))
+            try:
+                out[name]["runs"].append(_sweep(b, pl, show_progress))
+            except MemoryError as exc:
+                rank = b.rank
+                raise OutOfMemory(f"rank {rank}: not enough memory for the {name} buffers of the sweep up to "
+                                  f"-e {args.maxbytes} ({exc or 'MemoryError'}); lower -e") from None
     for b in (gloo, mpi):
         if b is not None:
             b.close()

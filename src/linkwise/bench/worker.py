@@ -14,8 +14,12 @@ from types import SimpleNamespace
 def main() -> int:
     args = SimpleNamespace(**json.loads(os.environ["LINKWISE_BENCH_ARGS"]))
     systems = [s for s in os.environ.get("LINKWISE_BENCH_SYSTEMS", "linkwise").split(",") if s]
-    from .runner import measure
-    out = measure(args, systems, show_progress=not args.no_progress)
+    from .runner import OutOfMemory, measure
+    try:
+        out = measure(args, systems, show_progress=not args.no_progress)
+    except OutOfMemory as exc:
+        print(f"linkwise bench: {exc}", file=sys.stderr)
+        return 3
     if out.pop("_rank") == 0:
         nranks = out.pop("_nranks")
         tmp = os.environ["LINKWISE_BENCH_RESULT"] + ".part"
