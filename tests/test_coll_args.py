@@ -40,6 +40,20 @@ def test_spin_us_accepts_pick_and_microseconds(monkeypatch, raw, value):
     assert config.get("LINKWISE_SPIN_US") == value
 
 
+def test_gpu_tunables_the_native_code_reads_are_checked_up_front(monkeypatch):
+    """GpuComm checks them all first: the CUDA code reads LINKWISE_GPU_LL_MAX and others with
+    atoi, which ran "256K" as 256 bytes while `linkwise info` called it invalid."""
+    for name in config.TUNABLES:
+        if name.startswith("LINKWISE_GPU_"):
+            monkeypatch.delenv(name, raising=False)
+    config.check_prefix("LINKWISE_GPU_")  # nothing set: nothing to refuse
+    monkeypatch.setenv("LINKWISE_GPU_LL_MAX", "256K")
+    with pytest.raises(ValueError, match="LINKWISE_GPU_LL_MAX='256K' is not valid"):
+        config.check_prefix("LINKWISE_GPU_")
+    monkeypatch.setenv("LINKWISE_GPU_LL_MAX", "262144")
+    config.check_prefix("LINKWISE_GPU_")
+
+
 def test_algo_error_lists_real_choices(monkeypatch):
     monkeypatch.setenv("LINKWISE_ALGO", "foo")
     with pytest.raises(ValueError) as info:

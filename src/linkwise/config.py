@@ -83,6 +83,15 @@ def get(name: str) -> Any:
     return TUNABLES[name].current()
 
 
+def check_prefix(prefix: str) -> None:
+    """ValueError for the first declared tunable named prefix... that is set to a value its
+    parser refuses. For those the native code reads itself (the GPU ones, with atoi: "256K"
+    would run as 256 while `linkwise info` calls it invalid)."""
+    for name, tunable in TUNABLES.items():
+        if name.startswith(prefix):
+            tunable.current()
+
+
 def seconds(raw: Any) -> float:
     """A timeout: a positive, finite number of seconds (NaN, inf, 0 and below are refused)."""
     try:

@@ -121,6 +121,7 @@ class GpuComm:
         n = _native()
         if not hasattr(n, "_GpuEngine"):
             raise RuntimeError("linkwise was built without CUDA (set LINKWISE_CUDA=ON and rebuild)")
+        config.check_prefix("LINKWISE_GPU_")  # the CUDA code reads some of them itself, unchecked
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
         self.device = select_device(comm) if device is None else int(device)
