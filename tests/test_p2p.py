@@ -156,7 +156,7 @@ def _argument_errors(comm):
         comm.recv(x, -1)
     with pytest.raises(ValueError, match="tag"):
         comm.send(x, 0, tag=-1)
-    with pytest.raises(ValueError, match="not contiguous"):
+    with pytest.raises(ValueError, match="not C-contiguous"):
         comm.recv(np.zeros((4, 4), np.float32)[:, 1], 0)
     ro = np.zeros(4, np.float32)
     ro.setflags(write=False)

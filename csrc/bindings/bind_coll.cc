@@ -280,6 +280,7 @@ void bind_coll(nb::module_& m) {
 
   nb::class_<CollRequest>(m, "CollRequest", "An async collective; wait() or await it.")
       .def("wait", &CollRequest::wait, nb::arg("timeout"))
+      .def("_wait_now", [](CollRequest& r) { r.wait(0.0); }, "its error if done, else TimeoutError (it goes on)")
       .def("test", &CollRequest::test)
       .def("fileno", &CollRequest::fileno, "An eventfd that turns readable when the collective is done.")
       .def_prop_ro("done", &CollRequest::done)

@@ -74,7 +74,7 @@ nb::object wait_all(nb::handle requests, std::optional<double> timeout) {
     held.push_back(nb::borrow(item));
     reqs.push_back(nb::inst_ptr<PyRequest>(item));
   }
-  if (timeout) check_timeout(*timeout, "wait_all");
+  if (timeout) check_user_timeout(*timeout, "wait_all");
   std::exception_ptr first;
   {
     nb::gil_scoped_release nogil;
@@ -116,10 +116,15 @@ void bind_p2p(nb::module_& m) {
                         "untouched until done.")
       .def(
           "wait",
-          [](PyRequest& r, std::optional<double> timeout) { return r.wait(timeout ? *timeout : r.timeout); },
+          [](PyRequest& r, std::optional<double> timeout) {
+            if (timeout) check_user_timeout(*timeout, "wait");
+            return r.wait(timeout ? *timeout : r.timeout);
+          },
           nb::arg("timeout") = nb::none(),
           "Block until done (GIL released), at most timeout seconds (default: the request's timeout); raise "
           "its error. Returns the bytes moved.")
+      .def("_wait_now", [](PyRequest& r) { return r.wait(0.0); },
+           "Finish it now: its error if done, else it is withdrawn as a timed-out wait's is (TimeoutError).")
       .def("test", &PyRequest::test, "Progress once; True when done (raises its error if it failed).")
       .def("fileno", &PyRequest::fileno, "An eventfd that turns readable when the request is done.")
       .def_prop_ro("nbytes", &PyRequest::nbytes, "Bytes moved, once done.")

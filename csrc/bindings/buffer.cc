@@ -80,7 +80,9 @@ void check_buffer(HeldBuffer& out, bool writable, const char* op, bool c_order) 
   }
   if (c_order && !PyBuffer_IsContiguous(&out.view, 'C')) {
     out.release();
-    throw nb::value_error((std::string(op) + ": the array is not C-contiguous; pass np.ascontiguousarray(x)").c_str());
+    throw nb::value_error(
+        (std::string(op) + ": the array is not C-contiguous; pass np.ascontiguousarray(x) (or torch's x.contiguous())")
+            .c_str());
   }
   if (!PyBuffer_IsContiguous(&out.view, 'A')) {
     out.release();

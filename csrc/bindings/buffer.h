@@ -29,8 +29,10 @@ struct HeldBuffer {
 
 // Acquires obj's buffer. Raises TypeError when obj has no buffer protocol (the Python side
 // then tries __dlpack__), ValueError when it is not contiguous or, for `writable`, read-only.
-// c_order: the collectives' rule (the same as the Python layer's): C-contiguous only, so that
-// a Fortran-order array is refused on every path, not accepted by the latency paths alone.
+// c_order: C-contiguous only (the Python layer's rule too), what every collective and
+// point-to-point call asks: a Fortran-order array's bytes are its elements in another order
+// than a C-order receiver's (they arrived transposed), and the latency paths must refuse what
+// the general ones do.
 void acquire_buffer(nanobind::handle obj, bool writable, const char* op, HeldBuffer& out, bool c_order = false);
 
 // acquire_buffer in two steps, for callers that decide from the format whether they serve the

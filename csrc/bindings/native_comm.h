@@ -86,9 +86,9 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
 
   std::unique_ptr<PyRequest> post(nb::handle obj, int peer, uint64_t tag, bool is_send, bool is_async,
                                   double timeout_s) {
-    check_timeout(timeout_s, is_send ? "isend" : "irecv");
+    check_user_timeout(timeout_s, is_send ? "isend" : "irecv");
     HeldBuffer held;  // moved into the PyRequest below; released here if posting throws
-    acquire_buffer(obj, !is_send, is_send ? "send" : "recv", held);
+    acquire_buffer(obj, !is_send, is_send ? "send" : "recv", held, true);
     std::shared_ptr<Request> req =
         is_send ? engine_.isend(peer, held.ptr(), held.bytes(), tag, held.dtype(), is_async)
                 : engine_.irecv(peer, held.ptr(), held.bytes(), tag, held.dtype(), is_async);
@@ -101,9 +101,9 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
 
   // Blocking send/recv: no Request object crosses into Python (the latency path).
   size_t blocking(nb::handle obj, int peer, uint64_t tag, bool is_send, double timeout_s) {
-    check_timeout(timeout_s, is_send ? "send" : "recv");
+    check_user_timeout(timeout_s, is_send ? "send" : "recv");
     HeldBuffer held;
-    acquire_buffer(obj, !is_send, is_send ? "send" : "recv", held);
+    acquire_buffer(obj, !is_send, is_send ? "send" : "recv", held, true);
     std::shared_ptr<Request> req;
     {
       nb::gil_scoped_release nogil;
@@ -118,10 +118,10 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
   // to dst, in one call without the GIL; returns the bytes received. Each wait has timeout_s.
   size_t sendrecv(nb::handle send_obj, int dst, uint64_t send_tag, nb::handle recv_obj, int src,
                   uint64_t recv_tag, double timeout_s) {
-    check_timeout(timeout_s, "sendrecv");
+    check_user_timeout(timeout_s, "sendrecv");
     HeldBuffer hs, hr;
-    acquire_buffer(send_obj, false, "sendrecv", hs);
-    acquire_buffer(recv_obj, true, "sendrecv", hr);
+    acquire_buffer(send_obj, false, "sendrecv", hs, true);
+    acquire_buffer(recv_obj, true, "sendrecv", hr, true);
     const char* sp = static_cast<const char*>(hs.ptr());
     const char* rp = static_cast<const char*>(hr.ptr());
     if (hs.bytes() && hr.bytes() && sp < rp + hr.bytes() && rp < sp + hs.bytes())
@@ -140,9 +140,9 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
   // modulo 4 KiB run several times slower (docs/benchmarks.md, fourteenth session).
   size_t sendrecv_replace(nb::handle obj, int dst, uint64_t send_tag, int src, uint64_t recv_tag,
                           double timeout_s) {
-    check_timeout(timeout_s, "sendrecv_replace");
+    check_user_timeout(timeout_s, "sendrecv_replace");
     HeldBuffer h;
-    acquire_buffer(obj, true, "sendrecv_replace", h);
+    acquire_buffer(obj, true, "sendrecv_replace", h, true);
     nb::gil_scoped_release nogil;
     const size_t offset = reinterpret_cast<uintptr_t>(h.ptr()) & (kPage - 1);
     const size_t need = offset + h.bytes();

@@ -5,6 +5,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <sstream>
 #include <string>
 
 #include "core/status.h"
@@ -22,8 +23,10 @@ bool interrupted() {
   return check && check();
 }
 
-void throw_nan_timeout(const char* op) {
-  throw Error(ErrorKind::Invalid, std::string(op) + ": timeout is NaN; give seconds (a number)");
+void throw_bad_timeout(const char* op, double timeout_s) {
+  std::ostringstream text;
+  text << op << ": timeout " << timeout_s << ": give seconds, a positive finite number";
+  throw Error(ErrorKind::Invalid, text.str());
 }
 
 void throw_interrupted(int rank, const std::string& what) {

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 namespace linkwise {
@@ -21,12 +22,17 @@ inline double seconds_since(Clock::time_point t0) {
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_us);
 void futex_wake_all(std::atomic<uint32_t>* word);
 
-// A timeout argument a wait cannot honour: NaN never compares as spent, so such a wait would
-// outlast any timeout. Throws ErrorKind::Invalid ("<op>: timeout is NaN ..."); callers check
-// before they post anything.
-[[noreturn]] void throw_nan_timeout(const char* op);
-inline void check_timeout(double timeout_s, const char* op) {
-  if (timeout_s != timeout_s) throw_nan_timeout(op);  // inline: Engine::wait asks on every wait
+// Timeouts a wait cannot honour: NaN never compares as spent, infinity never runs out, and a
+// negative one has run out before the call. Both checks throw ErrorKind::Invalid ("<op>:
+// timeout ...: give seconds, a positive finite number"; config.seconds says the same) before
+// anything is posted. A user's timeout must be positive (README); the internal polls that
+// finish or withdraw a request at once pass 0 to Engine::wait, which checks only the rest.
+[[noreturn]] void throw_bad_timeout(const char* op, double timeout_s);
+inline void check_timeout(double timeout_s, const char* op) {  // inline: Engine::wait asks on every wait
+  if (!(timeout_s >= 0 && timeout_s < std::numeric_limits<double>::infinity())) throw_bad_timeout(op, timeout_s);
+}
+inline void check_user_timeout(double timeout_s, const char* op) {
+  if (!(timeout_s > 0 && timeout_s < std::numeric_limits<double>::infinity())) throw_bad_timeout(op, timeout_s);
 }
 
 // Ctrl-C while a call waits. The waits that may last (past their spin: Engine::wait,

@@ -125,7 +125,7 @@ void Engine::wait(Request& req, double timeout_s, const char* op) {
         }
         break;
       }
-      sleep_once(std::min<int64_t>(kSliceUs, static_cast<int64_t>(left * 1e6) + 1), [&] { return req.done(); });
+      sleep_once(left * 1e6 >= kSliceUs ? kSliceUs : static_cast<int64_t>(left * 1e6) + 1, [&] { return req.done(); });
       if (seconds_since(last_reap) >= 0.1 && !req.done()) {
         {
           std::lock_guard<std::mutex> g(mu_);

@@ -164,7 +164,8 @@ def _as_array(x: Any, what: str, name: str = "x") -> np.ndarray:
             from .comm import _as_buffer
             a = _as_buffer(x, what)  # a NumPy view; a CPU torch.bfloat16 tensor comes typed bfloat16
     if not a.flags.c_contiguous:
-        raise ValueError(f"{what}: {name} is not C-contiguous; pass np.ascontiguousarray({name})")
+        fix = f"{name}.contiguous()" if a is not x and hasattr(x, "contiguous") else f"np.ascontiguousarray({name})"
+        raise ValueError(f"{what}: {name} is not C-contiguous; pass {fix}")
     if a.dtype.hasobject:  # refused here, before the call takes its number (not natively, after)
         raise TypeError(f"{what}: {name} holds Python objects ({a.dtype}); only plain numbers can be sent")
     return a

@@ -12,6 +12,7 @@ import time
 from abc import ABCMeta
 from typing import Any, Optional
 
+from . import config
 from .errors import TimeoutError
 
 _POLL_MIN_S, _POLL_MAX_S = 50e-6, 2e-3  # GpuRequest.__await__: first and longest nap
@@ -37,7 +38,7 @@ class Request(metaclass=ABCMeta):
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until done (the GIL is released); raises the operation's error. Returns the
         bytes moved."""
-        return self._native.wait(self._timeout if timeout is None else float(timeout))
+        return self._native.wait(self._timeout if timeout is None else config.seconds(timeout))
 
     def test(self) -> bool:
         """True when done (raises the operation's error if it failed)."""
@@ -68,7 +69,7 @@ class CollectiveRequest(Request):
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until done; returns the collective's result array."""
-        self._native.wait(self._timeout if timeout is None else float(timeout))
+        self._native.wait(self._timeout if timeout is None else config.seconds(timeout))
         return self._keep
 
     def fileno(self) -> int:
@@ -107,7 +108,7 @@ def _finished(native_request, timeout: float) -> int:
         # Done: returns at once, or raises the operation's error. Not done (timed out): a
         # send or receive is cancelled (or, mid-transfer, the communicator aborted), so that
         # an abandoned buffer never takes a later message; a collective goes on.
-        native_request.wait(0.0)
+        native_request._wait_now()
     except TimeoutError:
         raise TimeoutError(f"async operation did not complete within {timeout:g} s; raise "
                            "LINKWISE_TIMEOUT or pass timeout=") from None
@@ -168,7 +169,7 @@ def wait_all(requests, timeout: Optional[float] = None) -> list:
     results, first = [], None
     for r in requests:
         own = r.timeout if hasattr(r, "timeout") else r._timeout  # native requests: .timeout
-        limit = own if timeout is None else float(timeout)
+        limit = own if timeout is None else config.seconds(timeout)
         try:
             results.append(r.wait(max(0.0, limit - (time.monotonic() - start))))
         except Exception as exc:  # noqa: BLE001 - raised below, after the other waits
@@ -193,7 +194,7 @@ def _withdraw(native_request) -> None:
     else the communicator is aborted (the engine's rule for a timed-out wait). A collective
     cannot be withdrawn: it goes on."""
     try:
-        native_request.wait(0.0)
+        native_request._wait_now()
     except Exception:  # noqa: BLE001 - the timeout (or the operation's own error) is expected here
         pass
 
@@ -239,7 +240,7 @@ class GpuRequest:
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until the GPU has finished the operation; returns its result."""
-        limit = self._timeout if timeout is None else float(timeout)
+        limit = self._timeout if timeout is None else config.seconds(timeout)
         if self._ev and not self._engine.event_wait(self._ev, limit):
             self._engine.check()  # a failure explains the wait better than the timeout
             raise TimeoutError(f"GPU operation did not complete within {limit:g} s; raise "

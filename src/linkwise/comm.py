@@ -88,6 +88,16 @@ def _as_buffer(x: Any, op: str) -> Any:
     raise TypeError(f"{op}: expected an array with the buffer protocol or __dlpack__, got {type(x).__name__}")
 
 
+def _host_view(x: Any, op: str) -> Any:
+    """x itself when it exports a buffer, else its NumPy view for the native layer (_as_buffer,
+    with the dtypes the buffer protocol cannot export as raw bytes)."""
+    try:
+        memoryview(x).release()
+        return x
+    except (TypeError, ValueError, BufferError):  # no buffer; a dtype it cannot export (bfloat16)
+        return _raw(_as_buffer(x, op))
+
+
 def _default_spin_us(cpus_per_rank: float) -> float:
     spin = config.get("LINKWISE_SPIN_US")
     if spin >= 0:
@@ -143,7 +153,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         return int(peer), int(tag)
 
     def _timeout(self, timeout: Optional[float]) -> float:
-        return self.timeout if timeout is None else float(timeout)
+        return self.timeout if timeout is None else config.seconds(timeout)
 
     # -- point-to-point -------------------------------------------------------------------
     def send(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None,
@@ -197,11 +207,10 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         if _is_cuda(x) or _is_cuda(out):  # both must be CUDA arrays: view() says so otherwise
             from .cuda.sendrecv import gpu_sendrecv
             return gpu_sendrecv(self.cuda(), x, dst, out, src, send_tag, recv_tag, stream)
-        # DLPack host arrays. Should the send fail, the dropped receive is withdrawn (or its
-        # array kept alive while bytes still move into it), as for any dropped request.
-        r = self.irecv(out, src, recv_tag, timeout=t, stream=stream)
-        self.isend(x, dst, send_tag, timeout=t, stream=stream).wait()
-        return r.wait()
+        # DLPack host arrays (torch CPU tensors): NumPy views of them in the same native call,
+        # which checks them as it checks any array (x and out must not overlap).
+        return self._native.sendrecv(_host_view(x, "sendrecv"), dst, send_tag, _host_view(out, "sendrecv"), src,
+                                     recv_tag, t)
 
     def sendrecv_replace(self, x: Any, dst: int, src: int, send_tag: int = 0, recv_tag: int = 0, *,
                          timeout: Optional[float] = None, stream: Any = None) -> int:
