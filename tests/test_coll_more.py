@@ -93,6 +93,34 @@ def test_split(shm_clean):
     assert run_ranks(5, _split_body, timeout=60) == [2, 2, 2, 2, None]
 
 
+def _world_closed_first(comm):
+    """Ranks other than 0 close the world right after the split: their sub-communicator's
+    first collective (the shared-memory set-up goes through the store) and a split of it
+    still work. Closing the world closed the store connection it shares with them
+    (BootstrapError 'the store was closed', over shared memory)."""
+    sub = comm.split(0)
+    if comm.rank != 0:
+        comm.close()
+    x = np.full(1000, comm.rank + 1, np.float32)
+    sub.all_reduce(x)
+    sub2 = sub.split(comm.rank % 2)
+    y = np.ones(8, np.int64)
+    sub2.all_reduce(y)
+    got = (float(x[0]), int(y[0]))
+    sub2.barrier()
+    sub.barrier()  # rank 0 closes the store's host last
+    sub2.close()
+    sub.close()
+    if comm.rank == 0:
+        comm.close()
+    return got
+
+
+def test_sub_communicators_outlive_a_closed_world(transport_env):
+    out = run_ranks(3, _world_closed_first, env=transport_env, timeout=60)
+    assert out == [(6.0, 2), (6.0, 1), (6.0, 2)]
+
+
 def _mismatch_body(comm, what):
     r = comm.rank
     try:

@@ -34,6 +34,10 @@ from .errors import BootstrapError, CommAbortedError
 MAX_TAG = (1 << 62) - 1
 
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+# The communicators open on each rendezvous store (the world and those split from it share
+# it): the store closes when the last of them closes, so that closing the world on one rank
+# leaves its sub-communicators working (their first collective, a split, use the store).
+_store_users: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 _native_adopted = False
@@ -123,6 +127,8 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         self.timeout = config.get("LINKWISE_TIMEOUT") if timeout is None else config.seconds(timeout)
         self._store = store
         self._closed = False
+        if store is not None:
+            _store_users.setdefault(store, weakref.WeakSet()).add(self)
         tag = f"{comm_id}/setup"
         cards = _setup.exchange_host_cards(store, tag, rank, size) if size > 1 else [_setup.own_card(0)]
         # CPUs this rank may count as its own (spinning, helper threads; see cpus_per_rank).
@@ -373,8 +379,11 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         self._native.close("the communicator was closed")
         self._native = None
         self._fast_shm = None  # the latency paths end here; later calls take the general path and raise
-        if self._store is not None and self.comm_id == "world":
-            self._store.close()
+        users = _store_users.get(self._store) if self._store is not None else None
+        if users is not None:
+            users.discard(self)
+            if not users:  # the last open communicator on this store
+                self._store.close()
         self._store = None
 
     def __enter__(self) -> "Communicator":
@@ -449,6 +458,7 @@ def _forget_parents_communicators() -> None:
     them at the child's exit shut the parent's store sockets, which the two share), nor are its
     world counts the child's."""
     _live.clear()
+    _store_users.clear()
     _worlds_made.clear()
 
 
