@@ -80,3 +80,24 @@ def _torch_overlap(comm):
 def test_torch_sendrecv_refuses_shared_memory(transport_env):
     pytest.importorskip("torch")
     assert run_ranks(2, _torch_overlap, env=transport_env) == ["ok", "ok"]
+
+
+def _none_arguments(comm):
+    x = np.zeros(2)
+    for call, kind, text in [
+            (lambda: comm.isend(None, 0), TypeError, "isend: expected an array"),
+            (lambda: comm.send(None, 0), TypeError, "send: expected an array"),
+            (lambda: comm.recv(None, 0), TypeError, "recv: expected an array"),
+            (lambda: comm.sendrecv(None, 0, x, 0), TypeError, "sendrecv: expected an array"),
+            (lambda: comm.sendrecv(x, 0, None, 0), TypeError, "sendrecv: expected an array"),
+            (lambda: comm.sendrecv_replace(None, 0, 0), TypeError, "sendrecv_replace: expected an array"),
+            (lambda: comm.isend(x, 0, None), ValueError, "isend: tag must be"),
+            (lambda: comm.irecv(x, None), ValueError, "irecv: rank must be"),
+            (lambda: comm.sendrecv(x, None, x.copy(), 0), ValueError, "sendrecv: rank must be")]:
+        with pytest.raises(kind, match=text):  # was nanobind's "incompatible function arguments"
+            call()
+    return "ok"
+
+
+def test_none_arguments_get_the_calls_own_errors():
+    assert run_ranks(1, _none_arguments) == ["ok"]

@@ -126,7 +126,10 @@ void bind_p2p(nb::module_& m) {
       .def("_wait_now", [](PyRequest& r) { return r.wait(0.0); },
            "Finish it now: its error if done, else it is withdrawn as a timed-out wait's is (TimeoutError).")
       .def("test", &PyRequest::test, "Progress once; True when done (raises its error if it failed).")
-      .def("fileno", &PyRequest::fileno, "An eventfd that turns readable when the request is done.")
+      .def("fileno", &PyRequest::fileno,
+           "An eventfd that turns readable when the request is done. Only the engine's progress thread "
+           "writes it, for asend / arecv requests (see driven); an isend / irecv request is progressed by "
+           "test() and wait() alone, so poll those, or await the request.")
       .def_prop_ro("nbytes", &PyRequest::nbytes, "Bytes moved, once done.")
       .def_prop_ro("done", &PyRequest::done)
       .def_prop_ro("driven", &PyRequest::driven,
@@ -163,20 +166,20 @@ void bind_p2p(nb::module_& m) {
       .def("adopt_tcp", &NativeComm::adopt_tcp, nb::arg("peer"), nb::arg("fd"))
       .def("send", [](NativeComm& c, nb::handle obj, int peer, uint64_t tag, double timeout) {
              return c.blocking(obj, peer, tag, true, timeout);
-           }, nb::arg("obj"), nb::arg("peer"), nb::arg("tag"), nb::arg("timeout"))
+           }, nb::arg("obj").none(), nb::arg("peer"), nb::arg("tag"), nb::arg("timeout"))
       .def("recv", [](NativeComm& c, nb::handle obj, int peer, uint64_t tag, double timeout) {
              return c.blocking(obj, peer, tag, false, timeout);
-           }, nb::arg("obj"), nb::arg("peer"), nb::arg("tag"), nb::arg("timeout"))
-      .def("sendrecv", &NativeComm::sendrecv, nb::arg("send_obj"), nb::arg("dst"), nb::arg("send_tag"),
-           nb::arg("recv_obj"), nb::arg("src"), nb::arg("recv_tag"), nb::arg("timeout"))
-      .def("sendrecv_replace", &NativeComm::sendrecv_replace, nb::arg("obj"), nb::arg("dst"), nb::arg("send_tag"),
-           nb::arg("src"), nb::arg("recv_tag"), nb::arg("timeout"))
+           }, nb::arg("obj").none(), nb::arg("peer"), nb::arg("tag"), nb::arg("timeout"))
+      .def("sendrecv", &NativeComm::sendrecv, nb::arg("send_obj").none(), nb::arg("dst"), nb::arg("send_tag"),
+           nb::arg("recv_obj").none(), nb::arg("src"), nb::arg("recv_tag"), nb::arg("timeout"))
+      .def("sendrecv_replace", &NativeComm::sendrecv_replace, nb::arg("obj").none(), nb::arg("dst"),
+           nb::arg("send_tag"), nb::arg("src"), nb::arg("recv_tag"), nb::arg("timeout"))
       .def("isend", [](NativeComm& c, nb::handle obj, int peer, uint64_t tag, bool is_async, double timeout) {
              return c.post(obj, peer, tag, true, is_async, timeout);
-           }, nb::arg("obj"), nb::arg("peer"), nb::arg("tag"), nb::arg("is_async"), nb::arg("timeout"))
+           }, nb::arg("obj").none(), nb::arg("peer"), nb::arg("tag"), nb::arg("is_async"), nb::arg("timeout"))
       .def("irecv", [](NativeComm& c, nb::handle obj, int peer, uint64_t tag, bool is_async, double timeout) {
              return c.post(obj, peer, tag, false, is_async, timeout);
-           }, nb::arg("obj"), nb::arg("peer"), nb::arg("tag"), nb::arg("is_async"), nb::arg("timeout"))
+           }, nb::arg("obj").none(), nb::arg("peer"), nb::arg("tag"), nb::arg("is_async"), nb::arg("timeout"))
       .def("describe_link", [](NativeComm& c, int peer) { return c.engine().describe_link(peer); })
       .def("peer_alive", [](NativeComm& c, int peer) { return c.engine().peer_alive(peer); },
            "False once peer's process is known to have exited or closed its link.")

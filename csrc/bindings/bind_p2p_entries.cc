@@ -108,7 +108,7 @@ void bind_p2p_entries(nb::module_& m) {
       [](nb::handle self, nb::handle x, nb::handle dst, nb::handle tag, nb::handle timeout, nb::handle stream) {
         return post_entry(self, x, dst, tag, timeout, stream, true);
       },
-      nb::is_method(), nb::arg("x"), nb::arg("dst"), nb::arg("tag") = 0, nb::kw_only(),
+      nb::is_method(), nb::arg("x").none(), nb::arg("dst").none(), nb::arg("tag").none() = 0, nb::kw_only(),
       nb::arg("timeout") = nb::none(), nb::arg("stream") = nb::none(),
       "Start sending x to rank dst; the returned request's wait()/test() finish it.\n\n"
       "A CUDA array is enqueued on `stream` (else its current stream) as send() does; the request "
@@ -118,7 +118,7 @@ void bind_p2p_entries(nb::module_& m) {
       [](nb::handle self, nb::handle x, nb::handle src, nb::handle tag, nb::handle timeout, nb::handle stream) {
         return post_entry(self, x, src, tag, timeout, stream, false);
       },
-      nb::is_method(), nb::arg("x"), nb::arg("src"), nb::arg("tag") = 0, nb::kw_only(),
+      nb::is_method(), nb::arg("x").none(), nb::arg("src").none(), nb::arg("tag").none() = 0, nb::kw_only(),
       nb::arg("timeout") = nb::none(), nb::arg("stream") = nb::none(),
       "Start receiving into x from rank src; the returned request's wait()/test() finish it (CUDA "
       "arrays: as isend).");
@@ -135,8 +135,8 @@ void bind_p2p_entries(nb::module_& m) {
         return attr(self, kSendrecv)(x, dst, out, src, send_tag, recv_tag, nb::arg("timeout") = timeout,
                                      nb::arg("stream") = stream);
       },
-      nb::is_method(), nb::arg("x"), nb::arg("dst"), nb::arg("out"), nb::arg("src"), nb::arg("send_tag") = 0,
-      nb::arg("recv_tag") = 0, nb::kw_only(), nb::arg("timeout") = nb::none(), nb::arg("stream") = nb::none(),
+      nb::is_method(), nb::arg("x").none(), nb::arg("dst").none(), nb::arg("out").none(), nb::arg("src").none(),
+      nb::arg("send_tag").none() = 0, nb::arg("recv_tag").none() = 0, nb::kw_only(), nb::arg("timeout") = nb::none(), nb::arg("stream") = nb::none(),
       "Send x to rank dst while receiving into out from rank src (MPI_Sendrecv); returns the bytes received. "
       "One call: no deadlock when every rank of a ring calls it at once.\n\n"
       "Host arrays go in one native call; CUDA arrays through the GPU plane, enqueued on `stream` (else the "
@@ -154,8 +154,8 @@ void bind_p2p_entries(nb::module_& m) {
         return attr(self, kSendrecvReplace)(x, dst, src, send_tag, recv_tag, nb::arg("timeout") = timeout,
                                             nb::arg("stream") = stream);
       },
-      nb::is_method(), nb::arg("x"), nb::arg("dst"), nb::arg("src"), nb::arg("send_tag") = 0,
-      nb::arg("recv_tag") = 0, nb::kw_only(), nb::arg("timeout") = nb::none(), nb::arg("stream") = nb::none(),
+      nb::is_method(), nb::arg("x").none(), nb::arg("dst").none(), nb::arg("src").none(),
+      nb::arg("send_tag").none() = 0, nb::arg("recv_tag").none() = 0, nb::kw_only(), nb::arg("timeout") = nb::none(), nb::arg("stream") = nb::none(),
       "Send x to rank dst, then hold in x what rank src sent (MPI_Sendrecv_replace); returns the bytes "
       "received. The message from src may be shorter than x (the rest of x keeps what it held) but not "
       "longer (ValueError, as for recv).\n\n"
