@@ -106,7 +106,8 @@ def seconds(raw: Any) -> float:
 declare("LINKWISE_TIMEOUT", 300.0, seconds, "seconds any blocking call waits before raising TimeoutError "
         "(a positive, finite number)")
 declare("LINKWISE_TRANSPORT", "auto", _choice("auto", "shm", "tcp"),
-        "auto: shared memory within a host, TCP across hosts; tcp forces TCP everywhere")
+        "auto: shared memory within a host, TCP across hosts; tcp forces TCP everywhere; shm "
+        "insists on shared memory (every rank on this host, else BootstrapError)")
 declare("LINKWISE_SOCKET_IFNAME", "", str,
         "interfaces for TCP, as NCCL_SOCKET_IFNAME: 'eth' prefix, '^docker,lo' exclude, '=eth0' exact")
 declare("LINKWISE_SHM_RING_SIZE", 1 << 20, _size, "bytes of each shared-memory ring between two ranks")
@@ -152,8 +153,9 @@ declare("LINKWISE_TOPO_FILE", "", str,
 declare("LINKWISE_ALGO", "", _choice("ring", "tree", "chain", "direct", empty="pick by size"),
         "force a collective algorithm (ring, tree, chain, direct); empty picks by size")
 declare("LINKWISE_CHUNK_SIZE", 0, _size,
-        "pipelining chunk of ring/chain collectives in bytes; 0 = default (512K); every collective "
-        "raises ValueError while it is not a byte size of 0 or more")
+        "pipelining chunk of ring/chain collectives in bytes; 0 = default (512K); also the chunk of "
+        "host-staged GPU collectives (0 = 4M there); every collective raises ValueError while it is "
+        "not a byte size of 0 or more")
 declare("LINKWISE_CHECK", False, _bool,
         "verify before each collective that all ranks agree on size/dtype/op/root and host vs CUDA arrays (raise ValueError on every rank if not)")
 # Shared-memory collectives on one host (read when a communicator attaches its executor).
