@@ -46,7 +46,8 @@ def shm_of_this_process() -> list:
 def _child(rank: int, n: int, port: int, fn, args, env: dict, wfd: int, init: bool) -> None:
     code = 0
     try:
-        os.environ.update({k: str(v) for k, v in env.items()})
+        # a list or tuple gives each rank its own value (env[k][rank])
+        os.environ.update({k: str(v[rank] if isinstance(v, (list, tuple)) else v) for k, v in env.items()})
         os.environ.update(LINKWISE_RANK=str(rank), LINKWISE_SIZE=str(n), LINKWISE_LOCAL_RANK=str(rank),
                           LINKWISE_LOCAL_SIZE=str(n), LINKWISE_MASTER_ADDR="127.0.0.1",
                           LINKWISE_MASTER_PORT=str(port))

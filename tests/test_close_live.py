@@ -42,6 +42,7 @@ def _closes_then_lives(comm, tmp, op):
             comm.broadcast(np.zeros(1000), root=1)
         what = "returned"
     except linkwise.PeerError as exc:
+        assert exc.rank == comm.rank, exc.rank  # the caller's rank (was -1 from the native layer)
         what = ("PeerError", exc.peer)
     except Exception as exc:  # noqa: BLE001 - the kind is what is tested
         what = (type(exc).__name__, str(exc))

@@ -5,7 +5,6 @@ root, in place and out=), sizes 0, 1, odd, several chunks, not a multiple of the
 
 Tiny thresholds / chunks (LINKWISE_COLL_CMA_*) make small messages take the CMA paths, and
 the executor's counters prove they did."""
-import os
 
 import numpy as np
 import pytest
@@ -120,11 +119,8 @@ def _one_rank_refuses(comm):
 
 
 def test_cma_off_on_one_rank_is_off_everywhere():
-    def body(comm):
-        if comm.rank == 1:
-            os.environ["LINKWISE_SHM_CMA"] = "0"
-        return _one_rank_refuses(comm)
-    got = run_ranks(3, body, env=CMA_ENV)
+    # read when the communicator is made (it sets up the executor)
+    got = run_ranks(3, _one_rank_refuses, env=dict(CMA_ENV, LINKWISE_SHM_CMA=["1", "0", "1"]))
     assert [(cma, calls) for cma, calls, _ in got] == [(False, (0, 0))] * 3
 
 

@@ -8,7 +8,6 @@ areas move), and a rank killed mid-collective.
 LINKWISE_COLL_THREADS forces helper threads (so a 2-core CI machine runs them too),
 LINKWISE_COLL_LANE_MIN=4K lets small messages use several lanes, LINKWISE_SHM_CMA=0 keeps
 the single-copy paths out, and the executor's lane counters prove the lanes ran."""
-import os
 
 import numpy as np
 import pytest
@@ -56,16 +55,17 @@ def test_all_reduce_rank_counts(n):
 
 
 def _uneven_threads_body(comm):
-    # Set before the executor attaches (the first collective): rank 0 has 4 threads (4
-    # lanes), the others 1 or 2, so they run several lanes one after another.
-    os.environ["LINKWISE_COLL_THREADS"] = str(4 if comm.rank == 0 else 1 + comm.rank % 2)
+    # LINKWISE_COLL_THREADS (read as the executor is set up, when the communicator is made):
+    # rank 0 has 4 threads (4 lanes), the others 1 or 2, so they run several lanes one after
+    # another.
     checked = _all_reduce_matrix(comm, ["float32", "int64"], True)
     return checked, _broadcast_matrix(comm, ["float32"], True), _lane_calls(comm)
 
 
 @pytest.mark.parametrize("n", [3, 5])
 def test_fewer_threads_than_lanes(n):
-    got = run_ranks(n, _uneven_threads_body, env=LANE_ENV, timeout=240)
+    threads = [str(4 if r == 0 else 1 + r % 2) for r in range(n)]
+    got = run_ranks(n, _uneven_threads_body, env=dict(LANE_ENV, LINKWISE_COLL_THREADS=threads), timeout=240)
     for _, _, (ar, bc) in got:
         assert ar > 0 and bc > 0
 

@@ -63,6 +63,42 @@ def test_async_and_coroutines(transport_env):
     assert run_ranks(3, _async_body, env=transport_env, timeout=60) == [True] * 3
 
 
+def _async_first_then_message(comm, which):
+    """Rank 0's first collective is async, and it then sends rank 1 the message rank 1 waits
+    for before its own all_reduce. Over shared memory the async call set up the executor,
+    which waited for rank 1: rank 0 never sent, rank 1 never came (both timed out), where TCP
+    went on. On the world and on a fresh sub-communicator; as a request and as a coroutine."""
+    import asyncio
+    c = comm if which != "split" else comm.split(0)
+    x = np.full(4, c.rank + 1.0, np.float32)
+    if c.rank == 0:
+        if which == "await":
+            async def both():
+                task = asyncio.ensure_future(c.aall_reduce(x))
+                await asyncio.sleep(0)
+                await c.asend(np.array([42]), 1)
+                return await task
+            asyncio.run(both())
+        else:
+            req = c.all_reduce(x, async_op=True)
+            c.send(np.array([42]), 1)
+            req.wait()
+    else:
+        got = np.zeros(1, np.int64)
+        c.recv(got, 0)
+        assert got[0] == 42
+        c.all_reduce(x)
+    if c is not comm:
+        c.close()
+    return x.tolist()
+
+
+@pytest.mark.parametrize("which", ["world", "split", "await"])
+def test_an_async_first_collective_does_not_wait_for_the_peers(which, transport_env):
+    env = dict(transport_env, LINKWISE_TIMEOUT="10")
+    assert run_ranks(2, _async_first_then_message, which, env=env, timeout=60) == [[3.0] * 4] * 2
+
+
 def _split_body(comm):
     n, r = comm.size, comm.rank
     color = None if r == n - 1 else r % 2

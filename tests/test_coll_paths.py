@@ -123,8 +123,8 @@ def test_latency_path_honours_a_timeout_set_after_init():
 
 
 def _one_shot_boundary(comm):
-    # Set before the executor attaches (the first collective): rank 0's limit wins everywhere.
-    os.environ["LINKWISE_COLL_ONE_SHOT_MAX"] = "256" if comm.rank == 0 else "32K"
+    # LINKWISE_COLL_ONE_SHOT_MAX, read as the executor is set up (when the communicator is
+    # made): 256 on rank 0, 32K elsewhere; rank 0's limit wins everywhere.
     sizes = lambda dt, op: [0, 1, 7, 255 // np.dtype(np_dtype(dt)).itemsize + 1, 2049, 9001]
     checked = check_all_reduce_matrix(comm, DTYPES, sizes)
     # Async calls above the limit run two-shot on the worker thread.
@@ -139,7 +139,8 @@ def _one_shot_boundary(comm):
 def test_one_shot_limit_agreed_and_two_shot_below_32k(nranks):
     """Small all_reduces above the agreed one-shot limit take the two-shot, for every dtype and
     op, in place and out=, and asynchronously."""
-    got = run_ranks(nranks, _one_shot_boundary, timeout=240)
+    limits = ["256"] + ["32K"] * (nranks - 1)
+    got = run_ranks(nranks, _one_shot_boundary, env={"LINKWISE_COLL_ONE_SHOT_MAX": limits}, timeout=240)
     assert all(limit == 256 and checked > 0 for checked, limit in got), got
 
 

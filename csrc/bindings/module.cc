@@ -2,6 +2,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 
+#include <cstdio>
+
 #include "bindings/bindings.h"
 #include "core/copy.h"
 #include "core/status.h"
@@ -38,6 +40,13 @@ void raise_interrupt() {
   g_raised_type = g_raised_value = g_raised_trace = nullptr;
 }
 
+// The caller's rank from the "rank N: ..." that the engine's and the executor's messages
+// start with; -1 when a message does not.
+int rank_of(const char* what) {
+  int rank = -1, end = 0;
+  return std::sscanf(what, "rank %d:%n", &rank, &end) == 1 && end > 0 ? rank : -1;
+}
+
 // Sets the Python exception of e (not Interrupted).
 void translate(const Error& e) {
   const char* cls = "LinkwiseError";
@@ -50,7 +59,7 @@ void translate(const Error& e) {
     case ErrorKind::Internal: case ErrorKind::Interrupted: cls = "LinkwiseError"; break;
   }
   nb::object type = nb::module_::import_("linkwise.errors").attr(cls);
-  nb::object exc = e.kind() == ErrorKind::Peer ? type(e.what(), -1, e.peer()) : type(e.what());
+  nb::object exc = e.kind() == ErrorKind::Peer ? type(e.what(), rank_of(e.what()), e.peer()) : type(e.what());
   PyErr_SetObject(type.ptr(), exc.ptr());
 }
 }  // namespace

@@ -148,11 +148,12 @@ def _state_of(comm, r: int) -> bytes:
                                    "every rank must make the same collective calls in the same order") from None
 
 
-def attach(comm):
+def attach(comm, latency_path: bool = True):
     """Maps comm's shared-memory collective segment (a collective step: every rank of an
-    all-shared-memory communicator reaches it at its first all_reduce / broadcast) and
-    connects the executor; None when some peer is not reached over shared memory. Sets
-    comm._pair_bcast_p2p and, unless async collectives exist, comm._fast_shm."""
+    all-shared-memory communicator reaches it when the communicator is made, see
+    ExecutorMixin._attach_shm) and connects the executor; None when some peer is not reached
+    over shared memory. Sets comm._pair_bcast_p2p and, with latency_path and unless async
+    collectives exist, comm._fast_shm."""
     if not _all_shm(comm):
         return None
     from ._setup import SHM_PREFIX
@@ -192,9 +193,16 @@ def attach(comm):
     comm._pair_bcast_p2p = shm.cma_bcast_min > LARGE_PAIR_BCAST  # agreed: same on every rank
     shm.enable_fast_entries()
     shm.fast_bcast_max = LARGE_PAIR_BCAST if comm.size == 2 and comm._pair_bcast_p2p else NEVER
+    if latency_path:
+        enable_latency_path(comm, shm)
+    return shm
+
+
+def enable_latency_path(comm, shm) -> None:
+    """comm's latency path (comm._fast_shm) is shm, unless async collectives exist (they run
+    in issue order on the worker; the latency path would overtake them)."""
     if comm.__dict__.get("_coll_worker") is None and _ENV is not None:
         comm._fast_shm = shm
-    return shm
 
 
 # Collectives the shared-memory executor runs at every size within a host (the block ones:
@@ -263,6 +271,10 @@ class ExecutorMixin:
         if algo and not (algo == "direct" and kind == "all_reduce"):
             return None
         shm = self.__dict__.get("_shm")
+        if shm and self.__dict__.get("_latency_later"):  # attached when made: the tunables first
+            _check_tunables()
+            self._latency_later = False
+            enable_latency_path(self, shm)
         if shm is None:
             why = self._native.abort_reason_for(self._coll_seq)
             if why:  # the ranks may be out of step: attaching (a collective step) could hang
@@ -274,10 +286,19 @@ class ExecutorMixin:
                 shm.skip_call()  # calls refused on this rank before the executor existed
         return shm or None
 
-    def _attach_shm(self):
-        _check_tunables()  # before the latency paths, which never read them, are set up
+    def _attach_shm(self, when_made: bool = False):
+        """Attaches the executor: when the communicator is made (init, split: collective
+        steps every rank reaches, so that a first collective that is async does not wait for
+        the others to set it up, which over shared memory hung a rank that sent its peer a
+        message after an async all_reduce), else at the first collective that needs it. The
+        latency path comes after a check of the tunables, which it never reads: made here at
+        the first general-path call (_shm_for)."""
+        if when_made:
+            self._latency_later = True
+        else:
+            _check_tunables()
         try:
-            return attach(self)
+            return attach(self, latency_path=not when_made)
         except BaseException as exc:
             # The ranks left the setup step at different points: no later collective of this
             # communicator can be trusted to pair up (nor would setup be retried in step), so

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import bootstrap, config
-from . import _bf16, _setup
+from . import _bf16, _setup, _shm_exec
 from ._setup import new_job_id
 from ._request import Request, adopt_native  # noqa: F401 - Request is linkwise.Request
 from ._coll_args import _raw
@@ -143,6 +143,8 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
             self.transports = _setup.setup_links(self._native, store, tag, rank, size, job_id, self.timeout,
                                                  cards, comm_id="" if comm_id == "world" else comm_id)
         _live.add(self)
+        if size > 1 and _shm_exec._all_shm(self):
+            self._shm = self._attach_shm(when_made=True) or False
 
     # -- argument checks ------------------------------------------------------------------
     def _check(self, peer: Any, tag: Any, op: str) -> tuple[int, int]:

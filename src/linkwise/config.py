@@ -158,7 +158,8 @@ declare("LINKWISE_CHUNK_SIZE", 0, _size,
         "not a byte size of 0 or more")
 declare("LINKWISE_CHECK", False, _bool,
         "verify before each collective that all ranks agree on size/dtype/op/root and host vs CUDA arrays (raise ValueError on every rank if not)")
-# Shared-memory collectives on one host (read when a communicator attaches its executor).
+# Shared-memory collectives on one host (read when a communicator is made: init and split
+# attach its executor).
 declare("LINKWISE_SHM_CMA", True, _bool,
         "large single-host all_reduce/broadcast copy straight between the ranks' buffers "
         "(process_vm_readv/writev) when permitted; 0 forces the copy-through-shared-memory paths")

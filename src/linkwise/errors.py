@@ -16,7 +16,8 @@ class LinkwiseError(RuntimeError):
 class PeerError(LinkwiseError):
     """A peer process died or closed its connection while an operation needed it.
 
-    ``rank`` is the caller's rank, ``peer`` the rank that failed, ``op`` the operation.
+    ``rank`` is the caller's rank, ``peer`` the rank that failed (-1 where unknown), ``op``
+    the operation where the raising code names it (else "").
     """
 
     def __init__(self, message: str, rank: int = -1, peer: int = -1, op: str = ""):
