@@ -1,7 +1,9 @@
 """The one registry of ``LINKWISE_*`` tunables.
 
 Every environment variable linkwise reads is declared here once, with its type, default and a
-line of help; code reads it through :func:`get`, and ``linkwise info`` prints the table.
+line of help; code reads it through :func:`get`, and ``linkwise info`` prints the table. (Not
+the launchers' variables bootstrap reads, nor LINKWISE_BENCH_ARGS / _SYSTEMS / _RESULT, which
+`linkwise bench` sets for the ranks it starts.)
 Values are read from the environment at each call (cheap), so tests may set them per process.
 """
 from __future__ import annotations

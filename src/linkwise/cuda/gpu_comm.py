@@ -93,9 +93,9 @@ def available() -> bool:
 
 
 def select_device(comm) -> int:
-    env = os.environ.get("LINKWISE_DEVICE")
-    if env not in (None, ""):
-        return int(env)
+    device = config.get("LINKWISE_DEVICE")  # ValueError naming the variable when it is not an int
+    if device is not None:
+        return device
     count = _native().cuda_device_count()
     if count <= 0:
         raise RuntimeError(f"rank {comm.rank}: no CUDA device is visible")
