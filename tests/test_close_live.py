@@ -103,3 +103,43 @@ def test_close_with_async_collectives_pending_names_the_close(tmp_path):
         peer, message, elapsed = out[rank]
         assert peer == 1 and "closed its communicator" in message, (rank, message)
         assert elapsed < 10, (rank, elapsed)
+
+
+def _close_from_another_thread(comm, tmp):
+    """Rank 0 closes while another of its threads waits in an all_reduce its peer has not
+    joined: that call raises CommAbortedError at once (it waited for the peer, then the
+    timeout), and the peer's all_reduce raises PeerError naming rank 0."""
+    import threading
+
+    import linkwise
+    comm.barrier()
+    if comm.rank == 0:
+        got = {}
+
+        def work():
+            t0 = time.monotonic()
+            try:
+                comm.all_reduce(np.ones(10))
+                got["what"] = "returned"
+            except linkwise.CommAbortedError:
+                got["what"] = "CommAbortedError"
+            got["seconds"] = time.monotonic() - t0
+        thread = threading.Thread(target=work)
+        thread.start()
+        time.sleep(0.5)
+        comm.close()
+        thread.join(TIMEOUT)
+        open(os.path.join(tmp, "done-0"), "w").close()
+        _wait_for_peers(tmp, comm.size, 0)
+        return got["what"], got["seconds"] < 5
+    _wait_for_peers(tmp, comm.size, 1)  # rank 0 has closed
+    with pytest.raises(linkwise.PeerError) as info:
+        comm.all_reduce(np.ones(10))
+    open(os.path.join(tmp, "done-1"), "w").close()
+    return info.value.peer
+
+
+def test_close_from_another_thread_stops_a_waiting_collective(tmp_path):
+    out = run_ranks(2, _close_from_another_thread, str(tmp_path), env={"LINKWISE_TIMEOUT": str(TIMEOUT)},
+                    timeout=2 * TIMEOUT + 30)
+    assert out == [("CommAbortedError", True), 0], out

@@ -73,3 +73,39 @@ def _next_world_before_rank_0_closed(rank, n):
 def test_the_next_world_waits_for_rank_0_to_close_the_previous_one():
     out = run_ranks(3, _next_world_before_rank_0_closed, init=False, env={"LINKWISE_TIMEOUT": "20"}, timeout=60)
     assert out == [3.0] * 3
+
+
+def _dies_in_executor_setup(rank, size):
+    """Rank 1 dies between the steps of the shared-memory executor's set-up, which init()
+    now runs: the others raise PeerError naming it at once (a plain store barrier waited the
+    whole timeout)."""
+    import time
+
+    import linkwise
+    from linkwise import _shm_exec
+    if rank == 1:
+        first_step = _shm_exec._step
+
+        def dying_step(comm, name):
+            if name.endswith("/mapped"):
+                os._exit(3)
+            return first_step(comm, name)
+        _shm_exec._step = dying_step
+    t0 = time.monotonic()
+    try:
+        linkwise.init()
+        return "returned", time.monotonic() - t0
+    except linkwise.PeerError as exc:
+        seconds = time.monotonic() - t0
+        return (type(exc).__name__, exc.peer), seconds
+
+
+def test_a_rank_dying_in_the_executor_setup_is_named_at_once():
+    out = run_ranks(3, _dies_in_executor_setup, init=False, env={"LINKWISE_TIMEOUT": "30"}, timeout=90,
+                    expect_fail=True)
+    assert out[1][0] == "died", out
+    assert out[0][0] == "ok" and out[0][1][0] == ("PeerError", 1) and out[0][1][1] < 10, out
+    # rank 2 names rank 1 too, unless rank 0 got there first: its failed init closed the store
+    # it hosts (StoreClosedError, a PeerError naming rank 0)
+    assert out[2][0] == "ok" and out[2][1][0] in (("PeerError", 1), ("StoreClosedError", 0)), out
+    assert out[2][1][1] < 10, out

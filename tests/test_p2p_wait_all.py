@@ -120,3 +120,34 @@ def _shared_deadline(comm, _):
 def test_wait_all_timeout_is_one_deadline_for_all():
     waited = run_ranks(2, _shared_deadline, None)[0]
     assert 0.25 <= waited < 0.75, waited  # one after another: 0.9 s
+
+
+def _budget_spent_on_a_collective(comm):
+    """The general wait_all (an async collective in the list) gives the last requests no time
+    once its budget is spent: a request already done still returns its result (it raised
+    ValueError 'timeout 0' when zero timeouts were refused), an unfinished one TimeoutError."""
+    import linkwise
+    if comm.rank == 0:
+        buf = np.zeros(4)
+        rr = comm.irecv(buf, 1, tag=3, timeout=0.5)
+        cr = comm.all_reduce(np.ones(4), async_op=True)  # rank 1 joins 1 s late: the budget is spent
+        res = linkwise.wait_all([cr, rr])
+        assert res[1] == 32 and buf.tolist() == [0.0, 1.0, 2.0, 3.0], res
+        assert res[0].tolist() == [2.0] * 4
+        never = comm.irecv(np.zeros(1), 1, tag=4, timeout=0.3)
+        cr2 = comm.all_reduce(np.ones(2), async_op=True)
+        with pytest.raises(linkwise.TimeoutError):
+            linkwise.wait_all([cr2, never])  # the receive never comes: withdrawn
+        assert cr2.wait().tolist() == [2.0, 2.0]
+    else:
+        comm.send(np.arange(4.0), 0, tag=3)
+        time.sleep(1.0)
+        comm.all_reduce(np.ones(4))
+        time.sleep(0.5)
+        comm.all_reduce(np.ones(2))
+    comm.barrier()
+    return "ok"
+
+
+def test_general_wait_all_after_its_budget_is_spent():
+    assert run_ranks(2, _budget_spent_on_a_collective, timeout=60) == ["ok", "ok"]

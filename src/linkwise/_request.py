@@ -170,14 +170,30 @@ def wait_all(requests, timeout: Optional[float] = None) -> list:
     for r in requests:
         own = r.timeout if hasattr(r, "timeout") else r._timeout  # native requests: .timeout
         limit = own if timeout is None else config.seconds(timeout)
-        try:
-            results.append(r.wait(max(0.0, limit - (time.monotonic() - start))))
+        left = limit - (time.monotonic() - start)
+        try:  # once the budget is spent: finished now, or given up as a timed-out wait would be
+            results.append(r.wait(left) if left > 0 else _wait_now(r))
         except Exception as exc:  # noqa: BLE001 - raised below, after the other waits
             results.append(None)
             first = first or exc
     if first is not None:
         raise first
     return results
+
+
+def _wait_now(r) -> Any:
+    """r's wait() with no time left: its result if done, else TimeoutError (a send or receive
+    is withdrawn, as a timed-out wait withdraws it; a collective goes on)."""
+    if isinstance(r, GpuRequest):
+        if not r.done:
+            raise TimeoutError("GPU operation did not complete within wait_all's timeout")
+        return r.wait()
+    native = getattr(r, "_native", None)
+    if native is None:  # a native send / receive request itself
+        r._wait_now()
+        return r.nbytes
+    native._wait_now()
+    return r._outcome()
 
 
 def adopt_native(native) -> None:

@@ -368,16 +368,16 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
             self._gpu_comm = None
         # The peers learn of the close as of a death: PeerError naming this rank once they wait
         # on it for something it never sent (the executor's closed word; the links' streams
-        # end after what was written). A pending async collective in the executor fails too,
-        # as the point-to-point ones do below. The segment stays mapped: after a completed
+        # end after what was written). The segment stays mapped: after a completed
         # call peers may still be reading this rank's pieces (a broadcast root returns before
         # its readers).
         shm = self.__dict__.get("_shm")
         if shm:
             shm.mark_closed()
-        worker = self.__dict__.get("_coll_worker")
-        if worker is not None and worker.pending:
-            self._stop_shm()
+            # A call in progress (another thread's, or async ones pending) fails too: its own
+            # waits see this rank's failed word. Calls already done are not touched (the stop
+            # is from the next number; a wait on a word already reached never looks).
+            shm.stop()
         self._native.close("the communicator was closed")
         self._native = None
         self._fast_shm = None  # the latency paths end here; later calls take the general path and raise
