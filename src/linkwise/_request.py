@@ -165,11 +165,12 @@ def wait_all(requests, timeout: Optional[float] = None) -> list:
     for r in requests:
         if not isinstance(r, (Request, GpuRequest)):
             raise TypeError(f"wait_all: {type(r).__name__} is not a linkwise request")
+    budget = None if timeout is None else config.seconds(timeout)
     start = time.monotonic()
     results, first = [], None
     for r in requests:
         own = r.timeout if hasattr(r, "timeout") else r._timeout  # native requests: .timeout
-        limit = own if timeout is None else config.seconds(timeout)
+        limit = own if budget is None else budget
         left = limit - (time.monotonic() - start)
         try:  # once the budget is spent: finished now, or given up as a timed-out wait would be
             results.append(r.wait(left) if left > 0 else _wait_now(r))

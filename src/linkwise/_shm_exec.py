@@ -76,18 +76,7 @@ def _all_shm(comm) -> bool:
 
 
 def _state_key(comm, rank: int) -> str:
-    return f"{comm.comm_id}/shmcoll/state/{rank}"  # whether that rank attaches (attach, refuse)
-
-
-def refuse(comm, why: str) -> None:
-    """This rank's communicator was aborted before its executor was attached: tell the ranks
-    that attach it (each waits for every rank's state first, see attach) so that they raise
-    too, at once, instead of waiting for this rank at the setup barrier until the timeout."""
-    if _all_shm(comm):
-        try:
-            comm._store.set(_state_key(comm, comm.rank), b"refused: " + why.encode())
-        except Exception:  # noqa: BLE001 - the store may be gone too; the caller raises anyway
-            pass
+    return f"{comm.comm_id}/shmcoll/state/{rank}"  # that rank reached attach (its state: "ok")
 
 
 def _raise_if_aborted(comm) -> None:
@@ -155,12 +144,11 @@ def _step(comm, name: str) -> None:
                            alive=lambda r: r == comm.rank or comm._native.peer_alive(r))
 
 
-def attach(comm, latency_path: bool = True):
+def attach(comm):
     """Maps comm's shared-memory collective segment (a collective step: every rank of an
     all-shared-memory communicator reaches it when the communicator is made, see
     ExecutorMixin._attach_shm) and connects the executor; None when some peer is not reached
-    over shared memory. Sets comm._pair_bcast_p2p and, with latency_path and unless async
-    collectives exist, comm._fast_shm."""
+    over shared memory. Sets comm._pair_bcast_p2p; the latency path comes later (_shm_for)."""
     if not _all_shm(comm):
         return None
     from ._setup import SHM_PREFIX
@@ -169,8 +157,8 @@ def attach(comm, latency_path: bool = True):
     name = f"/{SHM_PREFIX}{comm.job_id}-coll-{comm.comm_id}"
     tag = f"{comm.comm_id}/shmcoll"
     spin = _default_spin_us(comm._cpus_per_rank)
-    # Every rank says whether it attaches at all (refuse): a rank whose communicator was
-    # aborted by a failed collective would otherwise leave the others at the barrier.
+    # Every rank says it has come: the first step, waited for in slices that look for dead
+    # ranks and abort notices (_state_of).
     from .store import StoreClosedError
     try:
         comm._store.set(_state_key(comm, comm.rank), b"ok")
@@ -200,16 +188,7 @@ def attach(comm, latency_path: bool = True):
     comm._pair_bcast_p2p = shm.cma_bcast_min > LARGE_PAIR_BCAST  # agreed: same on every rank
     shm.enable_fast_entries()
     shm.fast_bcast_max = LARGE_PAIR_BCAST if comm.size == 2 and comm._pair_bcast_p2p else NEVER
-    if latency_path:
-        enable_latency_path(comm, shm)
     return shm
-
-
-def enable_latency_path(comm, shm) -> None:
-    """comm's latency path (comm._fast_shm) is shm, unless async collectives exist (they run
-    in issue order on the worker; the latency path would overtake them)."""
-    if comm.__dict__.get("_coll_worker") is None and _ENV is not None:
-        comm._fast_shm = shm
 
 
 # Collectives the shared-memory executor runs at every size within a host (the block ones:
@@ -236,9 +215,7 @@ class ExecutorMixin:
         if native is not None:
             native.notify_refused(seq)
         shm = self.__dict__.get("_shm")
-        if shm is None:  # not attached yet: applied once it is
-            self._shm_skips = self.__dict__.get("_shm_skips", 0) + 1
-        elif shm:
+        if shm:
             worker = self.__dict__.get("_coll_worker")
             if worker is not None and worker.pending:
                 worker.submit_skip(shm)  # behind the pending async calls: issue order
@@ -263,8 +240,8 @@ class ExecutorMixin:
         through shared memory for all_reduce), for reduce_scatter, all_gather, all_to_all and
         gather (one round through the segment while all the blocks have at most 32 KiB, else
         rounds in the two-shot areas), and for scatter whose size blocks have at most 32 KiB
-        (nbytes is one block's). The same on every rank, so all ranks reach the first such
-        call together and attach the segment there (a collective step)."""
+        (nbytes is one block's). The same on every rank (the executor itself was attached when
+        the communicator was made: self._shm, False where some peer is not on this host)."""
         if self.size == 1:
             return None
         if kind == "scatter":
@@ -278,34 +255,25 @@ class ExecutorMixin:
         if algo and not (algo == "direct" and kind == "all_reduce"):
             return None
         shm = self.__dict__.get("_shm")
-        if shm and self.__dict__.get("_latency_later"):  # attached when made: the tunables first
+        if shm and self.__dict__.get("_latency_later"):
+            # The latency path (comm._fast_shm) reads no tunable: they are checked first, at
+            # this first general-path call. Not while async collectives exist: they run in
+            # issue order on the worker, which the latency path would overtake.
             _check_tunables()
             self._latency_later = False
-            enable_latency_path(self, shm)
-        if shm is None:
-            why = self._native.abort_reason_for(self._coll_seq)
-            if why:  # the ranks may be out of step: attaching (a collective step) could hang
-                from .errors import CommAbortedError
-                refuse(self, why)
-                raise CommAbortedError(why)
-            shm = self._shm = self._attach_shm() or False
-            for _ in range(self.__dict__.pop("_shm_skips", 0) if shm else 0):
-                shm.skip_call()  # calls refused on this rank before the executor existed
+            if self.__dict__.get("_coll_worker") is None and _ENV is not None:
+                self._fast_shm = shm
         return shm or None
 
-    def _attach_shm(self, when_made: bool = False):
-        """Attaches the executor: when the communicator is made (init, split: collective
-        steps every rank reaches, so that a first collective that is async does not wait for
-        the others to set it up, which over shared memory hung a rank that sent its peer a
-        message after an async all_reduce), else at the first collective that needs it. The
-        latency path comes after a check of the tunables, which it never reads: made here at
-        the first general-path call (_shm_for)."""
-        if when_made:
-            self._latency_later = True
-        else:
-            _check_tunables()
+    def _attach_shm(self):
+        """Attaches the executor when the communicator is made (init, split: collective steps
+        every rank reaches), not at its first collective: that set-up waits for every rank, so
+        an async first collective waited for them, and over shared memory a rank that sent its
+        peer a message after an async all_reduce hung. The latency path follows at the first
+        general-path call (_shm_for)."""
+        self._latency_later = True
         try:
-            return attach(self, latency_path=not when_made)
+            return attach(self)
         except BaseException as exc:
             # The ranks left the setup step at different points: no later collective of this
             # communicator can be trusted to pair up (nor would setup be retried in step), so

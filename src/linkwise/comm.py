@@ -25,7 +25,7 @@ from . import bootstrap, config
 from . import _bf16, _setup, _shm_exec
 from ._setup import new_job_id
 from ._request import Request, adopt_native  # noqa: F401 - Request is linkwise.Request
-from ._coll_args import _raw
+from ._coll_args import _as_array, _raw
 from ._coll_coroutines import CoroutineCollectivesMixin
 from ._coll_gather import GatherScatterMixin
 from .collectives import CollectivesMixin
@@ -92,16 +92,6 @@ def _as_buffer(x: Any, op: str) -> Any:
     raise TypeError(f"{op}: expected an array with the buffer protocol or __dlpack__, got {type(x).__name__}")
 
 
-def _host_view(x: Any, op: str) -> Any:
-    """x itself when it exports a buffer, else its NumPy view for the native layer (_as_buffer,
-    with the dtypes the buffer protocol cannot export as raw bytes)."""
-    try:
-        memoryview(x).release()
-        return x
-    except (TypeError, ValueError, BufferError):  # no buffer; a dtype it cannot export (bfloat16)
-        return _raw(_as_buffer(x, op))
-
-
 def _default_spin_us(cpus_per_rank: float) -> float:
     spin = config.get("LINKWISE_SPIN_US")
     if spin >= 0:
@@ -143,8 +133,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
             self.transports = _setup.setup_links(self._native, store, tag, rank, size, job_id, self.timeout,
                                                  cards, comm_id="" if comm_id == "world" else comm_id)
         _live.add(self)
-        if size > 1 and _shm_exec._all_shm(self):
-            self._shm = self._attach_shm(when_made=True) or False
+        self._shm = size > 1 and _shm_exec._all_shm(self) and self._attach_shm() or False
 
     # -- argument checks ------------------------------------------------------------------
     def _check(self, peer: Any, tag: Any, op: str) -> tuple[int, int]:
@@ -217,8 +206,8 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
             return gpu_sendrecv(self.cuda(), x, dst, out, src, send_tag, recv_tag, stream)
         # DLPack host arrays (torch CPU tensors): NumPy views of them in the same native call,
         # which checks them as it checks any array (x and out must not overlap).
-        return self._native.sendrecv(_host_view(x, "sendrecv"), dst, send_tag, _host_view(out, "sendrecv"), src,
-                                     recv_tag, t)
+        return self._native.sendrecv(_raw(_as_array(x, "sendrecv")), dst, send_tag,
+                                     _raw(_as_array(out, "sendrecv", "out")), src, recv_tag, t)
 
     def sendrecv_replace(self, x: Any, dst: int, src: int, send_tag: int = 0, recv_tag: int = 0, *,
                          timeout: Optional[float] = None, stream: Any = None) -> int:

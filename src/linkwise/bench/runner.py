@@ -183,8 +183,7 @@ def measure(args, systems: list[str], comm=None, show_progress: bool = True) -> 
             try:
                 out[name]["runs"].append(_sweep(b, pl, show_progress))
             except MemoryError as exc:
-                rank = b.rank
-                raise OutOfMemory(f"rank {rank}: not enough memory for the {name} buffers of the sweep up to "
+                raise OutOfMemory(f"rank {b.rank}: not enough memory for the {name} buffers of the sweep up to "
                                   f"-e {args.maxbytes} ({exc or 'MemoryError'}); lower -e") from None
     for b in (gloo, mpi):
         if b is not None:
