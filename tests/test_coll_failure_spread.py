@@ -151,9 +151,8 @@ def _first_collective_fails_then_attach(comm):
     up the shared-memory executor) with another size on the root fails there (ValueError)
     while the other ranks return; the root then sleeps past the timeout before its next call.
     The others' next all_reduce (through the shared-memory executor, attached when the
-    communicator was made) must raise at once, on the root's notice: PeerError naming the
-    root (once it set the executor up at that call instead: CommAbortedError; before that,
-    TimeoutError after waiting at the set-up barrier)."""
+    communicator was made) must raise at once, naming the root (when the executor was set up
+    at the first collective instead, the set-up barrier waited for the timeout)."""
     import os
 
     import linkwise
@@ -169,16 +168,22 @@ def _first_collective_fails_then_attach(comm):
     t0 = time.monotonic()
     try:
         comm.all_reduce(np.ones(4, np.float32))
-        return "ok", time.monotonic() - t0
+        return "ok", time.monotonic() - t0, ""
     except (linkwise.CommAbortedError, linkwise.PeerError, linkwise.TimeoutError) as exc:
-        return type(exc).__name__, time.monotonic() - t0
+        return type(exc).__name__, time.monotonic() - t0, str(exc)
 
 
 def test_setup_after_a_failure_raises_at_once():
     out = run_ranks(3, _first_collective_fails_then_attach, env={"LINKWISE_TIMEOUT": "3"}, timeout=60)
     assert out[0][0] == "CommAbortedError", out  # the root's own communicator was aborted
-    for kind, seconds in out[1:]:
-        assert kind == "PeerError" and seconds < 2, out
+    for kind, seconds, message in out[1:]:
+        # A rank already waiting in the all_reduce when the root's gather failed reads the
+        # root's `failed` word (PeerError naming it); one that enters the call after the root
+        # stopped the executor finds the stop (CommAbortedError naming rank 0, as documented
+        # in architecture.md). Which one depends on timing; both name the root, neither waits.
+        assert seconds < 2, out
+        assert (kind == "PeerError" and "failed on peer rank 0" in message) or (
+            kind == "CommAbortedError" and "failed on rank 0" in message), out
 
 
 def _refusals_then_broadcasts(comm, refusals, size):

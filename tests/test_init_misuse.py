@@ -8,6 +8,7 @@ import os
 import time
 
 import numpy as np
+import pytest
 
 from multirank import run_ranks
 
@@ -50,6 +51,34 @@ def test_ranks_that_disagree_on_the_transport_all_raise_at_once():
     for message, seconds in out:
         assert "disagree on LINKWISE_TRANSPORT" in message and "ranks 0 and 1" in message, message
         assert seconds < 10, seconds
+
+
+def _bad_setting_on_one_rank(rank, n, name, value, who):
+    import linkwise
+    if rank == who:
+        os.environ[name] = value
+    t0 = time.monotonic()
+    try:
+        linkwise.init()
+        return "initialized", 0.0
+    except (ValueError, linkwise.BootstrapError) as exc:
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("name,value,who", [("LINKWISE_SPIN_US", "inf", 1), ("LINKWISE_TIMEOUT", "0", 0),
+                                            ("LINKWISE_TRANSPORT", "udp", 2)])
+def test_an_invalid_setting_on_one_rank_fails_every_rank_at_once(name, value, who):
+    # Before, the rank with the bad value raised on its own (before or just after the card
+    # exchange) and the others waited for it there until the timeout (30 s here).
+    out = run_ranks(3, _bad_setting_on_one_rank, name, value, who, init=False,
+                    env={"LINKWISE_TIMEOUT": "30"}, timeout=90)
+    for rank, (message, seconds) in enumerate(out):
+        if rank == who:
+            assert message.startswith("ValueError") and f"{name}={value!r}" in message, out
+        else:
+            assert message.startswith("BootstrapError") and f"rank {who} could not join" in message, out
+            assert name in message, out
+        assert seconds < 10, out
 
 
 def _next_world_before_rank_0_closed(rank, n):

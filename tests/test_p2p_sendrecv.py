@@ -14,6 +14,15 @@ SIZES = [0, 1, 7, 1000, 70_001, 300_007, (1 << 20) + 5]
 DTYPES = [np.uint8, np.int32, np.float64]
 
 
+def torch_tensor_or_none(x):
+    """A CPU torch tensor sharing x's memory (the Python layer's path), or None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.from_numpy(x)
+
+
 def _values(rank, n, dtype):
     return (np.arange(n) * (rank + 3) % 251).astype(dtype)
 
@@ -85,17 +94,23 @@ def _errors(comm):
             comm.sendrecv(buf[:8], peer, out, peer, 9, 9)
     # a timeout that is not positive finite seconds (NaN never runs out; inf spun a core) is
     # refused before anything is posted, in every form
+    # (the error names the call, from the native checks and from the Python layer alike)
+    t = torch_tensor_or_none(x)
     for bad in (float("nan"), float("inf"), 0, -1.0):
-        for call in (lambda: comm.sendrecv(x, peer, x.copy(), peer, 9, 9, timeout=bad),
-                     lambda: comm.sendrecv_replace(x, peer, peer, 9, 9, timeout=bad),
-                     lambda: comm.recv(x, peer, 9, timeout=bad), lambda: comm.send(x, peer, 9, timeout=bad),
-                     lambda: comm.irecv(x, peer, 9, timeout=bad), lambda: comm.isend(x, peer, 9, timeout=bad),
-                     lambda: linkwise.wait_all([], timeout=bad)):
-            with pytest.raises(ValueError, match="positive finite"):
-                call()
+        for name, call in (("sendrecv", lambda a: comm.sendrecv(a, peer, a.clone() if t is a else a.copy(), peer,
+                                                                9, 9, timeout=bad)),
+                           ("sendrecv_replace", lambda a: comm.sendrecv_replace(a, peer, peer, 9, 9, timeout=bad)),
+                           ("recv", lambda a: comm.recv(a, peer, 9, timeout=bad)),
+                           ("send", lambda a: comm.send(a, peer, 9, timeout=bad)),
+                           ("irecv", lambda a: comm.irecv(a, peer, 9, timeout=bad)),
+                           ("isend", lambda a: comm.isend(a, peer, 9, timeout=bad)),
+                           ("wait_all", lambda a: linkwise.wait_all([], timeout=bad))):
+            for a in (x, t) if t is not None else (x,):
+                with pytest.raises(ValueError, match=f"^{name}: timeout .*positive finite"):
+                    call(a)
     r = comm.irecv(x, peer, 9)
     for bad in (float("nan"), float("inf"), 0, -1.0):
-        with pytest.raises(ValueError, match="positive finite"):
+        with pytest.raises(ValueError, match="^wait: timeout .*positive finite"):
             r.wait(timeout=bad)
     comm.send(np.full(4, comm.rank + 1, np.float32), peer, 9)
     assert r.wait() == 16 and (x == peer + 1).all()  # nothing of the refused calls was posted

@@ -38,7 +38,7 @@ class Request(metaclass=ABCMeta):
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until done (the GIL is released); raises the operation's error. Returns the
         bytes moved."""
-        return self._native.wait(self._timeout if timeout is None else config.seconds(timeout))
+        return self._native.wait(self._timeout if timeout is None else config.seconds(timeout, "wait"))
 
     def test(self) -> bool:
         """True when done (raises the operation's error if it failed)."""
@@ -69,7 +69,7 @@ class CollectiveRequest(Request):
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until done; returns the collective's result array."""
-        self._native.wait(self._timeout if timeout is None else config.seconds(timeout))
+        self._native.wait(self._timeout if timeout is None else config.seconds(timeout, "wait"))
         return self._keep
 
     def fileno(self) -> int:
@@ -165,7 +165,7 @@ def wait_all(requests, timeout: Optional[float] = None) -> list:
     for r in requests:
         if not isinstance(r, (Request, GpuRequest)):
             raise TypeError(f"wait_all: {type(r).__name__} is not a linkwise request")
-    budget = None if timeout is None else config.seconds(timeout)
+    budget = None if timeout is None else config.seconds(timeout, "wait_all")
     start = time.monotonic()
     results, first = [], None
     for r in requests:
@@ -257,7 +257,7 @@ class GpuRequest:
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until the GPU has finished the operation; returns its result."""
-        limit = self._timeout if timeout is None else config.seconds(timeout)
+        limit = self._timeout if timeout is None else config.seconds(timeout, "wait")
         if self._ev and not self._engine.event_wait(self._ev, limit):
             self._engine.check()  # a failure explains the wait better than the timeout
             raise TimeoutError(f"GPU operation did not complete within {limit:g} s; raise "

@@ -52,6 +52,7 @@ class PeerCard:
     tcp: Optional[str] = None  # "ip:port" this rank listens on for TCP links
     cpus: str = ""  # hex bitmask of the CPUs this rank may run on ("" = unknown)
     transport: str = "auto"  # this rank's LINKWISE_TRANSPORT (ranks of one host must agree)
+    error: str = ""  # this rank's first invalid LINKWISE_* setting (config.first_invalid)
 
 
 def cpu_mask() -> int:
@@ -81,8 +82,9 @@ def cpus_per_rank(cards: list[PeerCard], rank: int, ranks_here: int) -> float:
 
 def own_card(rank: int) -> PeerCard:
     """This process's card (host, pid, CPU mask); the TCP address is filled in later."""
+    error = config.first_invalid()
     return PeerCard(rank=rank, host=host_identity(), pid=os.getpid(), cpus=format(cpu_mask(), "x"),
-                    transport=config.get("LINKWISE_TRANSPORT"))
+                    transport="auto" if error else config.get("LINKWISE_TRANSPORT"), error=error)
 
 
 def exchange_host_cards(store, tag: str, rank: int, size: int) -> list[PeerCard]:
@@ -93,6 +95,23 @@ def exchange_host_cards(store, tag: str, rank: int, size: int) -> list[PeerCard]
 def exchange_cards(store, tag: str, rank: int, size: int, card: PeerCard) -> list[PeerCard]:
     raw = store.all_gather(tag, rank, size, json.dumps(card.__dict__).encode())
     return [PeerCard(**json.loads(r)) for r in raw]
+
+
+def refuse_bad_cards(store, tag: str, rank: int, size: int, cards: list[PeerCard], timeout: float) -> None:
+    """Raises on every rank when a card shows an invalid setting (ValueError on that rank,
+    BootstrapError naming it on the others) or ranks of one host that disagree on the transport.
+    Rank 0 raises only once every rank has read the cards: its store closes as it does."""
+    bad = next((c for c in cards if c.error), None)
+    disagreement = transport_disagreement(cards)
+    if bad is None and disagreement is None:
+        return
+    if size > 1:
+        store.barrier(f"{tag}/refused-cards", size, timeout)
+    if bad is not None and bad.rank == rank:
+        raise ValueError(f"rank {rank}: {bad.error}")
+    if bad is not None:
+        raise BootstrapError(f"rank {rank}: rank {bad.rank} could not join: {bad.error}; set it alike on every rank")
+    raise BootstrapError(f"rank {rank}: {disagreement}")
 
 
 def transport_disagreement(cards: list[PeerCard]) -> Optional[str]:
@@ -191,13 +210,8 @@ def connect_tcp(native, store, tag: str, rank: int, size: int, job_id: str,
 
 def setup_links(native, store, tag: str, rank: int, size: int, job_id: str, timeout: float,
                 cards: list[PeerCard], comm_id: str = "") -> dict[int, str]:
-    """Connects every peer (``cards`` from :func:`exchange_host_cards` with the same tag);
-    returns {peer: 'shm' | 'tcp'}."""
-    disagreement = transport_disagreement(cards)
-    if disagreement:
-        # Every rank raises; rank 0 only once all have read the cards (its store closes as it does).
-        store.barrier(f"{tag}/transport-disagreement", size, timeout)
-        raise BootstrapError(f"rank {rank}: {disagreement}")
+    """Connects every peer (``cards`` from :func:`exchange_host_cards` with the same tag, passed
+    by :func:`refuse_bad_cards`); returns {peer: 'shm' | 'tcp'}."""
     forced = config.get("LINKWISE_TRANSPORT")
     kinds = choose_transports(cards, rank, forced)
     shm_peers = [p for p, k in kinds.items() if k == "shm"]

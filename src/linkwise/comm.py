@@ -121,6 +121,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
             _store_users.setdefault(store, weakref.WeakSet()).add(self)
         tag = f"{comm_id}/setup"
         cards = _setup.exchange_host_cards(store, tag, rank, size) if size > 1 else [_setup.own_card(0)]
+        _setup.refuse_bad_cards(store, tag, rank, size, cards, self.timeout)
         # CPUs this rank may count as its own (spinning, helper threads; see cpus_per_rank).
         self._cpus_per_rank = _setup.cpus_per_rank(
             cards, rank, max(local_size, config.get("LINKWISE_LOCAL_SIZE") or 1))
@@ -149,8 +150,8 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
             raise ValueError(f"{op}: tag must be an int in 0..2**62-1, got {tag!r}")
         return int(peer), int(tag)
 
-    def _timeout(self, timeout: Optional[float]) -> float:
-        return self.timeout if timeout is None else config.seconds(timeout)
+    def _timeout(self, timeout: Optional[float], op: str) -> float:
+        return self.timeout if timeout is None else config.seconds(timeout, op)
 
     # -- point-to-point -------------------------------------------------------------------
     def send(self, x: Any, dst: int, tag: int = 0, *, timeout: Optional[float] = None,
@@ -161,14 +162,14 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         current stream) like NCCL: it returns before the GPU has moved the data."""
         dst, tag = self._check(dst, tag, "send")
         try:
-            self._native.send(x, dst, tag, self._timeout(timeout))
+            self._native.send(x, dst, tag, self._timeout(timeout, "send"))
         except TypeError as exc:
             if "buffer protocol" not in str(exc):
                 raise
             if _is_cuda(x):
                 self.cuda().send(x, dst, tag, stream=stream)
                 return
-            self._native.send(_raw(_as_buffer(x, "send")), dst, tag, self._timeout(timeout))
+            self._native.send(_raw(_as_buffer(x, "send")), dst, tag, self._timeout(timeout, "send"))
 
     def recv(self, x: Any, src: int, tag: int = 0, *, timeout: Optional[float] = None,
              stream: Any = None) -> int:
@@ -178,13 +179,13 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         A CUDA array is received GPU to GPU, enqueued on `stream` as for send."""
         src, tag = self._check(src, tag, "recv")
         try:
-            return self._native.recv(x, src, tag, self._timeout(timeout))
+            return self._native.recv(x, src, tag, self._timeout(timeout, "recv"))
         except TypeError as exc:
             if "buffer protocol" not in str(exc):
                 raise
             if _is_cuda(x):
                 return self.cuda().recv(x, src, tag, stream=stream)
-            return self._native.recv(_raw(_as_buffer(x, "recv")), src, tag, self._timeout(timeout))
+            return self._native.recv(_raw(_as_buffer(x, "recv")), src, tag, self._timeout(timeout, "recv"))
 
     def sendrecv(self, x: Any, dst: int, out: Any, src: int, send_tag: int = 0, recv_tag: int = 0, *,
                  timeout: Optional[float] = None, stream: Any = None) -> int:
@@ -195,7 +196,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         `stream` (else the array's current stream) like send and recv (linkwise.cuda.sendrecv)."""
         dst, send_tag = self._check(dst, send_tag, "sendrecv")
         src, recv_tag = self._check(src, recv_tag, "sendrecv")
-        t = self._timeout(timeout)
+        t = self._timeout(timeout, "sendrecv")
         try:
             return self._native.sendrecv(x, dst, send_tag, out, src, recv_tag, t)
         except TypeError as exc:
@@ -222,7 +223,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         __cuda_array_interface__ raises TypeError (nothing could allocate its copy)."""
         dst, send_tag = self._check(dst, send_tag, "sendrecv_replace")
         src, recv_tag = self._check(src, recv_tag, "sendrecv_replace")
-        t = self._timeout(timeout)
+        t = self._timeout(timeout, "sendrecv_replace")
         try:
             return self._native.sendrecv_replace(x, dst, send_tag, src, recv_tag, t)
         except TypeError as exc:
@@ -255,17 +256,17 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         peer, tag = self._check(peer, tag, op)  # the native isend / irecv took the plain calls before this
         post = self._native.isend if is_send else self._native.irecv
         try:
-            native_req = post(x, peer, tag, is_async, self._timeout(timeout))
+            native_req = post(x, peer, tag, is_async, self._timeout(timeout, op))
         except TypeError as exc:
             if "buffer protocol" not in str(exc):
                 raise
             if _is_cuda(x):  # enqueued on the stream; a GpuRequest (CUDA event) tracks it
                 g = self.cuda()
                 req = (g.isend if is_send else g.irecv)(x, peer, tag, stream=stream)
-                req._timeout = self._timeout(timeout)
+                req._timeout = self._timeout(timeout, op)
                 return req
             x = _raw(_as_buffer(x, op))
-            native_req = post(x, peer, tag, is_async, self._timeout(timeout))
+            native_req = post(x, peer, tag, is_async, self._timeout(timeout, op))
         return native_req  # it holds x (and its buffer) until done
 
     # isend / irecv: replaced by native methods of the same behaviour when the native module is
@@ -396,7 +397,10 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, addr: Optional[
     the rendezvous store). With no launcher and no arguments: a single rank.
     """
     env = bootstrap.detect(rank=rank, size=size, addr=addr)
-    setup_timeout = config.get("LINKWISE_TIMEOUT") if timeout is None else config.seconds(timeout)
+    # An invalid LINKWISE_TIMEOUT raises once every rank has joined (the card exchange,
+    # refuse_bad_cards): until then, the default.
+    setup_timeout = config.seconds(timeout, "init") if timeout is not None else (
+        config.TUNABLES["LINKWISE_TIMEOUT"].default if config.first_invalid() else config.get("LINKWISE_TIMEOUT"))
     rendezvous = (env.master_addr, env.master_port)
     if env.size > 1:
         _refuse_second_world(rendezvous)

@@ -94,14 +94,28 @@ def check_prefix(prefix: str) -> None:
             tunable.current()
 
 
-def seconds(raw: Any) -> float:
-    """A timeout: a positive, finite number of seconds (NaN, inf, 0 and below are refused)."""
+def first_invalid() -> str:
+    """The error of the first declared tunable set to a value its parser refuses ("" if none).
+    init() carries it in this rank's card, so that every rank raises at once: a rank that
+    raised on its own before the exchange left the others waiting there for the timeout."""
+    for tunable in TUNABLES.values():
+        try:
+            tunable.current()
+        except ValueError as exc:
+            return str(exc)
+    return ""
+
+
+def seconds(raw: Any, op: str = "") -> float:
+    """A timeout: a positive, finite number of seconds (NaN, inf, 0 and below are refused).
+    op: the call it is for, named in the error as the native checks do ("recv: timeout 0: ...")."""
+    where = f"{op}: " if op else ""
     try:
         t = float(raw)
     except (TypeError, ValueError):
-        raise ValueError(f"timeout {raw!r}: give seconds, a positive number") from None
+        raise ValueError(f"{where}timeout {raw!r}: give seconds, a positive number") from None
     if not 0 < t < float("inf"):
-        raise ValueError(f"timeout {raw!r}: give seconds, a positive finite number")
+        raise ValueError(f"{where}timeout {raw!r}: give seconds, a positive finite number")
     return t
 
 
