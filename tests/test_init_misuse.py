@@ -138,3 +138,27 @@ def test_a_rank_dying_in_the_executor_setup_is_named_at_once():
     # it hosts (StoreClosedError, a PeerError naming rank 0)
     assert out[2][0] == "ok" and out[2][1][0] in (("PeerError", 1), ("StoreClosedError", 0)), out
     assert out[2][1][1] < 10, out
+
+
+def _bad_setting_at_split(comm):
+    import linkwise
+    if comm.rank == 1:
+        os.environ["LINKWISE_COLL_THREADS"] = "many"
+    t0 = time.monotonic()
+    try:
+        comm.split(0)
+        outcome = "split"
+    except (ValueError, linkwise.BootstrapError) as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - t0
+    os.environ.pop("LINKWISE_COLL_THREADS", None)
+    x = np.ones(3, np.float32)
+    comm.all_reduce(x)  # the parent communicator is untouched
+    return outcome, seconds, float(x[0])
+
+
+def test_an_invalid_setting_on_one_rank_fails_a_split_on_every_rank():
+    out = run_ranks(3, _bad_setting_at_split, env={"LINKWISE_TIMEOUT": "30"}, timeout=90)
+    for rank, (outcome, seconds, total) in enumerate(out):
+        expected = "ValueError: rank 1: LINKWISE_COLL_THREADS" if rank == 1 else "BootstrapError"
+        assert outcome.startswith(expected) and seconds < 10 and total == 3.0, out

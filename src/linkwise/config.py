@@ -94,15 +94,24 @@ def check_prefix(prefix: str) -> None:
             tunable.current()
 
 
+# The tunables a communicator reads while it is made (init, split: links, shared-memory
+# executor), as names or prefixes. Those read at each call (LINKWISE_ALGO, _CHUNK_SIZE, _CHECK)
+# are checked there; the GPU ones when the GPU plane is made (check_prefix).
+READ_WHEN_MADE = ("LINKWISE_TIMEOUT", "LINKWISE_TRANSPORT", "LINKWISE_SOCKET_IFNAME", "LINKWISE_SHM_",
+                  "LINKWISE_SPIN_US", "LINKWISE_COPY_DETOUR", "LINKWISE_DEBUG", "LINKWISE_LOCAL_SIZE",
+                  "LINKWISE_COLL_")
+
+
 def first_invalid() -> str:
-    """The error of the first declared tunable set to a value its parser refuses ("" if none).
-    init() carries it in this rank's card, so that every rank raises at once: a rank that
-    raised on its own before the exchange left the others waiting there for the timeout."""
-    for tunable in TUNABLES.values():
-        try:
-            tunable.current()
-        except ValueError as exc:
-            return str(exc)
+    """The error of the first tunable of READ_WHEN_MADE set to a value its parser refuses ("" if
+    none). A communicator's making carries it in this rank's card, so that every rank raises at
+    once: a rank that raised on its own left the others waiting for it until the timeout."""
+    for name, tunable in TUNABLES.items():
+        if name.startswith(READ_WHEN_MADE):
+            try:
+                tunable.current()
+            except ValueError as exc:
+                return str(exc)
     return ""
 
 
