@@ -41,17 +41,19 @@ def test_spin_us_accepts_pick_and_microseconds(monkeypatch, raw, value):
 
 
 def test_gpu_tunables_the_native_code_reads_are_checked_up_front(monkeypatch):
-    """GpuComm checks them all first: the CUDA code reads LINKWISE_GPU_LL_MAX and others with
-    atoi, which ran "256K" as 256 bytes while `linkwise info` called it invalid."""
+    """GpuComm checks them all first (and every rank learns of a refusal on one rank, in
+    tests/test_gpu_robust.py): the CUDA code reads LINKWISE_GPU_LL_MAX and others with atoi,
+    which ran "256K" as 256 bytes while `linkwise info` called it invalid."""
     for name in config.TUNABLES:
-        if name.startswith("LINKWISE_GPU_"):
+        if name.startswith(config.READ_BY_GPU_PLANE):
             monkeypatch.delenv(name, raising=False)
-    config.check_prefix("LINKWISE_GPU_")  # nothing set: nothing to refuse
+    assert config.first_invalid(config.READ_BY_GPU_PLANE) == ""  # nothing set: nothing to refuse
     monkeypatch.setenv("LINKWISE_GPU_LL_MAX", "256K")
-    with pytest.raises(ValueError, match="LINKWISE_GPU_LL_MAX='256K' is not valid"):
-        config.check_prefix("LINKWISE_GPU_")
+    assert "LINKWISE_GPU_LL_MAX='256K' is not valid" in config.first_invalid(config.READ_BY_GPU_PLANE)
+    assert config.first_invalid() == ""  # not one the host communicator reads
     monkeypatch.setenv("LINKWISE_GPU_LL_MAX", "262144")
-    config.check_prefix("LINKWISE_GPU_")
+    monkeypatch.setenv("LINKWISE_P2P_DISABLE", "maybe")
+    assert "LINKWISE_P2P_DISABLE='maybe'" in config.first_invalid(config.READ_BY_GPU_PLANE)
 
 
 def test_algo_error_lists_real_choices(monkeypatch):

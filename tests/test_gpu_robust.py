@@ -133,6 +133,39 @@ def test_hung_peer_still_times_out():
         assert later == "TimeoutError" and checked == "TimeoutError", f"rank {r}: {val}"
 
 
+# -- a GPU setting refused on one rank ------------------------------------------------------------
+def _bad_gpu_setting(comm):
+    import linkwise
+    import torch  # noqa: F401 - imported before the clock starts
+    if comm.rank == comm.size - 1:
+        os.environ["LINKWISE_GPU_LL_MAX"] = "256K"  # atoi in the CUDA code would take 256
+    t0 = time.monotonic()
+    try:
+        _setup(comm)
+        outcome = "made"
+    except (ValueError, linkwise.BootstrapError) as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - t0
+    os.environ.pop("LINKWISE_GPU_LL_MAX", None)
+    g, torch = _setup(comm)  # made on the next try, every rank alike
+    x = torch.ones(4, device="cuda")
+    g.all_reduce(x)
+    g.synchronize()
+    return outcome, seconds, float(x[0].item())
+
+
+def test_a_gpu_setting_refused_on_one_rank_fails_every_rank_at_once():
+    # Before, the rank with the bad value raised alone and the others waited for it in the
+    # IPC handle exchange until the timeout (30 s here).
+    n = _two_or_more()
+    out = run_ranks(n, _bad_gpu_setting, env={**SAFE_ENV, "LINKWISE_TIMEOUT": "30"}, timeout=120)
+    for r, (outcome, seconds, total) in enumerate(out):
+        expected = (f"ValueError: rank {r}: LINKWISE_GPU_LL_MAX" if r == n - 1 else
+                    f"BootstrapError: rank {r}: rank {n - 1} could not make the GPU plane: LINKWISE_GPU_LL_MAX")
+        assert outcome.startswith(expected), out
+        assert seconds < 15 and total == n, out
+
+
 # -- Ctrl-C while a GPU request waits -------------------------------------------------------------
 def _interrupt_body(comm):
     """Rank 1 waits on a CUDA irecv whose message rank 0 sends only 2.5 s later, and gets SIGINT

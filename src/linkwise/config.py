@@ -85,29 +85,24 @@ def get(name: str) -> Any:
     return TUNABLES[name].current()
 
 
-def check_prefix(prefix: str) -> None:
-    """ValueError for the first declared tunable named prefix... that is set to a value its
-    parser refuses. For those the native code reads itself (the GPU ones, with atoi: "256K"
-    would run as 256 while `linkwise info` calls it invalid)."""
-    for name, tunable in TUNABLES.items():
-        if name.startswith(prefix):
-            tunable.current()
-
-
 # The tunables a communicator reads while it is made (init, split: links, shared-memory
 # executor), as names or prefixes. Those read at each call (LINKWISE_ALGO, _CHUNK_SIZE, _CHECK)
-# are checked there; the GPU ones when the GPU plane is made (check_prefix).
+# are checked there.
 READ_WHEN_MADE = ("LINKWISE_TIMEOUT", "LINKWISE_TRANSPORT", "LINKWISE_SOCKET_IFNAME", "LINKWISE_SHM_",
                   "LINKWISE_SPIN_US", "LINKWISE_COPY_DETOUR", "LINKWISE_DEBUG", "LINKWISE_LOCAL_SIZE",
                   "LINKWISE_COLL_")
+# Those the GPU plane reads when it is made (GpuComm); the CUDA code reads several of them
+# itself with atoi, so "256K" would run as 256 while `linkwise info` calls it invalid.
+READ_BY_GPU_PLANE = ("LINKWISE_GPU_", "LINKWISE_P2P_DISABLE", "LINKWISE_STAGED_", "LINKWISE_DEVICE")
 
 
-def first_invalid() -> str:
-    """The error of the first tunable of READ_WHEN_MADE set to a value its parser refuses ("" if
-    none). A communicator's making carries it in this rank's card, so that every rank raises at
-    once: a rank that raised on its own left the others waiting for it until the timeout."""
+def first_invalid(names: tuple = READ_WHEN_MADE) -> str:
+    """The error of the first tunable named by `names` (names or prefixes) set to a value its
+    parser refuses ("" if none). Making a communicator (or its GPU plane) carries it in this
+    rank's card, so that every rank raises at once: a rank that raised on its own left the
+    others waiting for it until the timeout."""
     for name, tunable in TUNABLES.items():
-        if name.startswith(READ_WHEN_MADE):
+        if name.startswith(names):
             try:
                 tunable.current()
             except ValueError as exc:

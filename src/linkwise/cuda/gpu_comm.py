@@ -121,9 +121,9 @@ class GpuComm:
         n = _native()
         if not hasattr(n, "_GpuEngine"):
             raise RuntimeError("linkwise was built without CUDA (set LINKWISE_CUDA=ON and rebuild)")
-        config.check_prefix("LINKWISE_GPU_")  # the CUDA code reads some of them itself, unchecked
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
+        watch = self._exchange_cards()  # first: settings one rank refuses fail every rank here
         self.device = select_device(comm) if device is None else int(device)
         slot = int(slot_bytes or config.get("LINKWISE_GPU_SLOT_BYTES") or _DEFAULT_SLOT)
         self._engine = n._GpuEngine(self.rank, self.size, self.device, slot, float(comm.timeout))
@@ -148,10 +148,7 @@ class GpuComm:
             from .staged import Staged
             self._staged = Staged(self)
         if self.size > 1:
-            cid = getattr(comm, "comm_id", "world")
-            k = _counter[cid] = _counter.get(cid, 0) + 1
-            self._key = f"{cid}/gpu/{k}"
-            self._watch_peers()
+            self._engine.watch_peers(watch)
         if self.size > 1 and self._staged is None:
             store = comm._store
             key = self._key
@@ -165,21 +162,38 @@ class GpuComm:
     def slot_bytes(self) -> int:
         return self._engine.slot_bytes
 
-    def _watch_peers(self) -> None:
-        """Exchanges (host, pid namespace, pid) and watches the peers whose pid means the same
-        process here (peer_watch.h); others are left to the CPU engine and the timeout."""
+    def _exchange_cards(self) -> list:
+        """Exchanges every rank's (host, pid namespace, pid) and its first invalid GPU setting
+        (config.READ_BY_GPU_PLANE; the CUDA code reads several with atoi, unchecked). A rank
+        that refuses a setting raises ValueError, the others BootstrapError naming it: before,
+        it raised alone and they waited for it in the IPC exchange until the timeout. Returns
+        the pids to watch (peer_watch.h): those that mean the same process here, else 0 (left
+        to the CPU engine and the timeout)."""
         import json
         from .._setup import host_identity
+        from ..errors import BootstrapError
+        error = config.first_invalid(config.READ_BY_GPU_PLANE)
+        if self.size == 1:
+            if error:
+                raise ValueError(f"rank {self.rank}: {error}")
+            return []
+        cid = getattr(self.comm, "comm_id", "world")
+        k = _counter[cid] = _counter.get(cid, 0) + 1
+        self._key = f"{cid}/gpu/{k}"
         try:
             pidns = os.readlink("/proc/self/ns/pid")
         except OSError:
             pidns = "?"
-        me = {"who": f"{host_identity()}|{pidns}", "pid": os.getpid()}
-        raw = self.comm._store.all_gather(f"{self._key}/pids", self.rank, self.size,
-                                          json.dumps(me).encode())
+        me = {"who": f"{host_identity()}|{pidns}", "pid": os.getpid(), "error": error}
+        raw = self.comm._store.all_gather(f"{self._key}/pids", self.rank, self.size, json.dumps(me).encode())
         cards = [json.loads(r) for r in raw]
-        self._engine.watch_peers([c["pid"] if c["who"] == me["who"] and pidns != "?" else 0
-                                  for c in cards])
+        bad = next((r for r, c in enumerate(cards) if c["error"]), None)
+        if bad == self.rank:
+            raise ValueError(f"rank {self.rank}: {error}")
+        if bad is not None:
+            raise BootstrapError(f"rank {self.rank}: rank {bad} could not make the GPU plane: {cards[bad]['error']}; "
+                                 "set it alike on every rank")
+        return [c["pid"] if c["who"] == me["who"] and pidns != "?" else 0 for c in cards]
 
     def check(self) -> None:
         """Raises PeerError if a peer of this communicator died, TimeoutError if a GPU wait timed
