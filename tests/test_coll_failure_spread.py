@@ -73,7 +73,9 @@ def test_a_failed_collective_stops_the_others(form, warm):
     """warm: a collective ran before the failing one. Either way the executor is attached
     (when the communicator was made); before that, a first collective that failed left rank
     0 waiting at the executor's set-up (TimeoutError or CommAbortedError there)."""
-    out = run_ranks(2, _kind_mismatch_then_go_on, form, warm, env={"LINKWISE_TIMEOUT": "3"}, timeout=60)
+    # Rank 0 has the longer timeout: with equal ones it entered its wait a little earlier and
+    # could time out first (its slow-wait checks come every ~0.1 s), a rare other outcome.
+    out = run_ranks(2, _kind_mismatch_then_go_on, form, warm, env={"LINKWISE_TIMEOUT": ["6", "3"]}, timeout=60)
     assert out[1][0] == "TimeoutError", out
     assert out[0][0] == "PeerError", out  # rank 1 stopped the executor rank 0 waited in
     for _, later in out:
