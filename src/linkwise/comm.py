@@ -397,10 +397,13 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, addr: Optional[
     the rendezvous store). With no launcher and no arguments: a single rank.
     """
     env = bootstrap.detect(rank=rank, size=size, addr=addr)
-    # An invalid LINKWISE_TIMEOUT raises once every rank has joined (the card exchange,
-    # refuse_bad_cards): until then, the default.
-    setup_timeout = config.seconds(timeout, "init") if timeout is not None else (
-        config.TUNABLES["LINKWISE_TIMEOUT"].default if config.first_invalid() else config.get("LINKWISE_TIMEOUT"))
+    if timeout is not None:
+        setup_timeout = config.seconds(timeout, "init")
+    else:
+        try:
+            setup_timeout = config.get("LINKWISE_TIMEOUT")
+        except ValueError:  # raised on every rank once all have joined (refuse_bad_cards); until then:
+            setup_timeout = config.TUNABLES["LINKWISE_TIMEOUT"].default
     rendezvous = (env.master_addr, env.master_port)
     if env.size > 1:
         _refuse_second_world(rendezvous)
