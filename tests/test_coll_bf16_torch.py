@@ -94,6 +94,41 @@ def test_torch_bfloat16_collectives(n, env):
     assert run_ranks(n, _torch_bf16_body, env=env, timeout=120) == [True] * n
 
 
+class _DLPackOnly:
+    """An array known only by DLPack (as a JAX CPU array or a thin wrapper would be)."""
+
+    def __init__(self, t):
+        self._t = t
+
+    def __dlpack__(self, **kwargs):
+        return self._t.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._t.__dlpack_device__()
+
+
+def _dlpack_only_body(comm):
+    import torch
+    t = torch.full((5,), comm.rank + 1.5, dtype=torch.bfloat16)
+    comm.all_reduce(_DLPackOnly(t), op="sum")  # in place, in t's own memory
+    got = torch.zeros(comm.size * 5, dtype=torch.bfloat16)
+    comm.all_gather(_DLPackOnly(t), out=_DLPackOnly(got))
+    x = torch.full((3,), 7.25 + comm.rank, dtype=torch.bfloat16)
+    y = torch.zeros(3, dtype=torch.bfloat16)
+    peer = 1 - comm.rank
+    comm.sendrecv(_DLPackOnly(x), peer, _DLPackOnly(y), peer)
+    return t.tolist(), got.tolist(), y.tolist()
+
+
+def test_bfloat16_known_only_by_dlpack():
+    # Before, refused ("cannot view _DLPackOnly through DLPack"): NumPy has no bfloat16, and
+    # the torch view took real tensors only.
+    pytest.importorskip("torch")
+    got = run_ranks(2, _dlpack_only_body, timeout=60)
+    for rank, (t, gathered, y) in enumerate(got):
+        assert t == [4.0] * 5 and gathered == [4.0] * 10 and y == [7.25 + (1 - rank)] * 3, got
+
+
 def _no_ml_dtypes_body(comm):
     import torch
     from linkwise import _bf16

@@ -3,7 +3,8 @@
 uint16 array passed with ``dtype="bfloat16"``.
 
 A CPU ``torch.bfloat16`` tensor, which ``np.from_dlpack`` refuses, becomes a NumPy view of its
-memory (no copy) typed :func:`dtype`: :func:`torch_view`. Used by ``comm._as_buffer`` only
+memory (no copy) typed :func:`dtype`: :func:`torch_view` (also any other DLPack producer of
+CPU bfloat16, through ``torch.from_dlpack``, while torch is loaded). Used by ``comm._as_buffer`` only
 after ``np.from_dlpack`` failed, so plain NumPy arrays and other tensors never come here.
 
 Contract: nothing here imports torch. An object can only be a torch tensor if torch is in
@@ -35,11 +36,19 @@ def dtype() -> np.dtype:
 
 def torch_view(x: Any) -> Optional[np.ndarray]:
     """x's memory as a NumPy array of :func:`dtype` (no copy) when x is a CPU torch.bfloat16
-    tensor, else None. A tensor that requires grad gives None, so that the caller raises the
-    error np.from_dlpack gives (as for a float32 one): use x.detach()."""
+    tensor, or another DLPack producer of CPU bfloat16 (a wrapper, JAX) while torch is loaded
+    (torch.from_dlpack reads it; NumPy cannot), else None. A tensor that requires grad gives
+    None, so that the caller raises the error np.from_dlpack gives (as for a float32 one): use
+    x.detach()."""
     torch = sys.modules.get("torch")
-    if (torch is None or not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16
-            or x.device.type != "cpu" or x.requires_grad):
+    if torch is None:
+        return None
+    if not isinstance(x, torch.Tensor):
+        try:
+            x = torch.from_dlpack(x)  # shares x's memory
+        except (TypeError, BufferError, RuntimeError, AttributeError):
+            return None
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.requires_grad:
         return None
     # The bits through DLPack as 2-byte integers (same size: a view, no copy). torch.uint16
     # exists from torch 2.3; where it does not or cannot be exported, int16 (same bits).
