@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from linkwise.bench import common
+from array_wrappers import DlpackOnly
 from multirank import run_ranks
 from test_bench import SRC, TINY, _data_rows, bench
 
@@ -94,34 +95,21 @@ def test_torch_bfloat16_collectives(n, env):
     assert run_ranks(n, _torch_bf16_body, env=env, timeout=120) == [True] * n
 
 
-class _DLPackOnly:
-    """An array known only by DLPack (as a JAX CPU array or a thin wrapper would be)."""
-
-    def __init__(self, t):
-        self._t = t
-
-    def __dlpack__(self, **kwargs):
-        return self._t.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self._t.__dlpack_device__()
-
-
 def _dlpack_only_body(comm):
     import torch
     t = torch.full((5,), comm.rank + 1.5, dtype=torch.bfloat16)
-    comm.all_reduce(_DLPackOnly(t), op="sum")  # in place, in t's own memory
+    comm.all_reduce(DlpackOnly(t), op="sum")  # in place, in t's own memory
     got = torch.zeros(comm.size * 5, dtype=torch.bfloat16)
-    comm.all_gather(_DLPackOnly(t), out=_DLPackOnly(got))
+    comm.all_gather(DlpackOnly(t), out=DlpackOnly(got))
     x = torch.full((3,), 7.25 + comm.rank, dtype=torch.bfloat16)
     y = torch.zeros(3, dtype=torch.bfloat16)
     peer = 1 - comm.rank
-    comm.sendrecv(_DLPackOnly(x), peer, _DLPackOnly(y), peer)
+    comm.sendrecv(DlpackOnly(x), peer, DlpackOnly(y), peer)
     return t.tolist(), got.tolist(), y.tolist()
 
 
 def test_bfloat16_known_only_by_dlpack():
-    # Before, refused ("cannot view _DLPackOnly through DLPack"): NumPy has no bfloat16, and
+    # Before, refused ("cannot view DlpackOnly through DLPack"): NumPy has no bfloat16, and
     # the torch view took real tensors only.
     pytest.importorskip("torch")
     got = run_ranks(2, _dlpack_only_body, timeout=60)

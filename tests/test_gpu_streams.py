@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 
+from array_wrappers import DlpackOnly
 from multirank import run_ranks
 from test_gpu_collectives import SAFE_ENV, _setup, _two_or_more
 
@@ -44,19 +45,6 @@ class CaiOnly:
     def __init__(self, t):
         self.t = t
         self.__cuda_array_interface__ = t.__cuda_array_interface__
-
-
-class DlpackOnly:
-    """A CUDA array known only by DLPack (linkwise reads it through torch.from_dlpack)."""
-
-    def __init__(self, t):
-        self.t = t
-
-    def __dlpack__(self, **kw):
-        return self.t.__dlpack__(**kw)
-
-    def __dlpack_device__(self):
-        return self.t.__dlpack_device__()
 
 
 WRAP = {"sendrecv": None, "replace": None, "cai": CaiOnly, "dlpack": DlpackOnly, "replace-dlpack": DlpackOnly}
