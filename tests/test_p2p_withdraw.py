@@ -69,3 +69,74 @@ def test_failed_large_send_over_tcp(tmp_path):
     # Whether the send's wait timed out depends on the socket buffers; either way no 99 arrives.
     assert out[0] in ("timed out", "completed")
     assert out[1] in (("received", [11.0]), ("PeerError", True)), out
+
+
+BIG = 8 * 1024 * 1024  # 64 MiB of float64: long enough that a 2 ms wait_for gives up mid-way
+
+
+def _cancelled_arecv(comm):
+    """Rank 1 gives up on arecv of an announced 64 MiB message after 2 ms (asyncio.wait_for),
+    then receives again. Either the first receive's result stands (the withdrawal's progress
+    step finished it) or the message goes to the second receive: never lost. Before, the
+    cancel reported TimeoutError although the message had landed in the first buffer, and the
+    second receive timed out (8 of 9 runs)."""
+    comm.barrier()
+    if comm.rank == 0:
+        comm.send(np.full(BIG, 1.0), 1, tag=1, timeout=20)
+        comm.barrier()
+        return None
+    time.sleep(0.3)  # the message is announced before the receive is posted
+    first = np.zeros(BIG)
+
+    async def give_up_soon():
+        try:
+            return await asyncio.wait_for(comm.arecv(first, 0, tag=1), 0.002)
+        except asyncio.TimeoutError:
+            return "timed out"
+
+    outcome = asyncio.run(give_up_soon())
+    if outcome == "timed out":
+        second = np.zeros(BIG)
+        got = comm.recv(second, 0, tag=1, timeout=5)
+        result = ("second", got, bool((second == 1).all()))
+    else:
+        result = ("first", outcome, bool((first == 1).all()))
+    comm.barrier()
+    return result
+
+
+def test_a_cancelled_arecv_never_loses_the_message():
+    for _ in range(3):
+        out = run_ranks(2, _cancelled_arecv, env={"LINKWISE_TIMEOUT": "20"}, timeout=90)
+        assert out[1][1:] == (BIG * 8, True), out
+
+
+def _two_tasks_await_one_request(comm, what):
+    """Two tasks await one request; both must wake when it ends (before, the second task's
+    add_reader replaced the first's, which slept until the request's timeout, 4 s here)."""
+    async def main():
+        if what == "collective":
+            if comm.rank == 1:
+                await asyncio.sleep(0.5)
+            req = comm.all_reduce(np.ones(4), async_op=True)
+        else:
+            if comm.rank == 1:
+                await asyncio.sleep(0.5)
+                comm.send(np.ones(4), 0, tag=1)
+                return [0.0, 0.0]
+            req = comm._post(np.zeros(4), 1, 1, False, True, None)  # what arecv awaits (a driven request)
+
+        async def waiter():
+            t0 = time.monotonic()
+            await req
+            return time.monotonic() - t0
+
+        return await asyncio.gather(waiter(), waiter())
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("what", ["collective", "receive"])
+def test_two_tasks_awaiting_one_request_both_wake(what):
+    out = run_ranks(2, _two_tasks_await_one_request, what, env={"LINKWISE_TIMEOUT": "4"}, timeout=60)
+    for seconds in out:
+        assert max(seconds) < 2.5, out

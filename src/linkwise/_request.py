@@ -78,28 +78,44 @@ class CollectiveRequest(Request):
         return self._native.fileno()
 
 
+# Futures of the tasks awaiting a request's eventfd, by (loop, fd): a loop has one reader per
+# fd (add_reader replaced the first task's, which then slept until its timeout), so one
+# reader wakes them all. Touched from the loop's thread only.
+_fd_waiters: dict = {}
+
+
+def _wake(key) -> None:
+    for fut in _fd_waiters.get(key, ()):
+        if not fut.done():
+            fut.set_result(None)
+
+
 async def _await_native(native_request, timeout: float) -> int:
     if not native_request.done:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        fd = native_request.fileno()
-
-        def ready() -> None:
-            if not fut.done():
-                fut.set_result(None)
-
-        loop.add_reader(fd, ready)
+        key = (loop, native_request.fileno())
+        waiters = _fd_waiters.get(key)
+        if waiters is None:
+            waiters = _fd_waiters[key] = []
+            loop.add_reader(key[1], _wake, key)
+        waiters.append(fut)
         try:
             await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             pass  # the wait below finishes it as a blocking wait's timeout would
         except asyncio.CancelledError:
             # The task was cancelled (task.cancel(), an outer asyncio.wait_for): withdraw the
-            # operation too, so that its buffer is not written or sent later.
-            _withdraw(native_request)
-            raise
+            # operation too, so that its buffer is not written or sent later. If it finished
+            # meanwhile (the withdrawal's last progress step can complete it), its result
+            # stands: raising would report a message lost that was delivered (or sent).
+            if not _withdraw(native_request):
+                raise
         finally:
-            loop.remove_reader(fd)
+            waiters.remove(fut)
+            if not waiters:
+                del _fd_waiters[key]
+                loop.remove_reader(key[1])
     return _finished(native_request, timeout)
 
 
@@ -134,8 +150,8 @@ async def _poll_native(native_request) -> int:
             await asyncio.sleep(nap)
             nap = min(2 * nap, _POLL_MAX_S)
     except asyncio.CancelledError:
-        _withdraw(native_request)  # as _await_native: never written or sent later
-        raise
+        if not _withdraw(native_request):  # as _await_native: never written or sent later
+            raise
     return _finished(native_request, native_request.timeout)
 
 
@@ -206,14 +222,15 @@ def adopt_native(native) -> None:
     native.set_request_awaiter(await_request)
 
 
-def _withdraw(native_request) -> None:
+def _withdraw(native_request) -> bool:
     """A send or receive nobody waits for any more: cancelled where it has not started moving,
     else the communicator is aborted (the engine's rule for a timed-out wait). A collective
-    cannot be withdrawn: it goes on."""
+    cannot be withdrawn: it goes on. True when the operation had finished after all."""
     try:
         native_request._wait_now()
     except Exception:  # noqa: BLE001 - the timeout (or the operation's own error) is expected here
-        pass
+        return False
+    return True
 
 
 class GpuRequest:

@@ -358,9 +358,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
             self._gpu_comm = None
         # The peers learn of the close as of a death: PeerError naming this rank once they wait
         # on it for something it never sent (the executor's closed word; the links' streams
-        # end after what was written). The segment stays mapped: after a completed
-        # call peers may still be reading this rank's pieces (a broadcast root returns before
-        # its readers).
+        # end after what was written).
         shm = self.__dict__.get("_shm")
         if shm:
             shm.mark_closed()
@@ -368,6 +366,13 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
             # waits see this rank's failed word. Calls already done are not touched (the stop
             # is from the next number; a wait on a word already reached never looks).
             shm.stop()
+            # Released now, not when this object is collected (~6 MiB of shared memory, pidfds,
+            # the engine it holds). Calls in progress hold their own reference. Peers lose
+            # nothing: the segment is one memfd that every rank maps, and pieces a peer may
+            # still read after a completed call (a broadcast root returns before its readers)
+            # stay in its own mapping; no peer reads this rank's private memory once a call
+            # has returned here (the single-copy paths wait for every peer's done word).
+            self._shm = False
         self._native.close("the communicator was closed")
         self._native = None
         self._fast_shm = None  # the latency paths end here; later calls take the general path and raise

@@ -115,7 +115,7 @@ class _Server:
                 self.listener = socket.create_server((bind, p), family=family, backlog=256)
                 break
             except OSError as exc:
-                last = exc
+                last = str(exc)  # not exc: its traceback holds this frame, which holds it (a cycle)
         else:
             tried = f"{bind}:{port}" + (f"..{ports[-1]}" if len(ports) > 1 else "")
             raise BootstrapError(
@@ -301,7 +301,8 @@ class Store:
                     sock = socket.create_connection((host, port), timeout=max(0.1, min(left, 5.0)))
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 except OSError as exc:
-                    last = exc
+                    last = str(exc)  # not exc: its traceback holds this frame, which holds it (a cycle
+                    # that kept the communicator made by init() alive after close() until a gc pass)
                     continue
                 theirs = self._their_token(sock)
                 gap = _world_gap(theirs, self._token) if theirs is not None else None
