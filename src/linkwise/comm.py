@@ -1,7 +1,8 @@
 """The Communicator: the user-facing object of linkwise.
 
-Threading: a Communicator may be used from several threads; the native engine serialises its
-own state. Blocking calls release the GIL. Async calls (``await comm.arecv(...)``) wait on an
+Threading: point-to-point calls may come from several threads (the native engine serialises
+its own state); collectives from one thread at a time, in the same order on every rank (the
+README: give each thread its own split). Blocking calls release the GIL. Async calls (``await comm.arecv(...)``) wait on an
 eventfd registered with the running asyncio loop, never on a busy loop; on CUDA arrays they
 poll a CUDA event recorded after the operation (GpuRequest), napping between polls.
 
