@@ -163,3 +163,23 @@ def _late_rank_0(rank, n):
 def test_a_world_made_after_store_retries_is_freed_without_gc():
     from multirank import run_ranks
     assert run_ranks(2, _late_rank_0, init=False, timeout=60) == [True, True]
+
+
+def _worlds_dropped_without_close(rank, n):
+    """init(), use, drop without close() and collect, a dozen times (the spare ports are 9 in
+    tests): every init succeeds, and rank 0 keeps no store listener of the dropped worlds."""
+    import gc
+    import threading
+    import numpy as np
+    for _ in range(12):
+        comm = linkwise.init()
+        x = np.ones(2, np.float32)
+        comm.all_reduce(x)
+        del comm
+        gc.collect()
+    return sum(t.name == "linkwise-store-accept" and t.is_alive() for t in threading.enumerate())
+
+
+def test_worlds_dropped_without_close_release_their_store():
+    from multirank import run_ranks
+    assert run_ranks(2, _worlds_dropped_without_close, init=False, timeout=120) == [0, 0]

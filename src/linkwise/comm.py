@@ -120,6 +120,8 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         self._closed = False
         if store is not None:
             _store_users.setdefault(store, weakref.WeakSet()).add(self)
+            self._unclosed = weakref.finalize(self, _release_unclosed, store)
+            self._unclosed.atexit = False  # at exit, _close_all (or the process's end) decides
         tag = f"{comm_id}/setup"
         cards = _setup.exchange_host_cards(store, tag, rank, size) if size > 1 else [_setup.own_card(0)]
         _setup.refuse_bad_cards(store, tag, rank, size, cards, self.timeout)
@@ -377,6 +379,9 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         self._native.close("the communicator was closed")
         self._native = None
         self._fast_shm = None  # the latency paths end here; later calls take the general path and raise
+        unclosed = self.__dict__.get("_unclosed")
+        if unclosed is not None:
+            unclosed.detach()
         users = _store_users.get(self._store) if self._store is not None else None
         if users is not None:
             users.discard(self)
@@ -392,6 +397,15 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
 
     def __repr__(self) -> str:
         return f"<linkwise.Communicator rank {self.rank} of {self.size} ({self.comm_id})>"
+
+
+def _release_unclosed(store) -> None:
+    """A communicator collected without close(): its store closes with the last communicator
+    using it, as close() does. Before, rank 0's listener and its accept thread outlived it, and
+    each later init() moved to the next spare port until none was left ("cannot listen")."""
+    users = _store_users.get(store)
+    if users is None or not any(True for _ in users):  # iterating skips the collected ones
+        store.close()
 
 
 def init(rank: Optional[int] = None, size: Optional[int] = None, addr: Optional[str] = None, *,
