@@ -140,3 +140,37 @@ def test_two_tasks_awaiting_one_request_both_wake(what):
     out = run_ranks(2, _two_tasks_await_one_request, what, env={"LINKWISE_TIMEOUT": "4"}, timeout=60)
     for seconds in out:
         assert max(seconds) < 2.5, out
+
+
+def _send_times_out_mid_message(comm):
+    """Rank 0's 16 MiB send times out while rank 1 is busy; rank 0 lives on (its communicator
+    aborted, not closed). Rank 1's receive must raise PeerError at once: before, nobody told
+    it, and it waited for the rest of the message until its own timeout (TimeoutError)."""
+    import linkwise
+    n = 16 << 20
+    if comm.rank == 0:
+        try:
+            comm.send(np.ones(n, np.uint8), 1, tag=3, timeout=0.5)
+            sent = "sent"
+        except linkwise.TimeoutError:
+            sent = "TimeoutError"
+        comm_ = comm  # noqa: F841 - alive, not closed, while rank 1 receives
+        time.sleep(6)
+        return sent
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    try:
+        comm.recv(np.zeros(n, np.uint8), 0, tag=3, timeout=20)
+        got = "received"
+    except (linkwise.PeerError, linkwise.TimeoutError) as exc:
+        got = type(exc).__name__
+    return got, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm-ring"])
+def test_a_send_that_times_out_mid_message_tells_the_peer(transport):
+    env = {"LINKWISE_TIMEOUT": "20"}
+    env.update({"LINKWISE_TRANSPORT": "tcp"} if transport == "tcp" else {"LINKWISE_SHM_RNDV_THRESHOLD": "1G"})
+    out = run_ranks(2, _send_times_out_mid_message, env=env, timeout=90)
+    assert out[0] == "TimeoutError", out
+    assert out[1][0] == "PeerError" and out[1][1] < 3, out

@@ -191,7 +191,8 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
       s = engine_.isend(dst, sp, sbytes, send_tag, sdtype, false);
       engine_.wait(*s, timeout_s, "send");
     } catch (...) {
-      if (!engine_.cancel(*r) && !r->done()) engine_.abort("a sendrecv's send failed while its receive was moving bytes");
+      if (!engine_.cancel(*r) && !r->done()) engine_.abort_and_notify("a sendrecv's send failed while its receive was moving bytes", -1,
+                                 engine_.next_collective());
       throw;
     }
     engine_.wait(*r, timeout_s, "recv");

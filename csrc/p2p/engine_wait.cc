@@ -116,7 +116,9 @@ void Engine::wait(Request& req, double timeout_s, const char* op) {
       double left = timeout_s - seconds_since(t0);
       if (left <= 0) {
         if (cancel(req) || !req.done()) {
-          if (!req.done()) abort("an operation timed out in the middle of a transfer");
+          // The peers are told (a notice, or the link closed when mid-message): their matching
+          // call raises PeerError at once rather than wait for the rest until its own timeout.
+          if (!req.done()) abort_and_notify("an operation timed out in the middle of a transfer", -1, next_collective());
           throw Error(ErrorKind::Timeout,
                       "rank " + std::to_string(rank_) + ": " + op + " with rank " + std::to_string(req.peer) +
                           " (" + tag_text(req.tag) + ") did not complete within " + seconds_text(timeout_s) +
@@ -135,7 +137,8 @@ void Engine::wait(Request& req, double timeout_s, const char* op) {
         // Ctrl-C: given up as on a timeout (a request that started moving aborts the engine).
         // Its handler's exception is taken, so it is raised even if req completed meanwhile.
         if (interrupted()) {
-          if (!cancel(req) && !req.done()) abort("an operation was interrupted in the middle of a transfer");
+          if (!cancel(req) && !req.done())
+            abort_and_notify("an operation was interrupted in the middle of a transfer", -1, next_collective());
           throw_interrupted(rank_, std::string(op) + " with rank " + std::to_string(req.peer) + " (" +
                                        tag_text(req.tag) + ")");
         }
