@@ -163,7 +163,7 @@ def _send_times_out_mid_message(comm):
         comm.recv(np.zeros(n, np.uint8), 0, tag=3, timeout=20)
         got = "received"
     except (linkwise.PeerError, linkwise.TimeoutError) as exc:
-        got = type(exc).__name__
+        got = f"{type(exc).__name__}: {exc}"
     return got, time.monotonic() - t0
 
 
@@ -173,4 +173,5 @@ def test_a_send_that_times_out_mid_message_tells_the_peer(transport):
     env.update({"LINKWISE_TRANSPORT": "tcp"} if transport == "tcp" else {"LINKWISE_SHM_RNDV_THRESHOLD": "1G"})
     out = run_ranks(2, _send_times_out_mid_message, env=env, timeout=90)
     assert out[0] == "TimeoutError", out
-    assert out[1][0] == "PeerError" and out[1][1] < 3, out
+    # rank 0 is alive: the message says it may have aborted (it said "exited or closed")
+    assert out[1][0].startswith("PeerError") and "closed or aborted" in out[1][0] and out[1][1] < 3, out

@@ -114,7 +114,10 @@ std::shared_ptr<Request> Engine::isend(int peer, const void* buf, size_t bytes, 
       fail_locked(*req, abort_kind_, abort_reason_, abort_peer_);
     } else if (p.dead || p.write_closed) {
       fail_locked(*req, ErrorKind::Peer, "rank " + std::to_string(rank_) + ": cannot send to rank " +
-                                             std::to_string(peer) + ", which is gone", peer);
+                                             std::to_string(peer) +
+                                             ", which has left (its process exited, or it closed or aborted "
+                                             "this communicator)",
+                    peer);
     } else {
       p.send_queue.push_back(req);
       progress_send(p);  // small messages leave at once
@@ -143,7 +146,10 @@ std::shared_ptr<Request> Engine::irecv(int peer, void* buf, size_t capacity, uin
     } else if (!match_unexpected_locked(p, req)) {
       if (p.dead)
         fail_locked(*req, ErrorKind::Peer, "rank " + std::to_string(rank_) + ": cannot receive from rank " +
-                                               std::to_string(peer) + ", which is gone", peer);
+                                               std::to_string(peer) +
+                                             ", which has left (its process exited, or it closed or aborted "
+                                             "this communicator)",
+                    peer);
       else
         p.posted.push_back(req);
     }
@@ -307,7 +313,7 @@ void Engine::reap_dead_peers_locked() {
     // Take whatever it sent before it died, then fail what is left.
     progress_recv(p);
     progress_send(p);
-    if (p.has_work()) fail_peer_locked(p, "its process exited or closed the connection");
+    if (p.has_work()) fail_peer_locked(p, "its process exited, or it closed or aborted this communicator");
   }
 }
 
