@@ -183,3 +183,32 @@ def _worlds_dropped_without_close(rank, n):
 def test_worlds_dropped_without_close_release_their_store():
     from multirank import run_ranks
     assert run_ranks(2, _worlds_dropped_without_close, init=False, timeout=120) == [0, 0]
+
+
+def _child_drops_a_parent_communicator(comm):
+    """A forked child that only drops its copy of the parent's sub-communicator: the parent's
+    store must stay open (a first version's finalizer closed it from the child, and the
+    parents' next split raised StoreClosedError)."""
+    import gc
+    import numpy as np
+    sub = comm.split(0)
+    comm.barrier()
+    if comm.rank == 0:
+        pid = os.fork()
+        if pid == 0:
+            del sub
+            gc.collect()
+            os._exit(0)
+        os.waitpid(pid, 0)
+    comm.barrier()
+    again = comm.split(0)
+    x = np.ones(2, np.float32)
+    again.all_reduce(x)
+    again.close()
+    sub.close()
+    return float(x[0])
+
+
+def test_a_forked_child_dropping_a_communicator_leaves_the_store():
+    from multirank import run_ranks
+    assert run_ranks(2, _child_drops_a_parent_communicator, timeout=60) == [2.0, 2.0]

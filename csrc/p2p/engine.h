@@ -89,6 +89,9 @@ class Engine {
   bool cancel(Request& req);
   // Fails every pending request and refuses new ones. Idempotent.
   void abort(const std::string& why);
+  // A wait gives up on req, which started moving (engine_wait.cc): abort, and for a
+  // point-to-point request tell the peers (abort_and_notify).
+  void give_up_moving(const Request& req, const std::string& why);
   // abort(why), then ends this side's stream on every link (close_write): a peer reads what
   // was written before, then finds the link closed and raises PeerError naming this rank,
   // as if this process had exited (Communicator.close on a rank that goes on living).

@@ -92,6 +92,18 @@ void Engine::adapt_spin(double budget_us, double slept_us) {
   spin_budget_us_.store(next, std::memory_order_relaxed);
 }
 
+// A request that started moving cannot be withdrawn: the engine aborts. For a point-to-point
+// request the peers are told too (a notice, or the link closed when mid-message), so their
+// matching call raises PeerError at once rather than wait for the rest until its own timeout;
+// a collective's request is left to its collective (CollCtx::abort_after_failure), whose notice
+// names its own number (one sent here would name the next, and only the first is sent).
+void Engine::give_up_moving(const Request& req, const std::string& why) {
+  if (engine_detail::is_coll_tag(req.tag))
+    abort(why);
+  else
+    abort_and_notify(why, -1, next_collective());
+}
+
 void Engine::wait(Request& req, double timeout_s, const char* op) {
   check_timeout(timeout_s, op);  // a request's own wait(timeout=); the posting calls checked theirs
   if (!req.done()) {
@@ -116,9 +128,7 @@ void Engine::wait(Request& req, double timeout_s, const char* op) {
       double left = timeout_s - seconds_since(t0);
       if (left <= 0) {
         if (cancel(req) || !req.done()) {
-          // The peers are told (a notice, or the link closed when mid-message): their matching
-          // call raises PeerError at once rather than wait for the rest until its own timeout.
-          if (!req.done()) abort_and_notify("an operation timed out in the middle of a transfer", -1, next_collective());
+          if (!req.done()) give_up_moving(req, "an operation timed out in the middle of a transfer");
           throw Error(ErrorKind::Timeout,
                       "rank " + std::to_string(rank_) + ": " + op + " with rank " + std::to_string(req.peer) +
                           " (" + tag_text(req.tag) + ") did not complete within " + seconds_text(timeout_s) +
@@ -137,8 +147,7 @@ void Engine::wait(Request& req, double timeout_s, const char* op) {
         // Ctrl-C: given up as on a timeout (a request that started moving aborts the engine).
         // Its handler's exception is taken, so it is raised even if req completed meanwhile.
         if (interrupted()) {
-          if (!cancel(req) && !req.done())
-            abort_and_notify("an operation was interrupted in the middle of a transfer", -1, next_collective());
+          if (!cancel(req) && !req.done()) give_up_moving(req, "an operation was interrupted in the middle of a transfer");
           throw_interrupted(rank_, std::string(op) + " with rank " + std::to_string(req.peer) + " (" +
                                        tag_text(req.tag) + ")");
         }

@@ -97,8 +97,8 @@ async def _await_native(native_request, timeout: float) -> int:
         key = (loop, native_request.fileno())
         waiters = _fd_waiters.get(key)
         if waiters is None:
+            loop.add_reader(key[1], _wake, key)  # first: if it raises, no entry is left behind
             waiters = _fd_waiters[key] = []
-            loop.add_reader(key[1], _wake, key)
         waiters.append(fut)
         try:
             await asyncio.wait_for(fut, timeout)
@@ -106,11 +106,12 @@ async def _await_native(native_request, timeout: float) -> int:
             pass  # the wait below finishes it as a blocking wait's timeout would
         except asyncio.CancelledError:
             # The task was cancelled (task.cancel(), an outer asyncio.wait_for): withdraw the
-            # operation too, so that its buffer is not written or sent later. If it finished
-            # meanwhile (the withdrawal's last progress step can complete it), its result
-            # stands: raising would report a message lost that was delivered (or sent).
-            if not _withdraw(native_request):
-                raise
+            # operation too, so that its buffer is not written or sent later. The cancel is
+            # always raised on, even if the operation finished meanwhile: a task that swallowed
+            # it would run on (a receive loop stopped by cancel() kept receiving, and
+            # asyncio.run's shutdown would wait for it). The README points to timeout=.
+            _withdraw(native_request)
+            raise
         finally:
             waiters.remove(fut)
             if not waiters:
@@ -150,8 +151,8 @@ async def _poll_native(native_request) -> int:
             await asyncio.sleep(nap)
             nap = min(2 * nap, _POLL_MAX_S)
     except asyncio.CancelledError:
-        if not _withdraw(native_request):  # as _await_native: never written or sent later
-            raise
+        _withdraw(native_request)  # as _await_native: never written or sent later
+        raise
     return _finished(native_request, native_request.timeout)
 
 
@@ -222,15 +223,14 @@ def adopt_native(native) -> None:
     native.set_request_awaiter(await_request)
 
 
-def _withdraw(native_request) -> bool:
+def _withdraw(native_request) -> None:
     """A send or receive nobody waits for any more: cancelled where it has not started moving,
     else the communicator is aborted (the engine's rule for a timed-out wait). A collective
-    cannot be withdrawn: it goes on. True when the operation had finished after all."""
+    cannot be withdrawn: it goes on."""
     try:
         native_request._wait_now()
     except Exception:  # noqa: BLE001 - the timeout (or the operation's own error) is expected here
-        return False
-    return True
+        pass
 
 
 class GpuRequest:

@@ -120,7 +120,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         self._closed = False
         if store is not None:
             _store_users.setdefault(store, weakref.WeakSet()).add(self)
-            self._unclosed = weakref.finalize(self, _release_unclosed, store)
+            self._unclosed = weakref.finalize(self, _release_unclosed, store, os.getpid())
             self._unclosed.atexit = False  # at exit, _close_all (or the process's end) decides
         tag = f"{comm_id}/setup"
         cards = _setup.exchange_host_cards(store, tag, rank, size) if size > 1 else [_setup.own_card(0)]
@@ -399,10 +399,14 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         return f"<linkwise.Communicator rank {self.rank} of {self.size} ({self.comm_id})>"
 
 
-def _release_unclosed(store) -> None:
+def _release_unclosed(store, pid: int) -> None:
     """A communicator collected without close(): its store closes with the last communicator
     using it, as close() does. Before, rank 0's listener and its accept thread outlived it, and
-    each later init() moved to the next spare port until none was left ("cannot listen")."""
+    each later init() moved to the next spare port until none was left ("cannot listen").
+    Never in a forked child (pid: the maker's): its copies of the store's sockets are the
+    parent's, which closing them would shut down."""
+    if os.getpid() != pid:
+        return
     users = _store_users.get(store)
     if users is None or not any(True for _ in users):  # iterating skips the collected ones
         store.close()
