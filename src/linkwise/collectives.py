@@ -137,6 +137,9 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
             args = (KINDS[kind], xr, outr, DTYPES.get(dtype, _U8) if kind in _REDUCING else _U8,
                     OPS.get(op, 0), root, 0, 0, 1, [], -1, [], self.timeout, shm)
         else:
+            native = self._native  # None if close() ran on another thread since _check_open
+            if native is None:
+                self._check_open(kind)  # CommAbortedError, not a TypeError from the native call
             algo, chunk, order, parent, children = self._schedule(kind, root, nbytes)
             dcode = DTYPES[dtype] if kind in _REDUCING else _U8
             xr = None if x is None else _raw(x)
@@ -145,7 +148,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
                     order, parent, children, self.timeout)
             if inline:  # a failure here stops the shared-memory executor natively (Engine's failure hook)
                 with self._refused_under_number(args[6]):
-                    _native_module().coll(self._native, *args)
+                    _native_module().coll(native, *args)
                 return result
         if worker is None:
             worker = self._coll_worker = _native_module().CollWorker(self._native)
