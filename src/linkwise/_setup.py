@@ -101,17 +101,24 @@ def refuse_bad_cards(store, tag: str, rank: int, size: int, cards: list[PeerCard
     """Raises on every rank when a card shows an invalid setting (ValueError on that rank,
     BootstrapError naming it on the others) or ranks of one host that disagree on the transport.
     Rank 0 raises only once every rank has read the cards: its store closes as it does."""
-    bad = next((c for c in cards if c.error), None)
+    errors = [c.error for c in cards]  # in rank order
     disagreement = transport_disagreement(cards)
-    if bad is None and disagreement is None:
+    if not any(errors) and disagreement is None:
         return
     if size > 1:
         store.barrier(f"{tag}/refused-cards", size, timeout)
-    if bad is not None and bad.rank == rank:
-        raise ValueError(f"rank {rank}: {bad.error}")
-    if bad is not None:
-        raise BootstrapError(f"rank {rank}: rank {bad.rank} could not join: {bad.error}; set it alike on every rank")
+    raise_for_refused_setting(rank, errors, "join")
     raise BootstrapError(f"rank {rank}: {disagreement}")
+
+
+def raise_for_refused_setting(rank: int, errors: list[str], what: str) -> None:
+    """errors: each rank's first invalid setting ("" if none), exchanged. The first rank with
+    one raises ValueError; the others BootstrapError naming it (it could not `what`)."""
+    bad = next((r for r, e in enumerate(errors) if e), None)
+    if bad == rank:
+        raise ValueError(f"rank {rank}: {errors[bad]}")
+    if bad is not None:
+        raise BootstrapError(f"rank {rank}: rank {bad} could not {what}: {errors[bad]}; set it alike on every rank")
 
 
 def transport_disagreement(cards: list[PeerCard]) -> Optional[str]:

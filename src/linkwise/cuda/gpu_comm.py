@@ -170,12 +170,10 @@ class GpuComm:
         the pids to watch (peer_watch.h): those that mean the same process here, else 0 (left
         to the CPU engine and the timeout)."""
         import json
-        from .._setup import host_identity
-        from ..errors import BootstrapError
+        from .._setup import host_identity, raise_for_refused_setting
         error = config.first_invalid(config.READ_BY_GPU_PLANE)
         if self.size == 1:
-            if error:
-                raise ValueError(f"rank {self.rank}: {error}")
+            raise_for_refused_setting(self.rank, [error], "make the GPU plane")
             return []
         cid = getattr(self.comm, "comm_id", "world")
         k = _counter[cid] = _counter.get(cid, 0) + 1
@@ -187,12 +185,7 @@ class GpuComm:
         me = {"who": f"{host_identity()}|{pidns}", "pid": os.getpid(), "error": error}
         raw = self.comm._store.all_gather(f"{self._key}/pids", self.rank, self.size, json.dumps(me).encode())
         cards = [json.loads(r) for r in raw]
-        bad = next((r for r, c in enumerate(cards) if c["error"]), None)
-        if bad == self.rank:
-            raise ValueError(f"rank {self.rank}: {error}")
-        if bad is not None:
-            raise BootstrapError(f"rank {self.rank}: rank {bad} could not make the GPU plane: {cards[bad]['error']}; "
-                                 "set it alike on every rank")
+        raise_for_refused_setting(self.rank, [c["error"] for c in cards], "make the GPU plane")
         return [c["pid"] if c["who"] == me["who"] and pidns != "?" else 0 for c in cards]
 
     def check(self) -> None:
