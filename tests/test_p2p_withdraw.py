@@ -177,3 +177,53 @@ def test_a_send_that_times_out_mid_message_tells_the_peer(transport):
     assert out[0] == "TimeoutError", out
     # rank 0 is alive: the message says it may have aborted (it said "exited or closed")
     assert out[1][0].startswith("PeerError") and "closed or aborted" in out[1][0] and out[1][1] < 3, out
+
+
+def _send_times_out_while_a_collective_runs(comm):
+    """Rank 0's all_reduce (a ring over TCP) waits for rank 2, asleep, on one thread, while its
+    send to rank 2 times out mid-message on another. Rank 1, in the same all_reduce and waiting
+    for rank 0's next chunk, must be released at once. Before, the send's notice named the
+    next collective only, the all_reduce's own notice was never sent (only the first went
+    out), and rank 1 waited until rank 2 woke and failed too."""
+    import threading
+
+    import linkwise
+    comm.barrier()
+    x = np.ones(1 << 18, np.float32)
+    if comm.rank == 0:
+        coll = []
+
+        def all_reduce():
+            try:
+                comm.all_reduce(x)
+                coll.append("ok")
+            except linkwise.LinkwiseError as exc:
+                coll.append(type(exc).__name__)
+        t = threading.Thread(target=all_reduce)
+        t.start()
+        time.sleep(0.3)
+        try:
+            comm.send(np.ones(16 << 20, np.uint8), 2, tag=3, timeout=0.5)
+            sent = "sent"
+        except linkwise.TimeoutError:
+            sent = "TimeoutError"
+        t.join()
+        time.sleep(9)  # alive while the others look
+        return sent, coll
+    if comm.rank == 2:
+        time.sleep(8)
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(x)
+        got = "ok"
+    except linkwise.LinkwiseError as exc:
+        got = type(exc).__name__
+    return got, time.monotonic() - t0
+
+
+def test_a_send_that_times_out_stops_a_collective_running_on_another_thread():
+    env = {"LINKWISE_TIMEOUT": "20", "LINKWISE_TRANSPORT": "tcp", "LINKWISE_ALGO": "ring"}
+    out = run_ranks(3, _send_times_out_while_a_collective_runs, env=env, timeout=90)
+    assert out[0] == ("TimeoutError", ["CommAbortedError"]), out
+    assert out[1][0] in ("PeerError", "CommAbortedError") and out[1][1] < 4, out
+    assert out[2][0] in ("PeerError", "CommAbortedError"), out

@@ -99,7 +99,7 @@ class Engine {
   // abort(why), and an abort notice blaming rank `blame` (-1: none, e.g. a timeout) to every
   // live peer; after collective number `from` failed on this rank (algo/coll.h), which the
   // peers stop from; 0 stops everything there (a failure not tied to one collective number).
-  // Notices go out once.
+  // Notices go out once, and again only for a lower `from`.
   void abort_and_notify(const std::string& why, int blame, uint64_t from = 0);
   // A collective this rank refused before any of its data moved (an argument error): a
   // refusal notice (a kRefused header carrying `number`, the collective's seq as its tags
@@ -195,7 +195,7 @@ class Engine {
   int abort_peer_ = -1;
   bool own_failure_noted_ = false;     // the failure hook ran for this rank's own failure (or will, once set)
   bool notice_failure_noted_ = false;  // ... for a peer's notice
-  bool notices_sent_ = false;
+  uint64_t notice_from_sent_ = kNoStop;  // the lowest `from` the abort notices carried (notify_abort_locked)
   std::function<void(int, bool)> failure_hook_;
   int own_failure_blame_ = -1, notice_failure_blame_ = -1;  // their blames
   std::atomic<uint64_t> next_coll_{0};  // see note_collective (a running maximum)

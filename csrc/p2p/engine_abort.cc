@@ -220,12 +220,16 @@ void Engine::pass_stop_on_locked(int blame, uint64_t from) {
 // sent a notice without corrupting the stream: its link is closed instead (close_write), so it
 // fails with PeerError naming this rank rather than waiting for the rest of the message until
 // this process exits. Writes never block (PeerLink contract). A stop passed on earlier may
-// have queued a lower number than `from`: the notices carry the lower.
+// have queued a lower number than `from`: the notices carry the lower. Notices go out again
+// only for a lower number: a point-to-point failure names the next collective, and a
+// collective running on another thread then fails from its own, earlier number (its peers in
+// it must be released too).
 void Engine::notify_abort_locked(int blame, uint64_t from) {
   note_failure_locked(blame, true);
-  if (notices_sent_) return;
-  notices_sent_ = true;
-  const MsgHeader h{kHeaderMagic, kAbort, static_cast<uint64_t>(blame + 1), 0, std::min(from, stop_from_), 0, 0};
+  from = std::min(from, stop_from_);
+  if (from >= notice_from_sent_) return;
+  notice_from_sent_ = from;
+  const MsgHeader h{kHeaderMagic, kAbort, static_cast<uint64_t>(blame + 1), 0, from, 0, 0};
   for (auto& pp : peers_) {
     Peer& p = *pp;
     if (!p.link || p.dead || p.write_closed || p.rank == rank_ || p.rank == blame) continue;
@@ -242,7 +246,10 @@ void Engine::notify_abort_locked(int blame, uint64_t from) {
         }
         p.link->flush();
       }
-      if (done < sizeof h) p.link->close_write();
+      if (done < sizeof h) {
+        p.link->close_write();
+        p.write_closed = true;  // a later, lower notice must not follow into a closed stream
+      }
     } catch (const Error&) {
       // the peer is gone too; nothing to tell it
     }
