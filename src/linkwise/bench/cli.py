@@ -55,8 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-r", "--root", type=int, default=0,
                    help="root of broadcast and reduce (a rank of the job); the other "
                         "collectives ignore it, as nccl-tests does")
-    p.add_argument("-N", "--nranks", type=int, default=2,
-                   help="ranks to start when not under a launcher (default 2)")
+    p.add_argument("-N", "--nranks", type=int, default=None,
+                   help="ranks to start (default 2); under a launcher the launcher's ranks run the "
+                        "sweep in place, unless it started only this one and -N asks for more")
     p.add_argument("--tests", default="latency,bw,bibw", help="p2p: which of latency,bw,bibw")
     p.add_argument("--window", type=int, default=64, help="p2p: messages in flight for bw/bibw")
     p.add_argument("--compare", default="", help="other systems to run the same sweep: gloo,mpi "
@@ -108,7 +109,7 @@ def _normalise(args) -> list[str]:
             raise ValueError(f"--window {args.window}: need at least 1 message in flight")
     if args.check < 0:
         raise ValueError(f"-c {args.check}: 0 (no checks) or at least 1")
-    if args.nranks < 1:
+    if args.nranks is not None and args.nranks < 1:
         raise ValueError(f"-N {args.nranks}: need at least 1 rank")
     if args.iters is not None and args.iters < 1:
         raise ValueError(f"-n {args.iters}: need at least 1 timed iteration")
@@ -216,7 +217,8 @@ def _finish(doc: dict, args) -> int:
     for name, count in wrong.items():
         if count and name != "linkwise":  # the table's own count is linkwise's
             print(f"linkwise bench {coll}: {name} gave {count} wrong elements (rows in --json)", file=sys.stderr)
-    return max(written, 1 if any(wrong.values()) else 0)
+    failed = any(s.get("status") == "failed" for s in doc["systems"].values())  # told on stderr
+    return max(written, 1 if any(wrong.values()) or failed else 0)
 
 
 def _write_outputs(doc: dict, args, plot: bool = True) -> int:
@@ -256,26 +258,43 @@ def _merge(doc: dict, part: dict) -> None:
         mine["runs"].extend(s.get("runs", []))
 
 
+def _mpi_part(nranks: int, args_json: str, args) -> dict:
+    """The MPI sweep, a second launch under mpirun: its result document, or {"status":
+    "failed", "reason"} (the whole error on stderr) when mpirun failed or timed out, so that
+    the other systems' results are still printed and written."""
+    from . import spawn
+    try:
+        part = spawn.launch_mpi(nranks, args_json, args.timeout, args.mpirun_args)
+    except spawn.LaunchError as exc:
+        print(f"linkwise bench: --compare mpi: {exc}", file=sys.stderr)
+        return {"status": "failed", "reason": str(exc).splitlines()[0].rstrip(":")}
+    part["systems"]["mpi"]["how"] = spawn.mpi_how(nranks, args.mpirun_args)
+    return part
+
+
 def _self_launched(args, others: list[str]) -> int:
     from . import spawn
     systems = ["linkwise"] + [s for s in others if s != "mpi"]
     doc = {"test": args.test, "nranks": args.nranks, "machine": report.machine(),
            "command": _command(args),
            "systems": {}}
-    one_rep = json.loads(_args_json(args)) | {"reps": 1}
-    mpi_skip = compare.missing("mpi") if "mpi" in others else None
+    one_rep = json.dumps(json.loads(_args_json(args)) | {"reps": 1})
+    why_not = compare.missing("mpi") if "mpi" in others else None
+    mpi_out = {"status": "skipped", "reason": why_not} if why_not else None  # else measured
     for _ in range(max(1, args.reps)):
-        _merge(doc, spawn.launch_ranks(args.nranks, json.dumps(one_rep), systems, args.timeout))
-        if "mpi" in others and not mpi_skip:
-            part = spawn.launch_mpi(args.nranks, json.dumps(one_rep), args.timeout, args.mpirun_args)
-            part["systems"]["mpi"]["how"] = spawn.mpi_how(args.nranks, args.mpirun_args)
-            _merge(doc, part)
-    if mpi_skip:
-        doc["systems"]["mpi"] = {"status": "skipped", "reason": mpi_skip}
+        _merge(doc, spawn.launch_ranks(args.nranks, one_rep, systems, args.timeout))
+        if "mpi" in others and mpi_out is None:
+            part = _mpi_part(args.nranks, one_rep, args)
+            if "systems" in part:
+                _merge(doc, part)
+            else:  # failed: no MPI column at all (not some repetitions' medians)
+                mpi_out = part
+    if mpi_out:
+        doc["systems"]["mpi"] = mpi_out
     return _finish(doc, args)
 
 
-def _in_launcher(args, others: list[str]) -> int:
+def _in_launcher(args, others: list[str], one_host: bool = True) -> int:
     from .runner import OutOfMemory, measure
     mpi_here = compare.under_mpirun()
     systems = ["linkwise"] + [s for s in others if s != "mpi" or mpi_here]
@@ -291,29 +310,37 @@ def _in_launcher(args, others: list[str]) -> int:
            "command": _command(args),
            "systems": out}
     if "mpi" in others and not mpi_here:
-        why = compare.missing("mpi")
+        why = compare.missing("mpi") or (None if one_host else (
+            "the job spans several hosts, and a second launch from rank 0 (mpirun -n N) would put "
+            "every rank on its host: start the bench under mpirun to compare with MPI"))
         if why:
             out["mpi"] = {"status": "skipped", "reason": why}
         else:
-            from . import spawn
-            part = spawn.launch_mpi(nranks, _args_json(args), args.timeout, args.mpirun_args)
-            part["systems"]["mpi"]["how"] = spawn.mpi_how(nranks, args.mpirun_args)
-            _merge(doc, part)
+            part = _mpi_part(nranks, _args_json(args), args)
+            if "systems" in part:
+                _merge(doc, part)
+            else:
+                out["mpi"] = part
     return _finish(doc, args)
 
 
 def run(args) -> int:
     from .. import bootstrap
     env = bootstrap.detect()
+    # Under a launcher its ranks run the sweep in place; a launcher of one rank with -N asking
+    # for more (one task of an allocation, say) starts them itself, as outside a launcher.
+    in_place = env.size > 1 or (env.launcher != "none" and args.nranks in (None, 1))
+    if args.nranks is None:
+        args.nranks = env.size if in_place else 2
     try:
         others = _normalise(args)
-        _check_ranks(args, env.size if env.size > 1 else args.nranks)
+        _check_ranks(args, env.size if in_place else args.nranks)
     except ValueError as exc:
         if env.rank in (0, None):  # under a launcher every rank finds it: one line is enough
             print(f"linkwise bench: {exc}", file=sys.stderr)
         return 2
-    if env.size > 1:
-        return _in_launcher(args, others)
+    if in_place:
+        return _in_launcher(args, others, one_host=env.local_size == env.size)
     if args.nranks == 1 and args.test != "p2p":
         return _in_launcher(args, others)
     from .spawn import LaunchError

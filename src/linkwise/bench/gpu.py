@@ -209,11 +209,11 @@ class NcclBackend(GpuBackend):
 
     name = "nccl"
 
-    def __init__(self, helper: LinkwiseBackend, port: int, device: int, graph: bool = False):
+    def __init__(self, helper: LinkwiseBackend, addr: str, port: int, device: int, graph: bool = False):
         super().__init__(helper.rank, helper.size, helper, device, graph)
         import torch.distributed as dist
         self.dist = dist
-        init_torch_group(dist, "nccl", self.rank, self.size, port,  # not tcp://: under torchrun
+        init_torch_group(dist, "nccl", self.rank, self.size, port, addr,  # not tcp://: under torchrun
                          device_id=self.torch.device("cuda", device))  # it hangs (compare.py)
         self._ops = torch_reduce_ops(dist, avg=True)
 

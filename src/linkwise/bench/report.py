@@ -147,7 +147,9 @@ def collective_table(doc: dict, out: TextIO) -> None:
             if theirs is None:
                 line += f" {'n/a':>10} {'n/a':>10} {'n/a':>8}"
                 continue
-            ratio = (mine["busbw"] / theirs["busbw"]) if mine and "busbw" in mine and theirs["busbw"] else None
+            # x time / linkwise time: the busbw ratio where busbw is defined, and also where it
+            # is 0 (one rank, 0 bytes), which still has times
+            ratio = (theirs["time_us"] / mine["time_us"]) if mine and mine.get("time_us") else None
             tag = "" if var == "oop" else "*"
             line += f" {theirs['time_us']:10.2f} {theirs['busbw']:9.2f}{tag or ' '}"
             line += f" {ratio:8.2f}" if ratio is not None else f" {'n/a':>8}"
@@ -253,12 +255,15 @@ def _plot_lines(doc: dict) -> list[tuple]:
         for (tname, redop), group in series.items():
             what = f" {tname} {redop}" if len(series) > 1 else ""
             for var, label in VARIANTS:
-                pts = [(r["size"], r[var]) for r in group if r.get(var, {}).get("busbw", 0) > 0]
-                if pts:
-                    name_var = f"{name} ({label}){what}"
-                    lines.append((0, name_var, [p[0] for p in pts], [p[1]["busbw"] for p in pts]))
-                    lines.append((1, name_var, [p[0] for p in pts], [p[1]["time_us"] for p in pts]))
-                    break
+                cells = [(r["size"], r.get(var, {})) for r in group]
+                if not any(c.get("time_us", 0) > 0 for _, c in cells):
+                    continue
+                # busbw is 0 at one rank (nccl-tests' factors): only the time panel has points
+                for ax, key in ((0, "busbw"), (1, "time_us")):
+                    pts = [(size, c[key]) for size, c in cells if c.get(key, 0) > 0]
+                    if pts:
+                        lines.append((ax, f"{name} ({label}){what}", [p[0] for p in pts], [p[1] for p in pts]))
+                break
     return lines
 
 

@@ -66,8 +66,11 @@ def _sweep(b: Backend, pl: SimpleNamespace, show: bool) -> list[dict]:
                                     pl.warmup, pl.check, tick)
 
 
-def _share_port(lw: LinkwiseBackend) -> int:
-    """Rank 0 picks a free port and sends it to every rank over linkwise."""
+def _torch_store(lw: LinkwiseBackend) -> tuple[str, int]:
+    """Where torch.distributed's store is served: rank 0's host as the job's bootstrap knows it
+    (every rank reads the same; loopback for a one-host job), and a free port rank 0 picks and
+    sends to every rank over linkwise."""
+    from .. import bootstrap
     from .spawn import free_port
     buf = np.zeros(1, np.int64)
     if lw.rank == 0:
@@ -76,7 +79,7 @@ def _share_port(lw: LinkwiseBackend) -> int:
             lw.comm.send(buf, peer, _TAG_PORT)
     else:
         lw.comm.recv(buf, 0, _TAG_PORT)
-    return int(buf[0])
+    return bootstrap.detect().master_addr, int(buf[0])
 
 
 def _measure_gpu(args, pl, systems, lw, out, show_progress) -> dict:
@@ -101,7 +104,7 @@ def _measure_gpu(args, pl, systems, lw, out, show_progress) -> dict:
         if why:
             out["nccl"] = {"status": "skipped", "reason": why}
         else:
-            nccl = gpu.NcclBackend(lw, _share_port(lw), device, graph)
+            nccl = gpu.NcclBackend(lw, *_torch_store(lw), device, graph)
             out["nccl"] = {"status": "ok", "runs": [], "how": "torch.distributed nccl, same "
                            "processes, right after linkwise; " + how}
             order.append(("nccl", nccl))
@@ -164,7 +167,8 @@ def measure(args, systems: list[str], comm=None, show_progress: bool = True) -> 
         elif lw is None:
             out["gloo"] = {"status": "skipped", "reason": "gloo runs beside linkwise only"}
         else:
-            gloo = compare.GlooBackend(lw.rank, lw.size, _share_port(lw))
+            addr, port = _torch_store(lw)
+            gloo = compare.GlooBackend(lw.rank, lw.size, port, addr)
             out["gloo"] = {"status": "ok", "runs": [],
                            "how": "torch.distributed gloo, same processes, right after linkwise"}
     mpi = None
