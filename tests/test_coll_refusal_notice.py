@@ -119,3 +119,47 @@ def test_refusals_on_every_rank_leave_the_calls_in_step(transport):
     # 70 refusals: more than the 64 a peer's engine keeps (the oldest are dropped)
     out = run_ranks(3, _refused_everywhere_then_sums, 70, env=env, timeout=90)
     assert out == [(6.0, [7.0, 7.0, 7.0])] * 3, out
+
+
+# The rank that passes None: one the others wait for (the root of a broadcast; a non-root
+# of a reduce or gather, whose root waits for it; any of the rest).
+NONE_CASES = {"all_reduce op": 0, "reduce_scatter op": 0, "reduce root": 1, "broadcast root": 0,
+              "gather root": 1, "all_gather x": 0}
+
+
+def _none_on_one_rank(comm, case):
+    """One rank passes None for an argument of a call the latency path serves (the executor
+    attached by a first all_reduce); the others call it rightly. Before, nanobind refused the
+    None in the native entry's signature (a TypeError listing its overloads), the call was
+    not numbered as refused, and the others waited for that rank's next collective."""
+    import linkwise
+    comm.all_reduce(np.ones(4, np.float32))
+    n, bad = comm.size, comm.rank == NONE_CASES[case]
+    x = np.ones(8, np.float32)
+    calls = {"all_reduce op": lambda: comm.all_reduce(x, op=None if bad else "sum"),
+             "reduce_scatter op": lambda: comm.reduce_scatter(np.ones(8 * n, np.float32), op=None if bad else "sum"),
+             "reduce root": lambda: comm.reduce(x, root=None if bad else 0),
+             "broadcast root": lambda: comm.broadcast(x, root=None if bad else 0),
+             "gather root": lambda: comm.gather(x, root=None if bad else 0),
+             "all_gather x": lambda: comm.all_gather(None if bad else x)}
+    t0 = time.monotonic()
+    try:
+        calls[case]()
+        first = "ok"
+    except (ValueError, TypeError, linkwise.CommAbortedError, linkwise.PeerError) as exc:
+        first = type(exc).__name__ + ("" if "incompatible function arguments" not in str(exc) else " (nanobind's)")
+    seconds = time.monotonic() - t0
+    if bad:
+        time.sleep(SLEEP)
+    return first, seconds
+
+
+@pytest.mark.parametrize("case", NONE_CASES)
+def test_a_none_argument_on_the_latency_path_is_refused_as_any_bad_one(case):
+    bad = NONE_CASES[case]
+    out = run_ranks(3, _none_on_one_rank, case, env={"LINKWISE_TIMEOUT": "30"}, timeout=90)
+    assert out[bad][0] in ("ValueError", "TypeError"), out  # the general path's own message
+    waiting = [0] if case in ("reduce root", "gather root") else [r for r in range(3) if r != bad]
+    for first, seconds in (out[r] for r in waiting):  # a reduce's other non-root may return
+        assert first in ("ValueError", "TypeError", "CommAbortedError", "PeerError"), out
+        assert seconds < PROMPT, out

@@ -91,6 +91,9 @@ nb::object broadcast_fast(PyShmColl& s, nb::handle x, nb::handle root, nb::handl
 
 }  // namespace
 
+// Every argument taken from the caller is .none(): the entry declines a None (or any value it
+// does not serve) and the general path refuses it, numbering the call as refused so the peers
+// are told. nanobind's own TypeError for a None would skip that, leaving them waiting.
 void bind_shm_fast(nb::class_<PyShmColl>& cls) {
   cls.def_static("enable_fast_entries", &enable,
                  "Import NumPy's C API for the fast entries, which serve exact numpy.ndarray arrays; until "
@@ -102,14 +105,14 @@ void bind_shm_fast(nb::class_<PyShmColl>& cls) {
           [](PyShmColl& s, nb::handle comm, nb::handle x, nb::handle op, nb::handle out) {
             return serving(comm, [&] { return all_reduce_fast(s, x, op, out, comm_timeout(comm)); });
           },
-          nb::arg("comm"), nb::arg("x"), nb::arg("op"), nb::arg("out").none(),
+          nb::arg("comm"), nb::arg("x").none(), nb::arg("op").none(), nb::arg("out").none(),
           "all_reduce of a NumPy array (in place, or into out), or NotImplemented where it does not serve it.")
       .def(
           "reduce_fast",
           [](PyShmColl& s, nb::handle comm, nb::handle x, nb::handle root, nb::handle op, nb::handle out) {
             return serving(comm, [&] { return reduce_fast(s, x, root, op, out, comm_timeout(comm)); });
           },
-          nb::arg("comm"), nb::arg("x"), nb::arg("root"), nb::arg("op"), nb::arg("out").none(),
+          nb::arg("comm"), nb::arg("x").none(), nb::arg("root").none(), nb::arg("op").none(), nb::arg("out").none(),
           "reduce of a NumPy array onto root (into x, or out, on the root), or NotImplemented where it does "
           "not serve it.")
       .def(
@@ -117,7 +120,7 @@ void bind_shm_fast(nb::class_<PyShmColl>& cls) {
           [](PyShmColl& s, nb::handle comm, nb::handle x, nb::handle root, nb::handle out) {
             return serving(comm, [&] { return broadcast_fast(s, x, root, out, comm_timeout(comm)); });
           },
-          nb::arg("comm"), nb::arg("x"), nb::arg("root"), nb::arg("out").none(),
+          nb::arg("comm"), nb::arg("x").none(), nb::arg("root").none(), nb::arg("out").none(),
           "broadcast of a NumPy array (in place, or from the root's x into out), or NotImplemented where it "
           "does not serve it.");
 }

@@ -146,13 +146,14 @@ nb::object scatter_fast(PyShmColl& s, nb::handle x, nb::handle root, nb::handle 
 
 }  // namespace
 
+// As in bind_shm_fast: the caller's arguments are .none(), declined here, refused there.
 void bind_shm_fast_blocks(nb::class_<PyShmColl>& cls) {
   cls.def(
          "exchange_fast",
          [](PyShmColl& s, nb::handle comm, int kind, nb::handle x, nb::handle out, nb::handle op) {
            return serving(comm, [&] { return exchange_fast(s, kind, x, out, op, comm_timeout(comm)); });
          },
-         nb::arg("comm"), nb::arg("kind"), nb::arg("x"), nb::arg("out").none(), nb::arg("op"),
+         nb::arg("comm"), nb::arg("kind"), nb::arg("x").none(), nb::arg("out").none(), nb::arg("op").none(),
          "A small all_gather, reduce_scatter (with op) or all_to_all of NumPy arrays (kind: a CollKind code; "
          "out made where None, x itself for all_to_all), or NotImplemented where it does not serve it.")
       .def(
@@ -160,7 +161,7 @@ void bind_shm_fast_blocks(nb::class_<PyShmColl>& cls) {
           [](PyShmColl& s, nb::handle comm, nb::handle x, nb::handle root, nb::handle out) {
             return serving(comm, [&] { return gather_fast(s, x, root, out, comm_timeout(comm)); });
           },
-          nb::arg("comm"), nb::arg("x"), nb::arg("root"), nb::arg("out").none(),
+          nb::arg("comm"), nb::arg("x").none(), nb::arg("root").none(), nb::arg("out").none(),
           "A small gather onto root (out made there where None; None returned elsewhere), or NotImplemented "
           "where it does not serve it.")
       .def(
@@ -168,7 +169,7 @@ void bind_shm_fast_blocks(nb::class_<PyShmColl>& cls) {
           [](PyShmColl& s, nb::handle comm, nb::handle x, nb::handle root, nb::handle out) {
             return serving(comm, [&] { return scatter_fast(s, x, root, out, comm_timeout(comm)); });
           },
-          nb::arg("comm"), nb::arg("x").none(), nb::arg("root"), nb::arg("out").none(),
+          nb::arg("comm"), nb::arg("x").none(), nb::arg("root").none(), nb::arg("out").none(),
           "A small scatter from root's x (None elsewhere) into out (made on the root where None), or "
           "NotImplemented where it does not serve it.");
 }
