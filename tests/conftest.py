@@ -15,10 +15,22 @@ def _have_gpu() -> bool:
         return False
 
 
+def _why_no_gpu_tests() -> str:
+    """Empty when the GPU tests can run: a GPU (seen through NVML, nvidia-ml-py of the test
+    extra) and torch, which makes their arrays."""
+    if not _have_gpu():
+        return "no CUDA GPU on this machine"
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
+        return "the GPU tests need torch (pip install torch)"
+    return ""
+
+
 def pytest_collection_modifyitems(config, items):
-    if _have_gpu():
+    why = _why_no_gpu_tests()
+    if not why:
         return
-    skip = pytest.mark.skip(reason="no CUDA GPU on this machine")
+    skip = pytest.mark.skip(reason=why)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
