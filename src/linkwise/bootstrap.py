@@ -198,9 +198,35 @@ def _split_addr(addr: str) -> tuple[str, Optional[int]]:
 
 
 # -------------------------------------------------------------------------------- launchers
+def other_launchers(env: Mapping[str, str]) -> str:
+    """What the launchers other than linkwise's say of this process ("torchrun 1/2", ...),
+    for LINKWISE_LAUNCH_OTHERS: `linkwise launch` records it in its ranks' environment."""
+    said = []
+    for reader in _LAUNCHERS[1:]:
+        try:
+            found = reader(env)
+        except ValueError:
+            said.append(f"{reader.__name__[1:]} ?")
+            continue
+        if found is not None:
+            said.append(f"{found.launcher} {found.rank}/{found.size}")
+    return ", ".join(said)
+
+
 def _linkwise(env: Mapping[str, str]) -> Optional[_Found]:
     if "LINKWISE_RANK" not in env:
         return None
+    recorded = env.get("LINKWISE_LAUNCH_OTHERS")
+    if recorded is not None and other_launchers(env) != recorded:
+        # torchrun or mpirun started from inside a rank of `linkwise launch`: the rank's
+        # LINKWISE_* variables came along and would win, every process of the inner job
+        # taking the outer rank's place (rank 0 of 1, say) without an error.
+        raise ValueError(
+            f"this process has the LINKWISE_RANK / LINKWISE_SIZE of a rank of an outer `linkwise "
+            f"launch` and was started by another launcher since ({other_launchers(env)}); unset "
+            f"the outer job's variables for the inner one: env -u LINKWISE_RANK -u LINKWISE_SIZE "
+            f"-u LINKWISE_LOCAL_RANK -u LINKWISE_LOCAL_SIZE -u LINKWISE_MASTER_ADDR "
+            f"-u LINKWISE_MASTER_PORT -u LINKWISE_JOB_ID -u LINKWISE_LAUNCH_OTHERS <launcher> ...")
     rank, size = _int(env, "LINKWISE_RANK"), _int(env, "LINKWISE_SIZE")
     if size is None:
         raise ValueError("LINKWISE_RANK is set but LINKWISE_SIZE is not; set both")

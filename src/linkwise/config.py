@@ -166,6 +166,9 @@ declare("LINKWISE_JOB_ID", "", str, "job identifier: in the rendezvous handshake
 declare("LINKWISE_LAUNCH_CPUS", "", str,
         "CPUs given to `linkwise launch` (comma list; set by it for ranks it binds): where a bound "
         "rank starts helper processes such as the benchmark's mpirun")
+declare("LINKWISE_LAUNCH_OTHERS", None, str,
+        "set by `linkwise launch`: what other launchers' variables said when it started the rank; "
+        "init() refuses a process that another launcher started from inside the rank since")
 declare("LINKWISE_DEVICE", None, int, "GPU index this rank uses (set by `linkwise launch --bind auto`)")
 declare("LINKWISE_TOPO_FILE", "", str,
         "a topology JSON (linkwise topo --save) used instead of discovering this machine")

@@ -12,11 +12,18 @@ Contract:
     one raises PeerError, and its handlers run), then sends SIGTERM to every remaining rank's
     process group, SIGKILL after ``TERM_GRACE`` more seconds, and returns non-zero (S, or 128 +
     the signal number).
-  * SIGINT, SIGTERM and SIGHUP (the terminal or ssh session closed) received by the launcher
-    are forwarded to every rank; a second one escalates to SIGKILL. The launcher then exits
-    128 + the signal (130 for Ctrl-C), whatever status the ranks end with. A rank whose
-    launcher dies without forwarding (SIGKILL) gets SIGTERM from the kernel
-    (``PR_SET_PDEATHSIG``, Linux).
+  * SIGINT, SIGTERM, SIGHUP (the terminal or ssh session closed) and SIGQUIT (Ctrl-\\)
+    received by the launcher are forwarded to every rank; a second one escalates to SIGKILL.
+    The launcher then exits 128 + the signal (130 for Ctrl-C), whatever status the ranks end
+    with. A SIGHUP ignored when the launcher starts (``nohup``) stays ignored, in the ranks
+    too. A rank whose launcher dies without forwarding (SIGKILL) gets SIGTERM from the kernel
+    (``PR_SET_PDEATHSIG``, Linux); what that rank started is not signalled then.
+  * Output the launcher cannot write (its reader gone, its terminal hung up, or the
+    descriptor closed at start) is read and dropped, so ranks never block on it.
+  * A job started from inside a rank (torchrun, mpirun) inherits the rank's LINKWISE_*
+    variables; LINKWISE_LAUNCH_OTHERS records the other launchers' variables as the ranks got
+    them, so that ``init()`` there refuses the mix rather than take the outer rank's place
+    (bootstrap.other_launchers).
   * When the launcher returns, every rank's process group is sent SIGKILL, also the groups of
     ranks that have exited: processes a rank started in its group do not outlive the job.
   * Whatever happens, any /dev/shm/linkwise-<job_id>-* is removed at the end. linkwise's own
@@ -45,11 +52,12 @@ import threading
 import time
 from typing import IO, Optional
 
-from .bootstrap import SPARE_PORTS
+from .bootstrap import SPARE_PORTS, other_launchers
 
 __all__ = ["add_arguments", "run", "main", "cpu_slices", "SHM_DIR"]
 
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+PUMP_GRACE = 1.0  # after the last rank: how long its output threads get, all together
 PEER_GRACE = 1.0  # a shared-memory wait notices a dead peer within ~0.1 s, a socket at once
 TERM_GRACE = 3.0
 SHM_DIR = "/dev/shm"
@@ -152,12 +160,12 @@ class _Output:
             if not line.endswith(b"\n"):
                 line += b"\n"
             with self.lock:
-                if dest.fileno() in self.gone:
+                if dest is None or dest.fileno() in self.gone:
                     continue
                 try:
                     dest.write(prefix + line)
                     dest.flush()
-                except BrokenPipeError:
+                except OSError:  # the reader went (EPIPE), or the terminal hung up (EIO)
                     self.gone.add(dest.fileno())
                     # Later writes (and the flush at exit) go nowhere instead of raising.
                     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -172,8 +180,14 @@ class _Output:
             try:
                 sys.stderr.buffer.write(text.encode() + b"\n")
                 sys.stderr.buffer.flush()
-            except (BrokenPipeError, ValueError):
+            except (OSError, ValueError, AttributeError):  # AttributeError: started with 2>&-
                 pass
+
+
+def _buffer(stream) -> Optional[IO[bytes]]:
+    """The byte stream under sys.stdout / sys.stderr; None where the launcher was started with
+    that descriptor closed (>&-): the ranks' output is then read and dropped."""
+    return stream.buffer if stream is not None else None
 
 
 def _describe(rank: int, status: int) -> str:
@@ -234,7 +248,9 @@ def run(args: argparse.Namespace) -> int:
     out = _Output()
     base = dict(os.environ, PYTHONUNBUFFERED="1", LINKWISE_SIZE=str(n), LINKWISE_LOCAL_SIZE=str(n),
                 LINKWISE_MASTER_ADDR="127.0.0.1", LINKWISE_MASTER_PORT=str(port),
-                LINKWISE_JOB_ID=job_id)
+                LINKWISE_JOB_ID=job_id, LINKWISE_LAUNCH_OTHERS=other_launchers(os.environ))
+    if "LINKWISE_JOB_ID" in os.environ:  # started from a rank of another linkwise launch: its
+        base.pop("LINKWISE_MASTER_PORT_SPARE", None)  # launcher set this, not the user
     if not args.master_port:
         # The port was free a moment ago, not reserved: let the store move up if it is taken
         # by then (the ranks find it by the job id).
@@ -260,8 +276,10 @@ def _run_ranks(cmd, n, base, bind, out: _Output, procs: list) -> int:
     # Installed before the ranks start, for two reasons: a signal that comes while they start
     # is not lost, and a rank must not inherit an *ignored* SIGINT (a launcher started as a
     # background job of a non-interactive shell has one): exec resets handled signals to the
-    # default, so the ranks' Python turns a forwarded SIGINT into KeyboardInterrupt.
-    old = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    # default, so the ranks' Python turns a forwarded SIGINT into KeyboardInterrupt. An ignored
+    # SIGHUP is kept (nohup): the ranks inherit it, and a hangup stops nothing.
+    nohup = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    old = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS if not (nohup and s == signal.SIGHUP)}
     try:
         code = _spawn(cmd, n, base, bind, out, procs)
         if code:
@@ -306,6 +324,8 @@ def _spawn(cmd, n, base, bind, out: _Output, procs: list) -> int:
             env = dict(base, LINKWISE_RANK=str(k), LINKWISE_LOCAL_RANK=str(k), **extra)
             if cpus and launcher_cpus:
                 env["LINKWISE_LAUNCH_CPUS"] = launcher_cpus
+            else:  # not an outer launch's, inherited
+                env.pop("LINKWISE_LAUNCH_CPUS", None)
             with thread_affinity(cpus):
                 procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -352,7 +372,7 @@ def _supervise(procs: list, out: _Output, signals_seen: list) -> int:
     pumps = []
     for k, p in enumerate(procs):
         prefix = f"[rank {k}] ".encode()
-        for pipe, dest in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
+        for pipe, dest in ((p.stdout, _buffer(sys.stdout)), (p.stderr, _buffer(sys.stderr))):
             t = threading.Thread(target=out.pump, args=(pipe, dest, prefix), daemon=True)
             t.start()
             pumps.append(t)
@@ -385,8 +405,9 @@ def _supervise(procs: list, out: _Output, signals_seen: list) -> int:
             code = status if status > 0 else 128 - status
             if left:
                 term_at = time.monotonic() + PEER_GRACE
-    for t in pumps:  # a grandchild may hold a pipe open: do not wait for it forever
-        t.join(timeout=1.0)
+    end = time.monotonic() + PUMP_GRACE  # a grandchild may hold a pipe open: do not wait for it
+    for t in pumps:
+        t.join(timeout=max(0.0, end - time.monotonic()))
     if code == 0 and signals_seen:
         code = 128 + signals_seen[0]
     return code

@@ -1,0 +1,176 @@
+"""linkwise launch at its edges: nohup, Ctrl-\\, output nobody can take, grandchildren holding
+the pipes, launches nested in a rank, and another launcher started from inside a rank."""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from linkwise import launch
+from test_bench import SRC
+
+
+def _launcher(argv, **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in [k for k in env if k.startswith("LINKWISE_") or k in ("RANK", "WORLD_SIZE")]:
+        del env[k]
+    env.update(kw.pop("env", {}))
+    return subprocess.Popen([sys.executable, "-m", "linkwise.cli", "launch", *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _script(tmp_path, body: str) -> str:
+    path = tmp_path / "rank.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def _wait_for_line(proc, start: str) -> str:
+    for line in proc.stdout:
+        if start in line:
+            return line
+    raise AssertionError(f"no line with {start!r}; stderr: {proc.stderr.read()}")
+
+
+def test_nohup_keeps_the_job_alive(tmp_path):
+    """Started with SIGHUP ignored (nohup), a hangup used to be forwarded and killed the ranks."""
+    script = _script(tmp_path, """
+        import time
+        print("ready", flush=True)
+        time.sleep(2)
+        print("done", flush=True)
+    """)
+    proc = _launcher(["-n", "2", script], preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    _wait_for_line(proc, "ready")
+    proc.send_signal(signal.SIGHUP)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, (out, err)
+    assert out.count("done") == 2, out
+
+
+def test_sigquit_stops_the_ranks_and_what_they_started(tmp_path):
+    """Ctrl-\\ killed the launcher at once; the ranks got SIGTERM from the kernel, but the
+    processes they had started lived on."""
+    script = _script(tmp_path, """
+        import subprocess, time
+        child = subprocess.Popen(["sleep", "100"])
+        print("child", child.pid, flush=True)
+        time.sleep(100)
+    """)
+    proc = _launcher(["-n", "1", script])
+    child = int(_wait_for_line(proc, "child").split()[-1])
+    proc.send_signal(signal.SIGQUIT)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGQUIT
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    raise AssertionError("the rank's child outlived the job")
+
+
+def test_grandchildren_holding_the_pipes_do_not_slow_the_exit(tmp_path):
+    """Each of 2N output threads waited 1 s for its pipe in turn: 8 s for 4 ranks."""
+    script = _script(tmp_path, """
+        import subprocess
+        subprocess.Popen(["sleep", "30"])
+        print("started", flush=True)
+    """)
+    t0 = time.monotonic()
+    proc = _launcher(["-n", "4", script])
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert out.count("started") == 4, out
+    assert time.monotonic() - t0 < 6.0  # start-up of 4 ranks on 2 cores, plus the 1 s grace
+
+
+def test_closed_stdout_is_no_traceback(tmp_path):
+    script = _script(tmp_path, 'print("hello")\n')
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run(["bash", "-c", f'"{sys.executable}" -m linkwise.cli launch -n 2 "{script}" >&-'],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_output_to_a_hung_up_terminal_is_dropped():
+    """EIO from a terminal that hung up ended the output thread (only EPIPE was caught), and
+    the rank then blocked on its full pipe."""
+    rfd, wfd = os.pipe()
+    dest_fd = os.dup(1)
+
+    class HungUp:
+        def fileno(self):
+            return dest_fd
+
+        def write(self, data):
+            raise OSError(errno.EIO, "Input/output error")
+
+        def flush(self):
+            pass
+
+    lines = b"".join(b"line %d\n" % k for k in range(1000))
+    os.write(wfd, lines[:60000])
+    os.close(wfd)
+    try:
+        with os.fdopen(rfd, "rb") as pipe:
+            launch._Output().pump(pipe, HungUp(), b"[rank 0] ")  # returns: read to the end
+    finally:
+        os.close(dest_fd)
+
+
+def test_a_launch_in_a_rank_does_not_take_the_outer_ones_port_settings(tmp_path):
+    inner = _script(tmp_path, """
+        from linkwise import bootstrap
+        e = bootstrap.detect()
+        print("inner", e.rank, e.size, e.spare_ports, flush=True)
+    """)
+    outer = tmp_path / "outer.py"
+    outer.write_text(textwrap.dedent(f"""
+        import subprocess, sys
+        sys.exit(subprocess.call([sys.executable, "-m", "linkwise.cli", "launch", "-n", "2",
+                                  "--master-port", "24999", {inner!r}]))
+    """))
+    proc = _launcher(["-n", "1", str(outer)])
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err
+    found = sorted(line.split("inner ")[1] for line in out.splitlines() if "inner " in line)
+    assert found == ["0 2 0", "1 2 0"], out  # a given port: no spare ports (was the outer's 8)
+
+
+def test_another_launcher_inside_a_rank_is_refused(tmp_path):
+    """torchrun started from a rank: its processes inherited LINKWISE_RANK / SIZE, which won,
+    and each took the outer rank's place (rank 0 of 1) without an error."""
+    script = _script(tmp_path, """
+        import os, subprocess, sys
+        probe = "from linkwise import bootstrap; e = bootstrap.detect(); print(e.launcher, e.rank, e.size)"
+        print("as started:", subprocess.run([sys.executable, "-c", probe], capture_output=True,
+                                            text=True).stdout.strip(), flush=True)
+        inner = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
+        r = subprocess.run([sys.executable, "-c", probe], env=inner, capture_output=True, text=True)
+        print("inner:", r.returncode, r.stderr.strip().splitlines()[-1], flush=True)
+    """)
+    # torchrun's variables left in the launcher's own environment are the outer ones: ignored
+    proc = _launcher(["-n", "1", script], env={"RANK": "5", "WORLD_SIZE": "8"})
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "as started: linkwise 0 1" in out, out
+    inner = next(line for line in out.splitlines() if "inner:" in line)
+    assert "inner: 1 ValueError" in inner and "torchrun 1/2" in inner and "env -u LINKWISE_RANK" in inner, out
+
+
+@pytest.mark.parametrize("env,said", [({}, ""), ({"RANK": "3", "WORLD_SIZE": "4"}, "torchrun 3/4"),
+                                      ({"OMPI_COMM_WORLD_RANK": "x"}, "openmpi ?")])
+def test_other_launchers_record(env, said):
+    from linkwise.bootstrap import other_launchers
+    assert other_launchers(env) == said
