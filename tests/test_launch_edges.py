@@ -174,3 +174,20 @@ def test_another_launcher_inside_a_rank_is_refused(tmp_path):
 def test_other_launchers_record(env, said):
     from linkwise.bootstrap import other_launchers
     assert other_launchers(env) == said
+
+
+def test_torch_variables_a_rank_sets_to_its_own_are_fine(tmp_path):
+    """A script that sets RANK / WORLD_SIZE to its own rank (for torch's env:// init) before
+    linkwise.init() is not another launcher."""
+    script = _script(tmp_path, """
+        import os
+        os.environ.update(RANK=os.environ["LINKWISE_RANK"], WORLD_SIZE=os.environ["LINKWISE_SIZE"])
+        import linkwise
+        comm = linkwise.init()
+        print("ok", comm.rank, comm.size, flush=True)
+        comm.close()
+    """)
+    proc = _launcher(["-n", "2", script])
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert sorted(line.split("ok ")[1] for line in out.splitlines() if "ok " in line) == ["0 2", "1 2"], out

@@ -198,9 +198,10 @@ def _split_addr(addr: str) -> tuple[str, Optional[int]]:
 
 
 # -------------------------------------------------------------------------------- launchers
-def other_launchers(env: Mapping[str, str]) -> str:
+def other_launchers(env: Mapping[str, str], skip: str = "") -> str:
     """What the launchers other than linkwise's say of this process ("torchrun 1/2", ...),
-    for LINKWISE_LAUNCH_OTHERS: `linkwise launch` records it in its ranks' environment."""
+    for LINKWISE_LAUNCH_OTHERS: `linkwise launch` records it in its ranks' environment.
+    Readings equal to `skip` ("rank/size") are left out."""
     said = []
     for reader in _LAUNCHERS[1:]:
         try:
@@ -208,7 +209,7 @@ def other_launchers(env: Mapping[str, str]) -> str:
         except ValueError:
             said.append(f"{reader.__name__[1:]} ?")
             continue
-        if found is not None:
+        if found is not None and f"{found.rank}/{found.size}" != skip:
             said.append(f"{found.launcher} {found.rank}/{found.size}")
     return ", ".join(said)
 
@@ -217,10 +218,12 @@ def _linkwise(env: Mapping[str, str]) -> Optional[_Found]:
     if "LINKWISE_RANK" not in env:
         return None
     recorded = env.get("LINKWISE_LAUNCH_OTHERS")
-    if recorded is not None and other_launchers(env) != recorded:
+    own = f"{env.get('LINKWISE_RANK')}/{env.get('LINKWISE_SIZE')}"
+    if recorded is not None and other_launchers(env) != recorded and other_launchers(env, own) != recorded:
         # torchrun or mpirun started from inside a rank of `linkwise launch`: the rank's
         # LINKWISE_* variables came along and would win, every process of the inner job
-        # taking the outer rank's place (rank 0 of 1, say) without an error.
+        # taking the outer rank's place (rank 0 of 1, say) without an error. Variables that
+        # agree with this rank's (a script that sets RANK / WORLD_SIZE for torch) are fine.
         raise ValueError(
             f"this process has the LINKWISE_RANK / LINKWISE_SIZE of a rank of an outer `linkwise "
             f"launch` and was started by another launcher since ({other_launchers(env)}); unset "
