@@ -55,7 +55,9 @@ def _start(tmp_path, n=2):
                       + PIDS.format(d=str(d)) + "print('ready', flush=True)\ntime.sleep(60)\n")
     p = subprocess.Popen([sys.executable, "-m", "linkwise.cli", "launch", "-n", str(n), str(script)],
                          env=dict(os.environ, PYTHONPATH=SRC), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True,
+                         # a suite run under nohup: the launcher keeps an ignored SIGHUP
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     for _ in range(n):
         assert "ready" in p.stdout.readline()
     return p, _pids(d, [str(k) for k in range(n)])

@@ -96,7 +96,8 @@ void Engine::adapt_spin(double budget_us, double slept_us) {
 // request the peers are told too (a notice, or the link closed when mid-message), so their
 // matching call raises PeerError at once rather than wait for the rest until its own timeout;
 // a collective's request is left to its collective (CollCtx::abort_after_failure), whose notice
-// names its own number (one sent here would name the next, and only the first is sent).
+// names its own number (lower than the next, which a notice sent here names: a second notice
+// goes out for the lower number, Engine::notify_abort_locked).
 void Engine::give_up_moving(const Request& req, const std::string& why) {
   if (engine_detail::is_coll_tag(req.tag))
     abort(why);

@@ -198,10 +198,9 @@ def _split_addr(addr: str) -> tuple[str, Optional[int]]:
 
 
 # -------------------------------------------------------------------------------- launchers
-def other_launchers(env: Mapping[str, str], skip: str = "") -> str:
-    """What the launchers other than linkwise's say of this process ("torchrun 1/2", ...),
-    for LINKWISE_LAUNCH_OTHERS: `linkwise launch` records it in its ranks' environment.
-    Readings equal to `skip` ("rank/size") are left out."""
+def other_launchers(env: Mapping[str, str]) -> str:
+    """What the launchers other than linkwise's say of this process ("torchrun 1/2, slurm
+    0/4"), for LINKWISE_LAUNCH_OTHERS: `linkwise launch` records it in its ranks' environment."""
     said = []
     for reader in _LAUNCHERS[1:]:
         try:
@@ -209,27 +208,38 @@ def other_launchers(env: Mapping[str, str], skip: str = "") -> str:
         except ValueError:
             said.append(f"{reader.__name__[1:]} ?")
             continue
-        if found is not None and f"{found.rank}/{found.size}" != skip:
+        if found is not None:
             said.append(f"{found.launcher} {found.rank}/{found.size}")
     return ", ".join(said)
+
+
+def _refuse_inner_launcher(env: Mapping[str, str], rank: int, size: int) -> None:
+    """A process with a `linkwise launch` rank's variables, where another launcher's say
+    something else than when that rank was started (LINKWISE_LAUNCH_OTHERS) and than the
+    rank's own rank/size: torchrun or mpirun started from inside the rank, whose LINKWISE_*
+    variables came along and would win, each process of the inner job taking the outer
+    rank's place without an error. A reading the rank was started with, or equal to its own
+    (a script that sets RANK / WORLD_SIZE for torch), is fine; so an inner process whose rank
+    and size equal the outer rank's is not caught (its siblings are)."""
+    recorded = env.get("LINKWISE_LAUNCH_OTHERS")
+    if recorded is None:
+        return
+    known = set(recorded.split(", ")) if recorded else set()
+    now = other_launchers(env)
+    for reading in now.split(", ") if now else []:
+        if reading not in known and reading.split(" ")[-1] != f"{rank}/{size}":
+            raise ValueError(
+                f"this process has the LINKWISE_RANK / LINKWISE_SIZE of a rank of an outer `linkwise "
+                f"launch` (rank {rank} of {size}) and was started by another launcher since "
+                f"({reading}); unset the outer job's variables for the inner one: env -u "
+                f"LINKWISE_RANK -u LINKWISE_SIZE -u LINKWISE_LOCAL_RANK -u LINKWISE_LOCAL_SIZE -u "
+                f"LINKWISE_MASTER_ADDR -u LINKWISE_MASTER_PORT -u LINKWISE_JOB_ID -u "
+                f"LINKWISE_LAUNCH_OTHERS <launcher> ...")
 
 
 def _linkwise(env: Mapping[str, str]) -> Optional[_Found]:
     if "LINKWISE_RANK" not in env:
         return None
-    recorded = env.get("LINKWISE_LAUNCH_OTHERS")
-    own = f"{env.get('LINKWISE_RANK')}/{env.get('LINKWISE_SIZE')}"
-    if recorded is not None and other_launchers(env) != recorded and other_launchers(env, own) != recorded:
-        # torchrun or mpirun started from inside a rank of `linkwise launch`: the rank's
-        # LINKWISE_* variables came along and would win, every process of the inner job
-        # taking the outer rank's place (rank 0 of 1, say) without an error. Variables that
-        # agree with this rank's (a script that sets RANK / WORLD_SIZE for torch) are fine.
-        raise ValueError(
-            f"this process has the LINKWISE_RANK / LINKWISE_SIZE of a rank of an outer `linkwise "
-            f"launch` and was started by another launcher since ({other_launchers(env)}); unset "
-            f"the outer job's variables for the inner one: env -u LINKWISE_RANK -u LINKWISE_SIZE "
-            f"-u LINKWISE_LOCAL_RANK -u LINKWISE_LOCAL_SIZE -u LINKWISE_MASTER_ADDR "
-            f"-u LINKWISE_MASTER_PORT -u LINKWISE_JOB_ID -u LINKWISE_LAUNCH_OTHERS <launcher> ...")
     rank, size = _int(env, "LINKWISE_RANK"), _int(env, "LINKWISE_SIZE")
     if size is None:
         raise ValueError("LINKWISE_RANK is set but LINKWISE_SIZE is not; set both")
@@ -384,6 +394,8 @@ def detect(rank: Optional[int] = None, size: Optional[int] = None,
         else:
             local_rank, local_size = 0, 1
     elif found is not None:
+        if found.launcher == "linkwise":
+            _refuse_inner_launcher(env, found.rank, found.size)
         launcher, rank, size = found.launcher, found.rank, found.size
         local_rank, local_size = found.local_rank, found.local_size
         if local_size is None:

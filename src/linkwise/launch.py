@@ -42,6 +42,7 @@ import glob
 import os
 import queue
 import secrets
+import select
 import shlex
 import shutil
 import signal
@@ -163,9 +164,8 @@ class _Output:
                 if dest is None or dest.fileno() in self.gone:
                     continue
                 try:
-                    dest.write(prefix + line)
-                    dest.flush()
-                except OSError:  # the reader went (EPIPE), or the terminal hung up (EIO)
+                    _write_all(dest, prefix + line)
+                except OSError:  # the reader went (EPIPE), the terminal hung up (EIO), a full disk
                     self.gone.add(dest.fileno())
                     # Later writes (and the flush at exit) go nowhere instead of raising.
                     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -182,6 +182,24 @@ class _Output:
                 sys.stderr.buffer.flush()
             except (OSError, ValueError, AttributeError):  # AttributeError: started with 2>&-
                 pass
+
+
+def _write_all(dest: IO[bytes], data: bytes) -> None:
+    """Write and flush data, waiting for room where dest is non-blocking (BlockingIOError is
+    no reason to drop the output); other OSErrors are raised."""
+    while data:
+        try:
+            dest.write(data)
+            data = b""
+        except BlockingIOError as exc:  # what it took is in its buffer
+            data = data[exc.characters_written:]
+            select.select([], [dest.fileno()], [], 1.0)
+    while True:
+        try:
+            dest.flush()
+            return
+        except BlockingIOError:
+            select.select([], [dest.fileno()], [], 1.0)
 
 
 def _buffer(stream) -> Optional[IO[bytes]]:

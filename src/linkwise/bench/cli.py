@@ -265,7 +265,7 @@ def _mpi_part(nranks: int, args_json: str, args) -> dict:
     from . import spawn
     try:
         part = spawn.launch_mpi(nranks, args_json, args.timeout, args.mpirun_args)
-    except spawn.LaunchError as exc:
+    except (spawn.LaunchError, OSError, ValueError) as exc:  # ValueError: LINKWISE_LAUNCH_CPUS
         print(f"linkwise bench: --compare mpi: {exc}", file=sys.stderr)
         return {"status": "failed", "reason": str(exc).splitlines()[0].rstrip(":")}
     part["systems"]["mpi"]["how"] = spawn.mpi_how(nranks, args.mpirun_args)
@@ -327,9 +327,11 @@ def _in_launcher(args, others: list[str], one_host: bool = True) -> int:
 def run(args) -> int:
     from .. import bootstrap
     env = bootstrap.detect()
-    # Under a launcher its ranks run the sweep in place; a launcher of one rank with -N asking
-    # for more (one task of an allocation, say) starts them itself, as outside a launcher.
-    in_place = env.size > 1 or (env.launcher != "none" and args.nranks in (None, 1))
+    # Under a launcher its ranks run the sweep in place; a launcher of one rank starts -N ranks
+    # itself, as outside a launcher, where -N asks for more (one task of an allocation, say)
+    # or for p2p, which needs two.
+    in_place = env.size > 1 or (env.launcher != "none" and (
+        args.nranks == 1 or (args.nranks is None and args.test != "p2p")))
     if args.nranks is None:
         args.nranks = env.size if in_place else 2
     try:

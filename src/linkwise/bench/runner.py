@@ -68,8 +68,8 @@ def _sweep(b: Backend, pl: SimpleNamespace, show: bool) -> list[dict]:
 
 def _torch_store(lw: LinkwiseBackend) -> tuple[str, int]:
     """Where torch.distributed's store is served: rank 0's host as the job's bootstrap knows it
-    (every rank reads the same; loopback for a one-host job), and a free port rank 0 picks and
-    sends to every rank over linkwise."""
+    (every rank reads the same: the address linkwise's own store was found at), and a free
+    port rank 0 picks and sends to every rank over linkwise."""
     from .. import bootstrap
     from .spawn import free_port
     buf = np.zeros(1, np.int64)
