@@ -198,19 +198,25 @@ def _split_addr(addr: str) -> tuple[str, Optional[int]]:
 
 
 # -------------------------------------------------------------------------------- launchers
-def other_launchers(env: Mapping[str, str]) -> str:
-    """What the launchers other than linkwise's say of this process ("torchrun 1/2, slurm
-    0/4"), for LINKWISE_LAUNCH_OTHERS: `linkwise launch` records it in its ranks' environment."""
+def _other_readings(env: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(launcher, "rank/size") of every launcher other than linkwise's whose variables are
+    set ("?" where they do not parse)."""
     said = []
     for reader in _LAUNCHERS[1:]:
         try:
             found = reader(env)
         except ValueError:
-            said.append(f"{reader.__name__[1:]} ?")
+            said.append((reader.__name__[1:], "?"))
             continue
         if found is not None:
-            said.append(f"{found.launcher} {found.rank}/{found.size}")
-    return ", ".join(said)
+            said.append((found.launcher, f"{found.rank}/{found.size}"))
+    return said
+
+
+def other_launchers(env: Mapping[str, str]) -> str:
+    """What the launchers other than linkwise's say of this process ("torchrun 1/2, slurm
+    0/4"), for LINKWISE_LAUNCH_OTHERS: `linkwise launch` records it in its ranks' environment."""
+    return ", ".join(f"{name} {rank_size}" for name, rank_size in _other_readings(env))
 
 
 def _refuse_inner_launcher(env: Mapping[str, str], rank: int, size: int) -> None:
@@ -224,14 +230,13 @@ def _refuse_inner_launcher(env: Mapping[str, str], rank: int, size: int) -> None
     recorded = env.get("LINKWISE_LAUNCH_OTHERS")
     if recorded is None:
         return
-    known = set(recorded.split(", ")) if recorded else set()
-    now = other_launchers(env)
-    for reading in now.split(", ") if now else []:
-        if reading not in known and reading.split(" ")[-1] != f"{rank}/{size}":
+    known = set(recorded.split(", "))
+    for name, rank_size in _other_readings(env):
+        if f"{name} {rank_size}" not in known and rank_size != f"{rank}/{size}":
             raise ValueError(
                 f"this process has the LINKWISE_RANK / LINKWISE_SIZE of a rank of an outer `linkwise "
                 f"launch` (rank {rank} of {size}) and was started by another launcher since "
-                f"({reading}); unset the outer job's variables for the inner one: env -u "
+                f"({name} {rank_size}); unset the outer job's variables for the inner one: env -u "
                 f"LINKWISE_RANK -u LINKWISE_SIZE -u LINKWISE_LOCAL_RANK -u LINKWISE_LOCAL_SIZE -u "
                 f"LINKWISE_MASTER_ADDR -u LINKWISE_MASTER_PORT -u LINKWISE_JOB_ID -u "
                 f"LINKWISE_LAUNCH_OTHERS <launcher> ...")

@@ -168,7 +168,8 @@ declare("LINKWISE_LAUNCH_CPUS", "", str,
         "rank starts helper processes such as the benchmark's mpirun")
 declare("LINKWISE_LAUNCH_OTHERS", None, str,
         "set by `linkwise launch`: what other launchers' variables said when it started the rank; "
-        "init() refuses a process that another launcher started from inside the rank since")
+        "init() refuses a process another launcher started inside the rank since, where that "
+        "launcher's rank or size differ from the rank's")
 declare("LINKWISE_DEVICE", None, int, "GPU index this rank uses (set by `linkwise launch --bind auto`)")
 declare("LINKWISE_TOPO_FILE", "", str,
         "a topology JSON (linkwise topo --save) used instead of discovering this machine")
