@@ -42,18 +42,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "p2p warms up with at least 2 round trips (1 window for bw, bibw)")
     p.add_argument("-c", "--check", type=int, default=1,
                    help="1 (or more, as nccl-tests' check count): check every result and count "
-                        "wrong elements (default 1); 0: no checks")
-    p.add_argument("-d", "--datatype", default="float",
+                        "wrong elements (default 1; p2p: wrong bytes received, checked after "
+                        "each size's timed rounds); 0: no checks")
+    p.add_argument("-d", "--datatype", default=None,
                    help=f"{', '.join(common.DTYPES)} or all (default float). linkwise cannot "
                         "reduce uint32, uint64: all_reduce, reduce, reduce_scatter show their "
                         "rows n/a, and with no other type refuse to start")
-    p.add_argument("-o", "--op", default="sum",
+    p.add_argument("-o", "--op", default=None,
                    help=f"{', '.join(common.OPS + common.BITWISE_OPS)}, or all = nccl-tests' "
                         f"{','.join(common.OPS)} (default sum). The bitwise ops take "
                         f"{', '.join(common.BITWISE_TYPES)}: with -d all their floating-point "
                         "rows show n/a; with floating-point types only it is an error")
-    p.add_argument("-r", "--root", type=int, default=0,
-                   help="root of broadcast and reduce (a rank of the job); the other "
+    p.add_argument("-r", "--root", type=int, default=None,
+                   help="root of broadcast and reduce (a rank of the job; default 0); the other "
                         "collectives ignore it, as nccl-tests does")
     p.add_argument("-N", "--nranks", type=int, default=None,
                    help="ranks to start (default 2); under a launcher the launcher's ranks run the "
@@ -83,6 +84,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _normalise(args) -> list[str]:
     """Fill test-dependent defaults; returns the compared systems (validated)."""
+    if args.test == "p2p":  # it moves bytes between ranks 0 and 1: say so rather than ignore
+        given = [flag for flag, v in (("-d", args.datatype), ("-o", args.op), ("-r", args.root))
+                 if v is not None]
+        if given:
+            raise ValueError(f"{' '.join(given)}: p2p moves bytes between ranks 0 and 1, without "
+                             "a type, an op or a root; the sendrecv test takes -d")
+    args.datatype = "float" if args.datatype is None else args.datatype
+    args.op = "sum" if args.op is None else args.op
+    args.root = 0 if args.root is None else args.root
     if args.minbytes is None:
         args.minbytes = "1" if args.test == "p2p" else "8"
     lo, hi = common.parse_size(args.minbytes, "-b"), common.parse_size(args.maxbytes, "-e")
@@ -175,6 +185,20 @@ def _check_ranks(args, nranks: int) -> None:
         raise ValueError(f"-r {args.root} is not a rank of {nranks}")
 
 
+SPAWN_PER_CPU = 16  # ranks bench starts itself, at most, for each CPU it may run on
+
+
+def _check_spawn_count(nranks: int) -> None:
+    """-N when bench starts the ranks itself: a typo such as -N 1000 would start that many
+    processes, each spinning while it waits. 8 ranks on 2 CPUs is a fair test of
+    oversubscription; past 16 a CPU the run measures the scheduler. A launcher can start more."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if nranks > SPAWN_PER_CPU * cpus:
+        raise ValueError(f"-N {nranks}: more than {SPAWN_PER_CPU} ranks for each of the {cpus} "
+                         "CPUs this process may use; start them with a launcher (linkwise launch "
+                         "-n N -m linkwise.cli bench ...) if that is meant")
+
+
 def _command(args) -> str:
     """The command as typed, for the JSON: every argument after ``bench`` (options may come
     before the test's name), or this module's own arguments when run as ``python -m``."""
@@ -211,14 +235,21 @@ def _finish(doc: dict, args) -> int:
     if lw.get("status") == "not available" and not measured:
         print(f"linkwise bench {coll}: {lw.get('reason')}", file=sys.stderr)
         return 2
-    wrong = {name: sum((c.get("wrong") or 0) for r in s.get("rows", [])
-                       for c in (r.get("oop", {}), r.get("ip", {})) if isinstance(c, dict))
+    wrong = {name: _wrong_count(s.get("rows", []), coll)
              for name, s in doc["systems"].items() if s.get("status") == "ok"}
     for name, count in wrong.items():
         if count and name != "linkwise":  # the table's own count is linkwise's
             print(f"linkwise bench {coll}: {name} gave {count} wrong elements (rows in --json)", file=sys.stderr)
     failed = any(s.get("status") == "failed" for s in doc["systems"].values())  # told on stderr
     return max(written, 1 if any(wrong.values()) or failed else 0)
+
+
+def _wrong_count(rows: list[dict], test: str) -> int:
+    """Wrong elements over a system's rows: both variants of a collective, a p2p row's bytes."""
+    if test == "p2p":
+        return sum(r.get("wrong") or 0 for r in rows)
+    return sum((c.get("wrong") or 0) for r in rows for c in (r.get("oop", {}), r.get("ip", {}))
+               if isinstance(c, dict))
 
 
 def _write_outputs(doc: dict, args, plot: bool = True) -> int:
@@ -337,6 +368,8 @@ def run(args) -> int:
     try:
         others = _normalise(args)
         _check_ranks(args, env.size if in_place else args.nranks)
+        if not in_place:
+            _check_spawn_count(args.nranks)
     except ValueError as exc:
         if env.rank in (0, None):  # under a launcher every rank finds it: one line is enough
             print(f"linkwise bench: {exc}", file=sys.stderr)
@@ -350,6 +383,9 @@ def run(args) -> int:
         return _self_launched(args, others)
     except LaunchError as exc:
         print(f"linkwise bench: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a rank's process could not be started (EAGAIN, ENOMEM)
+        print(f"linkwise bench: could not start the ranks: {exc}", file=sys.stderr)
         return 1
 
 

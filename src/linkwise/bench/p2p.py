@@ -7,6 +7,11 @@
 
 Iteration counts shrink with size so a 64 MiB point takes a fraction of a second:
 ``iters_for(size)``. All messages of a window share one buffer, page-aligned, as OSU does.
+
+With ``check`` (``-c 1``, the default) the sent buffers hold a pattern that depends on the
+size, and after the timed rounds (outside the timing) the received buffers are compared with
+it: the row's ``wrong`` is the count of wrong bytes over its tests (rank 1's count reaches
+rank 0 in one more message). Without it the buffers are zeros and ``wrong`` is absent.
 """
 from __future__ import annotations
 
@@ -42,9 +47,36 @@ def bw_iters(size: int, window: int, iters: int) -> int:
     return max(5, min(max(10, iters // 10), _BW_BUDGET // max(1, size * window)))
 
 
-def latency(b: Backend, size: int, iters: int, warmup: int) -> float:
-    """One-way latency in microseconds (valid on rank 0)."""
+def pattern(size: int) -> np.ndarray:
+    """What rank 0 sends at this size: bytes that differ from zero and from one size to the
+    next, so that a stale or partly written message shows up."""
+    return ((np.arange(size, dtype=np.uint32) * 7 + size) % 251 + 1).astype(np.uint8)
+
+
+def _wrong_bytes(got: np.ndarray, size: int) -> int:
+    return int(np.count_nonzero(got != pattern(size)))
+
+
+def _wrong_on_rank0(b: Backend, mine: int) -> int:
+    """Rank 1's count of wrong bytes sent to rank 0 (outside the timing): the sum there."""
+    count = np.array([mine], np.int64)
+    if b.rank == 1:
+        b.send(count, 0)
+        return mine
+    if b.rank == 0:
+        other = np.zeros(1, np.int64)
+        b.recv(other, 1)
+        return mine + int(other[0])
+    return 0
+
+
+def latency(b: Backend, size: int, iters: int, warmup: int, check: bool = False):
+    """One-way latency in microseconds (valid on rank 0); with check, (latency, wrong bytes):
+    rank 1 returns what it received, so rank 0's buffer at the end holds rank 0's pattern only
+    if both directions delivered it."""
     buf = page_aligned(np.zeros(size, np.uint8))  # as the collectives' (common.page_aligned)
+    if check and b.rank == 0:
+        buf[:] = pattern(size)
     n = lat_iters(size, iters)
     me = b.rank
 
@@ -62,13 +94,20 @@ def latency(b: Backend, size: int, iters: int, warmup: int) -> float:
     rounds(n)
     dt = time.perf_counter() - t0
     b.barrier()
-    return dt / n / 2 * 1e6
+    us = dt / n / 2 * 1e6
+    if not check:
+        return us
+    return us, (_wrong_bytes(buf, size) if b.rank == 0 else 0)
 
 
-def bandwidth(b: Backend, size: int, iters: int, warmup: int, window: int, bidir: bool) -> float:
-    """GB/s from rank 0 to rank 1 (bidir: both ways added; valid on rank 0)."""
+def bandwidth(b: Backend, size: int, iters: int, warmup: int, window: int, bidir: bool,
+              check: bool = False):
+    """GB/s from rank 0 to rank 1 (bidir: both ways added; valid on rank 0); with check,
+    (GB/s, wrong bytes in the receive buffers of ranks 0 and 1, valid on rank 0)."""
     sbuf = page_aligned(np.zeros(size, np.uint8))
     rbuf = page_aligned(np.zeros(size, np.uint8))
+    if check:
+        sbuf[:] = pattern(size)
     ack = np.zeros(4, np.uint8)
     w = window_for(size, window)
     n = bw_iters(size, w, iters)
@@ -96,23 +135,34 @@ def bandwidth(b: Backend, size: int, iters: int, warmup: int, window: int, bidir
     dt = time.perf_counter() - t0
     b.barrier()
     moved = size * w * n * (2 if bidir else 1)
-    return moved / dt / 1e9
+    gbps = moved / dt / 1e9
+    if not check:
+        return gbps
+    receives = b.rank == 1 or (bidir and b.rank == 0)
+    return gbps, _wrong_on_rank0(b, _wrong_bytes(rbuf, size) if receives else 0)
 
 
 def run_sweep(b: Backend, sizes: list[int], tests: list[str], iters: int, warmup: int,
-              window: int, progress: Optional[Callable[[], None]] = None) -> list[dict]:
-    """Rows {size, latency_us, bw_GBps, bibw_GBps} (tests not asked for are absent)."""
+              window: int, progress: Optional[Callable[[], None]] = None,
+              check: bool = False) -> list[dict]:
+    """Rows {size, latency_us, bw_GBps, bibw_GBps} (tests not asked for are absent), and with
+    check {wrong}: wrong bytes received over the row's tests (valid on rank 0)."""
     if b.size < 2:
         raise ValueError("the point-to-point benchmark needs at least 2 ranks")
     rows = []
     for size in sizes:
         row: dict = {"size": size}
+        results = {}
         if "latency" in tests:
-            row["latency_us"] = latency(b, size, iters, warmup)
+            results["latency_us"] = latency(b, size, iters, warmup, check)
         if "bw" in tests:
-            row["bw_GBps"] = bandwidth(b, size, iters, warmup, window, bidir=False)
+            results["bw_GBps"] = bandwidth(b, size, iters, warmup, window, False, check)
         if "bibw" in tests:
-            row["bibw_GBps"] = bandwidth(b, size, iters, warmup, window, bidir=True)
+            results["bibw_GBps"] = bandwidth(b, size, iters, warmup, window, True, check)
+        for key, value in results.items():
+            row[key] = value[0] if check else value
+        if check:
+            row["wrong"] = sum(value[1] for value in results.values())
         rows.append(row)
         if progress:
             progress()

@@ -63,6 +63,8 @@ def median_rows(runs: list[list[dict]], coll: str, nranks: int) -> list[dict]:
             for k in ("latency_us", "bw_GBps", "bibw_GBps"):
                 if k in first:
                     row[k] = statistics.median(r[k] for r in same)
+            if "wrong" in first:  # as the collectives': the largest count of any repetition
+                row["wrong"] = max(r.get("wrong") or 0 for r in same)
         else:
             for var, _ in VARIANTS:
                 cells = [r[var] for r in same if "time_us" in r.get(var, {})]
@@ -198,12 +200,13 @@ def p2p_table(doc: dict, out: TextIO) -> None:
         return
     others = [s for s, v in systems.items() if s != "linkwise" and v.get("status") == "ok"]
     cols = [c for c in _P2P_COLS if c[0] in (lw["rows"][0] if lw["rows"] else {})]
+    checked = bool(lw["rows"]) and "wrong" in lw["rows"][0]
     head = f"#{'size':>11}"
     for key, label, _ in cols:
         head += f" {label:>11}"
         for s in others:
             head += f" {s + ' ' + label.split('(')[0]:>11} {'lw/' + s:>7}"
-    w(head + "\n")
+    w(head + (f" {'#wrong':>6}" if checked else "") + "\n")
     index = {s: {r["size"]: r for r in systems[s]["rows"]} for s in others}
     for r in lw["rows"]:
         line = f"{r['size']:12d}"
@@ -216,7 +219,10 @@ def p2p_table(doc: dict, out: TextIO) -> None:
                     continue
                 line += f" {o[key]:11.2f}" if is_time else f" {o[key]:11.3f}"
                 line += f" {r[key] / o[key]:7.2f}" if o[key] else f" {'n/a':>7}"
-        w(line + "\n")
+        w(line + (f" {r.get('wrong', 0):6d}" if checked else "") + "\n")
+    if checked:  # as nccl-tests' last line; the other systems' counts go to stderr
+        total = sum(r.get("wrong", 0) for r in lw["rows"])
+        w(f"# Wrong bytes received : {total} {'OK' if total == 0 else 'FAILED'}\n")
     if others:
         w("# lw/x: latency = linkwise time / x time (lower is better); bw, bibw = linkwise GB/s / "
           "x GB/s (higher is better)\n")

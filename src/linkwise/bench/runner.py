@@ -61,7 +61,8 @@ def _sweep(b: Backend, pl: SimpleNamespace, show: bool) -> list[dict]:
         points = collective.sweep_points(pl.test, pl.sizes, pl.dtypes, pl.ops)
     with progress_bar(show and b.rank == 0, points, f"{b.name} {pl.test}") as tick:
         if pl.test == "p2p":
-            return p2p.run_sweep(b, pl.sizes, pl.tests, pl.iters, pl.warmup, pl.window, tick)
+            return p2p.run_sweep(b, pl.sizes, pl.tests, pl.iters, pl.warmup, pl.window, tick,
+                                 pl.check)
         return collective.run_sweep(b, pl.test, pl.sizes, pl.dtypes, pl.ops, pl.root, pl.iters,
                                     pl.warmup, pl.check, tick)
 

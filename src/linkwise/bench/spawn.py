@@ -72,10 +72,14 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float, what: str) -> None:
                 raise LaunchError(f"{what}: ranks did not finish within {timeout:g} s (--timeout)")
             time.sleep(0.02)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _kill(procs)
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def launch_ranks(nranks: int, args_json: str, systems: list[str], timeout: float) -> dict:
@@ -87,14 +91,18 @@ def launch_ranks(nranks: int, args_json: str, systems: list[str], timeout: float
     port = free_port()
     procs = []
     try:
-        for rank in range(nranks):
-            e = dict(env, LINKWISE_RANK=str(rank), LINKWISE_SIZE=str(nranks),
-                     LINKWISE_LOCAL_RANK=str(rank), LINKWISE_LOCAL_SIZE=str(nranks),
-                     LINKWISE_MASTER_ADDR="127.0.0.1", LINKWISE_MASTER_PORT=str(port),
-                     LINKWISE_JOB_ID=job)
-            out = None if rank == 0 else subprocess.DEVNULL
-            procs.append(subprocess.Popen([sys.executable, "-m", "linkwise.bench.worker"],
-                                          env=e, stdout=out))
+        try:  # a rank that cannot start (EAGAIN, Ctrl-C): the ones started must not wait on
+            for rank in range(nranks):  # it until their rendezvous timeout
+                e = dict(env, LINKWISE_RANK=str(rank), LINKWISE_SIZE=str(nranks),
+                         LINKWISE_LOCAL_RANK=str(rank), LINKWISE_LOCAL_SIZE=str(nranks),
+                         LINKWISE_MASTER_ADDR="127.0.0.1", LINKWISE_MASTER_PORT=str(port),
+                         LINKWISE_JOB_ID=job)
+                out = None if rank == 0 else subprocess.DEVNULL
+                procs.append(subprocess.Popen([sys.executable, "-m", "linkwise.bench.worker"],
+                                              env=e, stdout=out))
+        except BaseException:
+            _kill(procs)
+            raise
         _wait_all(procs, timeout, f"linkwise bench ({nranks} ranks)")
         return _read_result(result, "linkwise bench")
     finally:
