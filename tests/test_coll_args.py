@@ -220,3 +220,39 @@ def _gather_small_out(comm):
 
 def test_gather_wrong_out_raises_on_every_rank():
     assert run_ranks(3, _gather_small_out, timeout=60) == ["ValueError"] * 3
+
+
+def _out_errors(comm):
+    """Errors about out= name out, not x (reduce, gather on a non-root and scatter said "x is
+    not C-contiguous", advice that changed nothing); another byte order in a collective that
+    only moves bytes is a dtype mismatch, not "reductions need native byte order"; a scatter
+    out in the other bfloat16 form is taken, as by the other collectives; a list as op is a
+    ValueError naming the ops, not "unhashable type"."""
+    strided = np.zeros(8, np.float32)[::2]
+    x = np.ones(4, np.float32)
+    said = []
+    for call in (lambda: comm.reduce(x, root=0, out=strided),
+                 lambda: comm.gather(np.ones(1, np.float32), root=comm.size - 1,
+                                     out=np.zeros(2 * comm.size, np.float32)[::2]),
+                 lambda: comm.scatter(np.ones(4 * comm.size, np.float32), root=0, out=strided),
+                 lambda: comm.reduce(x, root=0, out=np.zeros(4, object))):
+        with pytest.raises((ValueError, TypeError)) as err:
+            call()
+        said.append(str(err.value))
+    assert all(" out " in s or s.split(": ")[1].startswith("out") for s in said), said
+    assert not any(" x " in s for s in said), said
+    with pytest.raises(ValueError, match=r"float32 in the other byte order \(>f4\)") as err:
+        comm.broadcast(np.arange(4, dtype="<f4"), root=0, out=np.zeros(4, ">f4"))
+    assert "reductions" not in str(err.value)
+    with pytest.raises(ValueError, match=r"op \['sum'\] is not one of"):
+        comm.all_reduce(np.ones(2, np.float32), op=["sum"])
+    import ml_dtypes
+    full = np.arange(2 * comm.size, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    got = np.zeros(2, "V2")
+    comm.scatter(full, root=0, out=got)
+    return got.view(ml_dtypes.bfloat16).astype(np.float32).tolist()
+
+
+def test_out_errors_name_out_and_byte_orders_are_dtypes():
+    pytest.importorskip("ml_dtypes")
+    assert run_ranks(2, _out_errors, timeout=60) == [[0.0, 1.0], [2.0, 3.0]]

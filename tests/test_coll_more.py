@@ -129,6 +129,27 @@ def test_split(shm_clean):
     assert run_ranks(5, _split_body, timeout=60) == [2, 2, 2, 2, None]
 
 
+def _deep_splits(comm):
+    """Each level's id holds its parent's and its colour, and went into the shared-memory
+    segments' memfd names, which memfd_create refuses past 249 bytes: with colours near 2**63
+    the tenth level raised LinkwiseError (memfd_create: Invalid argument) on every rank."""
+    sub, made = comm, []
+    for level in range(14):
+        sub = sub.split((1 << 63) - 1 - level, key=sub.rank)
+        made.append(sub)
+        x = np.full(5, comm.rank + level, np.int64)
+        sub.all_reduce(x)  # sets up the executor's segment as well as the links' inboxes
+        assert x.tolist() == [sum(range(comm.size)) + level * comm.size] * 5
+    for s in reversed(made):
+        s.close()
+    return len(sub.comm_id)
+
+
+def test_deep_splits_with_large_colours(shm_clean):
+    lengths = run_ranks(2, _deep_splits, timeout=90)
+    assert lengths[0] == lengths[1] > 249
+
+
 def _world_closed_first(comm):
     """Ranks other than 0 close the world right after the split: their sub-communicator's
     first collective (the shared-memory set-up goes through the store) and a split of it

@@ -136,9 +136,22 @@ def test_listener_survives_a_failed_accept():
     _run(main())
 
 
+def _this_host_hello(**fields) -> bytes:
+    from linkwise._setup import host_identity
+    import json
+    return json.dumps({"host": host_identity(), "pid": os.getpid(), "probe": 0, "value": 0, "live": 0,
+                       "token": 1} | fields).encode()
+
+
 @pytest.mark.parametrize("body", [b"[]", b'{"x": 1}', b"not json", b'{"host": "h", "pid": -1, "probe": 0, '
-                                  b'"value": 0, "live": 0}'])
+                                  b'"value": 0, "live": 0}', "pid 2**63", "token 0"])
 def test_malformed_hello_closes_that_connection_only(body):
+    """A pid of 2**63 from this host reached the native probe, whose TypeError ended the
+    listener's task with the connection left open; a zero token would pass any freed word."""
+    if body == "pid 2**63":
+        body = _this_host_hello(pid=1 << 63)
+    elif body == "token 0":
+        body = _this_host_hello(token=0)
     async def main():
         async def echo(comm):
             await comm.write(await comm.read())
@@ -248,3 +261,65 @@ def test_abort_from_another_thread_ends_the_comm_on_its_loop():
         listener.stop()
 
     _run(main())
+
+
+# A peer whose handler keeps its event loop busy for 2 s before reading: the frames of the
+# message written meanwhile are copied (and the writer's live word read) only after that.
+BUSY_READER = """
+import asyncio, time
+import numpy as np
+from distributed.comm import listen
+from linkwise import dask_comm
+
+async def main():
+    async def handle(comm):
+        time.sleep(2)
+        try:
+            msg = await comm.read()
+            print("DELIVERED", np.unique(np.asarray(msg["x"])).tolist(), flush=True)
+        except Exception as exc:
+            print("not delivered:", type(exc).__name__, flush=True)
+    listener = listen("linkwise://127.0.0.1:0", handle)
+    await listener.start()
+    print(listener.contact_address, flush=True)
+    await asyncio.sleep(15)
+
+asyncio.run(main())
+"""
+
+
+def test_a_given_up_write_is_not_delivered_after_its_comm_is_freed():
+    """The live word was a small array freed with the comm; NumPy gave its 8 bytes to the next
+    small array, whose non-zero value the peer took for "live": it delivered the cancelled
+    message, with the bytes the caller wrote into its buffer afterwards."""
+    import gc
+
+    from distributed.protocol import to_serialize
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_READER], stdout=subprocess.PIPE, env=env, text=True)
+
+    async def main():
+        comm = await connect(proc.stdout.readline().strip())
+        assert comm._send_by_address
+        x = np.ones(1 << 20, np.int64)  # 8 MiB: by address
+        write = asyncio.ensure_future(comm.write({"x": to_serialize(x)}))
+        await asyncio.sleep(0.5)
+        write.cancel()
+        with pytest.raises(BaseException):
+            await write
+        assert comm.closed()
+        del comm, write
+        await asyncio.sleep(0.1)
+        gc.collect()
+        keep = [np.full(1, 7, np.uint64) for _ in range(64)]  # small arrays where the word was
+        x[:] = 7  # the caller's buffer is its own again
+        await asyncio.sleep(3)
+        return keep
+
+    try:
+        _run(main(), timeout=60)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert out.splitlines()[-1] == "not delivered: CommClosedError", out

@@ -148,6 +148,32 @@ def test_byte_order_is_part_of_the_dtype(transport_env):
     assert run_ranks(2, _byte_orders, env=transport_env)[1] == ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5])
 
 
+def _record_layouts(comm):
+    """Records of one size but another layout (int32, float32 against float32, int32) moved
+    without an error before, their bits reinterpreted; so did a 256-byte record into a
+    512-byte one (only the size's low byte was compared). The same layout still moves."""
+    a = np.dtype([("a", "i4"), ("b", "f4")])
+    b = np.dtype([("a", "f4"), ("b", "i4")])
+    x = np.zeros(3, a)
+    x["a"], x["b"] = [1, 2, 3], [0.5, 1.5, 2.5]
+    if comm.rank == 0:
+        for _ in range(2):
+            comm.send(x, 1, tag=6)
+        comm.send(np.zeros(2, "V256"), 1, tag=7)
+        return None
+    with pytest.raises(TypeError, match=r"8-byte records \(layout [0-9a-f]{3}\)"):
+        comm.recv(np.zeros(3, b), 0, tag=6)
+    same = np.zeros(3, a)
+    comm.recv(same, 0, tag=6)
+    with pytest.raises(TypeError, match="records of 255 bytes or more"):
+        comm.recv(np.zeros(1, "V512"), 0, tag=7)
+    return same["a"].tolist(), same["b"].tolist()
+
+
+def test_record_layouts_are_part_of_the_dtype(transport_env):
+    assert run_ranks(2, _record_layouts, env=transport_env)[1] == ([1, 2, 3], [0.5, 1.5, 2.5])
+
+
 def _argument_errors(comm):
     x = np.zeros(4, np.float32)
     with pytest.raises(ValueError, match="out of range"):

@@ -5,7 +5,12 @@
 // one byte order).
 // Unsigned bytes ('B', as bytes/bytearray/uint8 give) are "untyped" (code 0): raw bytes
 // may be received into anything and anything into raw bytes.
+// 'V' codes (records, strings, long double) also carry a 12-bit hash of the whole format
+// string and item size in bits 17-28, so that two record layouts of one size, or records of
+// 256 and 512 bytes, do not match. A hash can collide (1 in 4096): the check is a guard
+// against mistakes, not a proof.
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -13,6 +18,22 @@
 #include "p2p/engine.h"
 
 namespace linkwise {
+
+namespace {
+
+constexpr int kLayoutShift = 17;
+constexpr uint32_t kLayoutMask = 0xfffu << kLayoutShift;
+
+// Bits 17-28 of a 'V' code (0 for the numeric kinds): FNV-1a over the format and the size.
+uint32_t record_layout(char kind, const char* format, size_t itemsize) {
+  if (kind != 'V') return 0;
+  uint32_t h = 2166136261u;
+  for (const char* c = format; *c; ++c) h = (h ^ static_cast<unsigned char>(*c)) * 16777619u;
+  for (int i = 0; i < 8; ++i) h = (h ^ ((itemsize >> (8 * i)) & 0xff)) * 16777619u;
+  return ((h ^ (h >> 12) ^ (h >> 24)) << kLayoutShift) & kLayoutMask;
+}
+
+}  // namespace
 
 uint32_t dtype_code(const char* format, size_t itemsize) {
   if (!format) return 0;
@@ -31,7 +52,8 @@ uint32_t dtype_code(const char* format, size_t itemsize) {
   else if (f == '?') kind = 'b';
   else kind = 'V';
   const uint32_t order = swapped && itemsize > 1 && kind != 'V' ? kSwappedBytes : 0;
-  return order | (static_cast<uint32_t>(kind) << 8) | static_cast<uint32_t>(itemsize & 0xff);
+  const uint32_t size = static_cast<uint32_t>(itemsize < 0xff ? itemsize : 0xff);
+  return order | record_layout(kind, format, itemsize) | (static_cast<uint32_t>(kind) << 8) | size;
 }
 
 bool dtypes_compatible(uint32_t a, uint32_t b) { return a == 0 || b == 0 || a == b; }
@@ -53,7 +75,13 @@ std::string dtype_name(uint32_t code) {
     case 'f': return "float" + std::to_string(bits);
     case 'c': return "complex" + std::to_string(bits);
     case 'b': return "bool";
-    default: return std::to_string(bits / 8) + "-byte records";
+    default: {
+      const unsigned size = code & 0xff;
+      char layout[8];
+      std::snprintf(layout, sizeof layout, "%03x", (code & kLayoutMask) >> kLayoutShift);
+      return (size == 0xff ? std::string("records of 255 bytes or more") : std::to_string(size) + "-byte records") +
+             " (layout " + layout + ")";
+    }
   }
 }
 

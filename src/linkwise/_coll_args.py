@@ -194,6 +194,21 @@ def _dtype_name(a: np.ndarray, dtype: Optional[str]) -> str:
     return name if name is not None else _dtype_label(a.dtype)
 
 
+def _value_type(dt: np.dtype) -> str:
+    """The values' type name, never raising: V2 is bfloat16, '>f4' is float32 (the byte order
+    is the dtype's; compare dtypes for that)."""
+    name = _NAMES.get(dt)
+    return name if name is not None else _dtype_label(dt)
+
+
+def _shown(dt: np.dtype) -> str:
+    """A dtype for an error message: its name, and its byte order where that is not native
+    (both '<f4' and '>f4' are named float32)."""
+    if dt.isnative or dt.itemsize == 1:
+        return _value_type(dt)
+    return f"{_value_type(dt)} in the other byte order ({dt.str})"
+
+
 def _byte_order_error(a: np.ndarray) -> TypeError:
     return TypeError(f"the array's byte order is not this machine's ({a.dtype.str}); reductions need "
                      f"native byte order: x.astype(x.dtype.newbyteorder('='))")

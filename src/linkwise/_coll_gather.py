@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from . import _gpu_coll
-from ._coll_args import _as_array, _dtype_label, block_shape
+from ._coll_args import _as_array, _dtype_label, _host_out, _shown, block_shape
 from .collectives import _skips_on_argument_error
 
 
@@ -37,7 +37,7 @@ class GatherScatterMixin:
             result, out = self._gathered_out(x, out, "gather")
         else:
             if out is not None:  # unused here, but checked as on root: a wrong one raises everywhere
-                unused = _as_array(out, "gather")
+                unused = _host_out(out, "gather")
                 self._same(x, unused, "gather", self.size)
                 self._writable(unused, "gather")
             out = result = None
@@ -69,9 +69,10 @@ class GatherScatterMixin:
                 raise ValueError("scatter: pass out= (an array of len(x) // size elements) on ranks without x")
             out = result = np.empty(block_shape(xa.shape, self.size), dtype=xa.dtype)
         else:
-            result, out = out, _as_array(out, "scatter")
-            if xa is not None and (out.dtype != xa.dtype or out.size * self.size != xa.size):
-                raise ValueError(f"scatter: out must be a {xa.dtype} array of {xa.size // self.size} elements")
+            result, out = out, _host_out(out, "scatter")
+            if xa is not None and (not self._same_dtype(xa, out) or out.size * self.size != xa.size):
+                raise ValueError(f"scatter: out must be a {_shown(xa.dtype)} array of {xa.size // self.size} "
+                                 f"elements, got {_shown(out.dtype)} with {out.size}")
         self._writable(out, "scatter")
         send = xa if self.rank == root else None
         return self._run("scatter", send, out, _dtype_label(out.dtype), "", root, out.size, out.nbytes, async_op,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import socket
 import struct
 import types
@@ -102,9 +103,13 @@ async def handshake(sock: socket.socket) -> dict:
 
 async def _exchange_hellos(sock: socket.socket) -> dict:
     loop = asyncio.get_running_loop()
-    live = np.ones(1, np.uint64)
+    # The live word holds a random token, not 1: once this comm is dropped its 8 bytes go back
+    # to NumPy's allocator, and a later small array there is non-zero but not the token, so the
+    # peer, reading the word after copying a message, never takes freed memory for "live".
+    token = secrets.randbits(64) | 1
+    live = np.array([token], np.uint64)
     hello = json.dumps({"host": host_identity(), "pid": os.getpid(), "probe": int(_PROBE.ctypes.data),
-                        "value": int(_PROBE[0]), "live": int(live.ctypes.data)}).encode()
+                        "value": int(_PROBE[0]), "live": int(live.ctypes.data), "token": token}).encode()
     await loop.sock_sendall(sock, HEAD.pack(MAGIC, HELLO, len(hello)) + hello)
     kind, n = await recv_head(loop, sock)
     if kind != HELLO or n > _HELLO_MAX:
@@ -116,7 +121,7 @@ async def _exchange_hellos(sock: socket.socket) -> dict:
     kind, peer_can_read = await recv_head(loop, sock)
     if kind != CAN:
         raise CommClosedError("linkwise comm: the peer's handshake is incomplete")
-    return {"peer_pid": peer["pid"], "peer_live": peer["live"], "live": live,
+    return {"peer_pid": peer["pid"], "peer_live": peer["live"], "peer_token": peer["token"], "live": live,
             "send_by_address": bool(peer_can_read), "read_by_address": can_read}
 
 
@@ -126,7 +131,9 @@ def _parse_hello(body: bytes) -> dict:
     try:
         peer = json.loads(body)
         ok = (isinstance(peer, dict) and isinstance(peer.get("host"), str)
-              and all(type(peer.get(k)) is int and 0 <= peer[k] < 1 << 64 for k in ("pid", "probe", "value", "live")))
+              and all(type(peer.get(k)) is int and 0 <= peer[k] < 1 << 64
+                      for k in ("pid", "probe", "value", "live", "token"))
+              and 0 < peer["pid"] < 1 << 31 and peer["token"] != 0)  # a pid the native probe takes
     except ValueError:
         ok = False
     if not ok:

@@ -39,7 +39,8 @@ from .plan.schedule import default_schedule
 from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from here
     _ENV, _FAST_CODES, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, REFUSED_UNDER_NUMBER,
     CollectiveRequest, _as_array,
-    _check_tunables, _dtype_label, _dtype_name, _env_set, _host_out, _native_module, _raw,
+    _check_tunables, _dtype_label, _dtype_name, _env_set, _host_out, _native_module, _raw, _shown,
+    _value_type,
     _skips_on_argument_error,
     block_shape, check_agree, check_on, gathered_shape)
 
@@ -195,7 +196,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         return int(root)
 
     def _redop(self, op: Any, dtype: str, what: str) -> str:
-        if op not in OPS:
+        if not isinstance(op, str) or op not in OPS:  # op=['sum'] is not hashable
             raise ValueError(f"{what}: op {op!r} is not one of {', '.join(OPS)}")
         if dtype not in DTYPES:
             raise TypeError(f"{what}: dtype {dtype} cannot be reduced; use one of {', '.join(DTYPES)} "
@@ -213,12 +214,14 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
     def _same_dtype(a: np.ndarray, b: np.ndarray, dt: Optional[str] = None) -> bool:
         """Two forms of one dtype match (a V2 array against an ml_dtypes / torch bfloat16
         one; with dt, the call's dtype=, a uint16 x named bfloat16 too)."""
-        return b.dtype == a.dtype or (dt or _dtype_name(a, None)) == _dtype_name(b, None) == "bfloat16"
+        # Names looked up, not _dtype_name: that refuses another byte order as a reduction
+        # would, which is not the question here ('>f4' and '<f4' simply differ).
+        return b.dtype == a.dtype or (dt or _value_type(a.dtype)) == _value_type(b.dtype) == "bfloat16"
 
     def _same(self, a: np.ndarray, b: np.ndarray, what: str, n: int = 1, dt: Optional[str] = None) -> None:
         if not self._same_dtype(a, b, dt) or b.size != a.size * n:
-            raise ValueError(f"{what}: out must be a {a.dtype} array of {a.size * n} elements, "
-                             f"got {b.dtype} with {b.size}")
+            raise ValueError(f"{what}: out must be a {_shown(a.dtype)} array of {a.size * n} elements, "
+                             f"got {_shown(b.dtype)} with {b.size}")
 
     def _gathered_out(self, x: np.ndarray, out: Any, what: str) -> tuple:
         """(result, out array) of a collective that concatenates every rank's x: out allocated
@@ -335,7 +338,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
             if self.rank == root:
                 self._writable(x, "reduce")
         else:  # checked on every rank, though only the root writes it: a bad one raises everywhere
-            out = _as_array(out, "reduce")
+            out = _host_out(out, "reduce")
             self._same(x, out, "reduce", dt=dt)
             self._writable(out, "reduce")
         return self._run("reduce", x, out if self.rank == root else None, dt, op, root, x.size, x.nbytes,

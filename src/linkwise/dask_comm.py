@@ -56,7 +56,9 @@ class LinkwiseComm(Comm):
     _acks) until the peer acknowledges them or the comm fails. A write that is cancelled, or a
     comm closed while writes wait for acks, cannot call back what the peer may still copy: so
     the comm fails first, which zeroes this side's live word, and the peer reads that word
-    after each copy and drops a message whose writer gave it up (_take_message). The socket
+    after each copy and drops a message whose writer gave it up (_take_message): it takes
+    only the random token agreed in the handshake as live, never other bytes that memory may
+    hold once the comm is freed. The socket
     is shut down at once (a pending send or receive wakes) and closed once the reader and
     every write have left it."""
 
@@ -66,7 +68,8 @@ class LinkwiseComm(Comm):
         self._local_addr, self._peer_addr = local_addr, peer_addr
         self._peer_pid = link["peer_pid"]
         self._peer_live = link["peer_live"]  # the peer's live word (read after copying its frames)
-        self._live = link["live"]  # ours: 1 while our by-address frames may be delivered
+        self._peer_token = link["peer_token"]  # what that word holds while the peer is live
+        self._live = link["live"]  # ours: our token while our by-address frames may be delivered
         self._send_by_address = link["send_by_address"]  # the peer said it can read our memory
         self._read_by_address = link["read_by_address"]
         self._loop = asyncio.get_running_loop()
@@ -125,7 +128,7 @@ class LinkwiseComm(Comm):
         if by_address:
             live = np.zeros(1, np.uint64)
             _native.cma_read(self._peer_pid, self._peer_live, live)
-            if not live[0]:  # the writer gave this message up: what was copied may be changed
+            if live[0] != self._peer_token:  # given up (0), or the comm freed: the copy may be changed
                 raise CommClosedError(f"linkwise comm to {self._peer_addr}: the peer gave up a message in flight")
             self._owe_ack()  # the writer may reuse those buffers now
         return frames

@@ -46,7 +46,12 @@ ShmSegment ShmSegment::map_new(int fd, const std::string& name, size_t bytes, bo
 }
 
 ShmSegment ShmSegment::create_private(const std::string& label, size_t bytes) {
-  int fd = memfd_create(label.c_str(), MFD_CLOEXEC);
+  // The label only names the memfd in /proc/<pid>/maps (peers open it by /proc/<pid>/fd), and
+  // memfd_create refuses names over 249 bytes with EINVAL: split communicators' ids grow with
+  // each level and with their colours, so a long label is cut, never refused.
+  constexpr size_t kMemfdNameMax = 249;
+  const std::string shown = label.size() > kMemfdNameMax ? label.substr(0, kMemfdNameMax) : label;
+  int fd = memfd_create(shown.c_str(), MFD_CLOEXEC);
   if (fd < 0) fail_errno("memfd_create for shared memory " + label);
   return map_new(fd, label, bytes, false);
 }
