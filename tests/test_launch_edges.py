@@ -244,3 +244,24 @@ def test_a_script_setting_torch_variables_under_an_allocation(monkeypatch):
     with pytest.raises(ValueError, match="outer `linkwise launch`"):
         bootstrap.detect()
     assert bootstrap.detect(rank=1, size=4, addr="127.0.0.1:29999").rank == 1  # explicit: not checked
+
+
+@pytest.mark.parametrize("argv,env,expect", [
+    (["-n", "2"], {}, lambda cpus: max(1, cpus // 2)),
+    (["-n", "2", "--bind", "cpu"], {}, lambda cpus: max(1, cpus // 2)),
+    (["-n", "2"], {"OMP_NUM_THREADS": "3"}, lambda cpus: 3),
+    (["-n", "1"], {}, None)])
+def test_each_rank_gets_its_share_of_openmp_threads(tmp_path, monkeypatch, argv, env, expect):
+    """Before, OMP_NUM_THREADS was left unset: n ranks each started an OpenMP (BLAS, torch)
+    thread on every CPU. A value the user set is kept; one rank is left alone."""
+    script = _script(tmp_path, """
+        import os
+        print("OMP", os.environ.get("OMP_NUM_THREADS"), flush=True)
+    """)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # _launcher starts from os.environ
+    proc = _launcher([*argv, script], env=env)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    seen = [line.split()[-1] for line in out.splitlines() if " OMP " in line]
+    want = "None" if expect is None else str(expect(len(os.sched_getaffinity(0))))
+    assert seen == [want] * (1 if expect is None else 2), (out, err)

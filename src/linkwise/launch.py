@@ -26,6 +26,8 @@ Contract:
     (bootstrap.other_launchers).
   * When the launcher returns, every rank's process group is sent SIGKILL, also the groups of
     ranks that have exited: processes a rank started in its group do not outlive the job.
+  * With more than one rank and OMP_NUM_THREADS unset, each rank gets OMP_NUM_THREADS: the
+    CPUs of its binding (``--bind``), else its share of the launcher's CPUs (at least 1).
   * Whatever happens, any /dev/shm/linkwise-<job_id>-* is removed at the end. linkwise's own
     shared memory (CPU transports, executor, GPU host staging) is anonymous memfds and never
     named there; the sweep only guards against a build or extension that names segments.
@@ -336,10 +338,15 @@ def _spawn(cmd, n, base, bind, out: _Output, procs: list) -> int:
     launcher_cpus = ",".join(map(str, sorted(os.sched_getaffinity(0)))) if hasattr(os, "sched_getaffinity") else ""
     # Each rank inherits its binding from this (the spawning) thread. The output threads are
     # started afterwards, so that they keep the full affinity.
+    share = max(1, len(os.sched_getaffinity(0)) // n) if hasattr(os, "sched_getaffinity") else 1
     try:
         for k in range(n):
             cpus, extra = bindings[k]
             env = dict(base, LINKWISE_RANK=str(k), LINKWISE_LOCAL_RANK=str(k), **extra)
+            if n > 1 and "OMP_NUM_THREADS" not in base:
+                # As torchrun: ranks that each start an OpenMP (or BLAS, torch) thread a CPU
+                # would run n threads on every CPU. A bound rank gets its slice's count.
+                env["OMP_NUM_THREADS"] = str(len(cpus) if cpus else share)
             if cpus and launcher_cpus:
                 env["LINKWISE_LAUNCH_CPUS"] = launcher_cpus
             else:  # not an outer launch's, inherited
