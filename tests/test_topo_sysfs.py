@@ -218,3 +218,16 @@ def test_two_socket_ib_host(tmp_path):
 def test_real_sysfs_has_no_traceback():
     t = discover()
     assert t.cpus
+
+
+def test_one_cpu_node_and_a_memory_only_node_places_devices(tmp_path, monkeypatch):
+    """A CPU-less memory node (CXL, HBM, GPU memory) beside the one node with CPUs: devices
+    reporting numa_node -1 still go on the CPU node, as with one node."""
+    s, p = gpu_vm_tree(tmp_path)
+    write(Path(s) / "devices/system/node/node1/cpulist", "\n")
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(n=2))
+    t = discover(s, p)
+    assert [n.id for n in t.numa_nodes] == [0, 1]
+    assert [g.numa_node for g in t.gpus] == [0, 0]
+    assert [n.numa_node for n in t.real_nics()] == [0]
+    assert not any("NUMA node unknown" in w for w in t.warnings)
