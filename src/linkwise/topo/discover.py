@@ -85,7 +85,7 @@ def _place_gpus(topo: Topology, sysfs: str, single_node: Optional[int],
         if not g.cpu_affinity and g.numa_node is not None:
             g.cpu_affinity = topo.numa_cpus(g.numa_node)
     if topo.gpus and single_node is not None:
-        notes.append(f"one NUMA node: GPUs placed on node {single_node}")
+        notes.append(f"one NUMA node with CPUs: GPUs placed on node {single_node}")
     if unknown_numa:
         warnings.append(f"NUMA node unknown (sysfs numa_node -1) for {', '.join(unknown_numa)}"
                         "; CPU affinity from NVML only")
