@@ -14,7 +14,7 @@ from typing import Optional
 
 from .model import Link, Topology
 from .nvml import read_gpus
-from .sysfs import classify_pcie, pci_device, read_cpus, read_nics, read_text
+from .sysfs import classify_pcie, pci_device, read_cores, read_cpus, read_nics, read_text
 
 
 def discover(sysfs_root: str = "/sys", proc_root: str = "/proc", *,
@@ -28,6 +28,7 @@ def discover(sysfs_root: str = "/sys", proc_root: str = "/proc", *,
     try:
         topo.sockets, topo.numa_nodes, topo.cpus_allowed = read_cpus(
             sysfs_root, proc_root, warnings)
+        topo.cores = read_cores(sysfs_root, topo.cpus)
     except Exception as exc:  # belt and braces: discovery must not raise
         warnings.append(f"CPU discovery failed ({type(exc).__name__}: {exc})")
     try:

@@ -13,6 +13,10 @@ Contracts
   NICs) whose path is known; ``pcie`` is the nvidia-smi class of the PCIe path (PIX, PXB,
   PHB, NODE, SYS) and ``nvlinks`` the number of NVLinks between two GPUs (0 for none).
 - Unknown numbers are ``None`` (never -1): a NUMA node of ``None`` means "not reported".
+- ``cores`` lists the physical cores as their online hardware threads (hyperthread
+  siblings); ``[]`` means not known, and then every CPU counts as a core of its own. Files
+  written before the field existed load with ``[]`` (format version 1 either way: a reader
+  ignores keys it does not know).
 - ``from_dict``/``from_json``/``load`` raise :class:`TopologyFormatError` (a ValueError) with
   one line for anything that is not a saved topology: no ``"format": "linkwise-topology"``,
   a field of the wrong type, a missing required field, invalid JSON; ``load`` names the file.
@@ -137,6 +141,8 @@ class Topology:
     sockets: list[Socket] = field(default_factory=list)
     numa_nodes: list[NumaNode] = field(default_factory=list)
     cpus_allowed: list[int] = field(default_factory=list)
+    # Physical cores, each as its online hardware threads, by first CPU; [] = unknown.
+    cores: list[list[int]] = field(default_factory=list)
     gpus: list[Gpu] = field(default_factory=list)
     nics: list[Nic] = field(default_factory=list)
     links: list[Link] = field(default_factory=list)

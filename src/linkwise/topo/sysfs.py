@@ -118,6 +118,48 @@ def read_cpus(sysfs: str, proc: str, warnings: list[str]
     return sockets, nodes, allowed
 
 
+def read_cores(sysfs: str, online: list[int]) -> list[list[int]]:
+    """Physical cores as lists of their online hardware threads, ordered by first CPU:
+    ``topology/thread_siblings_list`` (``core_cpus_list`` on newer kernels) of each online
+    CPU, else CPUs grouped by (``physical_package_id``, ``core_id``). ``[]`` when no CPU
+    says (callers then take each CPU as a core of its own); a CPU that alone does not say
+    is a core of its own."""
+    cpu_dir = os.path.join(sysfs, "devices/system/cpu")
+    online_set = set(online)
+    cores: dict[int, tuple[int, ...]] = {}   # CPU -> its core's threads
+    known = False
+    for cpu in online:
+        if cpu in cores:
+            continue
+        topo_dir = os.path.join(cpu_dir, f"cpu{cpu}/topology")
+        text = (read_text(os.path.join(topo_dir, "thread_siblings_list"))
+                or read_text(os.path.join(topo_dir, "core_cpus_list")))
+        try:
+            threads = [c for c in parse_cpulist(text or "") if c in online_set]
+        except ValueError:
+            threads = []
+        if cpu not in threads:
+            continue
+        known = True
+        for c in threads:
+            cores[c] = tuple(threads)
+    if not known:  # no sibling lists: core_id within each package
+        by_core: dict[tuple[int, int], list[int]] = {}
+        for cpu in online:
+            core = read_int(os.path.join(cpu_dir, f"cpu{cpu}/topology/core_id"))
+            pkg = read_int(os.path.join(cpu_dir, f"cpu{cpu}/topology/physical_package_id"))
+            if core is not None:
+                by_core.setdefault((pkg if pkg is not None else -1, core), []).append(cpu)
+        for threads in by_core.values():
+            known = True
+            for c in threads:
+                cores[c] = tuple(threads)
+    if not known:
+        return []
+    groups = {cores.get(c, (c,)) for c in online}
+    return sorted((list(g) for g in groups), key=lambda g: g[0])
+
+
 def _parse_cpuinfo(text: str) -> dict[int, Optional[int]]:
     """processor -> physical id (None when absent) from /proc/cpuinfo."""
     out: dict[int, Optional[int]] = {}
