@@ -71,3 +71,73 @@ def test_probe_views(tmp_path):
     plot_bandwidth(r, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(json.dumps(r.to_dict()))["devices"] == r.devices
+
+
+class _Tensor:
+    def __init__(self, nbytes, device):
+        self.nbytes, self.device = nbytes, device
+
+    def copy_(self, src, non_blocking=False):
+        return self
+
+
+def _fake_torch(physical: list[int], memory: int = 1 << 30):
+    """Just enough torch.cuda for probe(): CUDA devices 0.. are the given physical GPUs;
+    allocations larger than ``memory`` on a GPU raise torch.cuda.OutOfMemoryError."""
+    import contextlib
+    import types
+
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    def empty(n, dtype=None, device=None, pin_memory=False):
+        if device is not None and n > memory:
+            raise OutOfMemoryError(f"CUDA out of memory. Tried to allocate {n >> 30}.00 GiB\nmore")
+        return _Tensor(n, device)
+
+    class Event:
+        def __init__(self, enable_timing=False): pass
+        def record(self): pass
+        def synchronize(self): pass
+        def elapsed_time(self, end): return 1.0
+
+    cuda = types.SimpleNamespace(
+        is_available=lambda: bool(physical), device_count=lambda: len(physical),
+        can_device_access_peer=lambda i, j: True, synchronize=lambda: None,
+        device=lambda i: contextlib.nullcontext(), Event=Event, OutOfMemoryError=OutOfMemoryError)
+    return types.SimpleNamespace(__version__="fake", uint8="uint8", empty=empty, cuda=cuda)
+
+
+@pytest.fixture
+def this_machine_is_dgx1(tmp_path, monkeypatch):
+    import linkwise.topo as topo_mod
+    path = tmp_path / "here.json"
+    fixture("dgx1").save(str(path))
+    monkeypatch.setenv("LINKWISE_TOPO_FILE", str(path))
+    topo_mod.load_or_discover(refresh=True)
+    yield
+    monkeypatch.delenv("LINKWISE_TOPO_FILE")
+    topo_mod.load_or_discover(refresh=True)
+
+
+@pytest.mark.parametrize("visible, names", [("6,2", ["GPU6", "GPU2"]), (None, [f"GPU{i}" for i in range(8)]),
+                                            ("MIG-abc", ["cuda0"])])
+def test_probe_names_devices_as_the_matrix_does(this_machine_is_dgx1, monkeypatch, capsys, visible, names):
+    """Under CUDA_VISIBLE_DEVICES=6,2 CUDA device 0 is GPU6 of the matrix: it was labelled GPU0."""
+    import sys
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch([0] * len(names)))
+    assert run(["--probe", "--json", "--no-progress", "--iters", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["probe"]["devices"] == ["host", *names]
+
+
+def test_probe_out_of_memory_is_one_line(this_machine_is_dgx1, monkeypatch, capsys):
+    import sys
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch([0, 1]))
+    assert run(["--probe", "--no-progress", "--size", "100G"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("linkwise topo: --probe: cannot allocate two 100 GiB buffers")
+    assert len(err.splitlines()) == 1 and "Traceback" not in err

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from linkwise import topo as topo_mod
-from linkwise.topo import fixture
+from linkwise.topo import Topology, fixture
 from linkwise.topo.probe import ProbeResult, render_probe
 from linkwise.topo.render import render_matrix
 from linkwise.topo.sysfs import read_nics
@@ -29,6 +29,53 @@ def test_load_of_the_wrong_shape_is_one_line(tmp_path, capsys, text):
     assert run(["--load", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("linkwise topo: not a linkwise topology") and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("doc, where", [
+    ({"numa_nodes": [{"id": 0, "cpus": "0-3"}]}, "numa_nodes[0].cpus: an array expected"),
+    ({"cpus_allowed": 5}, "cpus_allowed: an array expected"),
+    ({"cpus_allowed": [0, "1"]}, "cpus_allowed[1]: an integer expected"),
+    ({"links": [{"a": "GPU0", "b": "GPU1", "nvlinks": "2"}]}, "links[0].nvlinks: an integer"),
+    ({"nics": [{"name": "x", "kind": "ethernet", "speed_mbps": True}]}, "nics[0].speed_mbps"),
+    ({"gpus": [{"index": 0, "name": "x", "numa_node": 1.5}]}, "gpus[0].numa_node"),
+    ({"gpus": [{"name": "x"}]}, "gpus[0].index: missing"),
+    ({"hostname": None}, "hostname: a string expected"),
+    ({"sockets": [[0, 1]]}, "sockets[0]: an object expected"),
+])
+def test_fields_of_the_wrong_type_are_one_line_naming_the_field(tmp_path, capsys, doc, where):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"format": "linkwise-topology", **doc}))
+    with pytest.raises(ValueError) as info:  # not TypeError
+        Topology.from_dict({"format": "linkwise-topology", **doc})
+    assert where in str(info.value)
+    assert run(["--load", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"linkwise topo: not a linkwise topology: {path} ({where}" + err.split(where, 1)[1]
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("data, why", [(b"{}", 'no "format" key'), (b'{"gpus": []}', 'no "format"'),
+                                       (b"", "invalid JSON"),
+                                       (b'{"format": "linkwise-topology", "hostname": "\xff"}',
+                                        "not UTF-8 text")])
+def test_an_object_without_the_format_or_not_json_is_refused(tmp_path, capsys, data, why):
+    path = tmp_path / "t.json"
+    path.write_bytes(data)
+    assert run(["--load", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"linkwise topo: not a linkwise topology: {path} (") and why in err, err
+    assert len(err.splitlines()) == 1
+
+
+def test_a_truncated_save_names_the_file(tmp_path, capsys):
+    whole = fixture("dgx1").to_json()
+    path = tmp_path / "cut.json"
+    path.write_text(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=f"not a linkwise topology: {path} \\(invalid JSON: "):
+        Topology.load(str(path))
+    assert run(["--load", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and len(err.splitlines()) == 1
 
 
 def test_empty_or_path_like_names_are_refused(capsys):

@@ -218,3 +218,73 @@ def test_two_socket_ib_host(tmp_path):
 def test_real_sysfs_has_no_traceback():
     t = discover()
     assert t.cpus
+
+
+def test_one_cpu_node_and_a_memory_only_node_places_devices(tmp_path, monkeypatch):
+    """A CPU-less memory node (CXL, HBM, GPU memory) beside the one node with CPUs: devices
+    reporting numa_node -1 still go on the CPU node, as with one node."""
+    s, p = gpu_vm_tree(tmp_path)
+    write(Path(s) / "devices/system/node/node1/cpulist", "\n")
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(n=2))
+    t = discover(s, p)
+    assert [n.id for n in t.numa_nodes] == [0, 1]
+    assert [g.numa_node for g in t.gpus] == [0, 0]
+    assert [n.numa_node for n in t.real_nics()] == [0]
+    assert not any("NUMA node unknown" in w for w in t.warnings)
+
+
+def test_offline_cpus_are_not_allowed(tmp_path):
+    """Cpus_allowed_list is the raw mask: it names CPUs 4-7 and 12-15, offline here."""
+    s, p = tmp_path / "sys", tmp_path / "proc"
+    online = [0, 1, 2, 3, 8, 9, 10, 11]
+    write(s / "devices/system/cpu/online", "0-3,8-11\n")
+    for c in online:
+        write(s / f"devices/system/cpu/cpu{c}/topology/physical_package_id", "0\n")
+    write(s / "devices/system/node/node0/cpulist", "0-15\n")
+    proc(p, "0-15")
+    t = discover(str(s), str(p), use_nvml=False)
+    assert t.cpus == online and t.cpus_allowed == online
+    bound = [c for r in range(4) for c in binding_for(r, 4, t).cpus]
+    assert sorted(bound) == online
+
+
+def test_vmd_domains_of_five_digits(tmp_path, monkeypatch):
+    """A NIC and a GPU behind an Intel VMD controller, in PCI domain 10000."""
+    from linkwise.topo.sysfs import normalize_bus_id
+    assert normalize_bus_id("00010000:E2:00.0") == "10000:e2:00.0"
+    assert normalize_bus_id("00000000:18:00.0") == "0000:18:00.0"
+    assert normalize_bus_id("0000:18:00.0") == "0000:18:00.0"
+    s, p = tmp_path / "sys", tmp_path / "proc"
+    cpus(s, 4, {0: "0-3"})
+    proc(p, "0-3")
+    vmd = ["pci0000:00", "0000:00:0e.0", "pci10000:e0"]
+    nic_dev = pci(s, vmd + ["10000:e0:1d.0", "10000:e1:00.0"], numa=0)
+    netdev(s, "enp225s0", nic_dev, 1, "100000")
+    pci(s, vmd + ["10000:e0:1e.0", "10000:e2:00.0"], numa=0)
+
+    class Nvml(FakeNvml):
+        def nvmlDeviceGetPciInfo(self, h):
+            return types.SimpleNamespace(busId=b"00010000:E2:00.0")
+
+        def nvmlDeviceGetNvLinkState(self, h, link):
+            raise RuntimeError("not supported")
+    monkeypatch.setitem(sys.modules, "pynvml", Nvml(n=1))
+    t = discover(str(s), str(p))
+    [nic] = t.real_nics()
+    assert nic.pci_bus_id == "10000:e1:00.0"
+    assert nic.pci_path == ["pci10000:e0", "10000:e0:1d.0", "10000:e1:00.0"]
+    assert t.gpus[0].pci_bus_id == "10000:e2:00.0"
+    assert t.gpus[0].pci_path == ["pci10000:e0", "10000:e0:1e.0", "10000:e2:00.0"]
+    assert not any("not found" in w for w in t.warnings)
+    assert t.link_class("GPU0", "enp225s0") == "PHB"   # two root ports of one VMD domain
+
+
+def test_package_id_minus_one_is_unknown_not_socket_minus_one(tmp_path):
+    """arm64 without ACPI PPTT reports physical_package_id -1."""
+    s, p = tmp_path / "sys", tmp_path / "proc"
+    cpus(s, 4, {0: "0-3"}, sockets=[-1] * 4)
+    proc(p, "0-3")
+    t = discover(str(s), str(p), use_nvml=False)
+    assert [x.id for x in t.sockets] == [0] and t.numa_nodes[0].socket == 0
+    assert t.sockets[0].numa_nodes == [0]
+    assert any("socket of 4 CPU(s) unknown" in w for w in t.warnings)

@@ -19,11 +19,11 @@ from typing import Optional
 
 from .discover import discover
 from .model import (LEGEND, PCIE_CLASSES, Gpu, Link, Nic, NumaNode, Socket, Topology,
-                    class_rank, format_cpulist, parse_cpulist)
+                    TopologyFormatError, class_rank, format_cpulist, parse_cpulist)
 from .render import render_bindings, render_matrix, render_summary
 
 __all__ = [
-    "Topology", "Gpu", "Nic", "NumaNode", "Socket", "Link", "PCIE_CLASSES", "LEGEND",
+    "Topology", "TopologyFormatError", "Gpu", "Nic", "NumaNode", "Socket", "Link", "PCIE_CLASSES", "LEGEND",
     "discover", "load", "load_or_discover", "fixture", "fixture_names", "render_matrix",
     "render_bindings", "render_summary", "class_rank", "format_cpulist", "parse_cpulist",
 ]

@@ -11,8 +11,14 @@ Rules
   ``LINKWISE_DEVICE`` gets. The variable is read for this machine's topology (none passed);
   ``visible=`` gives the list for any other.
 - CPUs: the GPU's CPU affinity (NVML), else its NUMA node's CPUs, else all CPUs; ranks that
-  share one GPU split that list into contiguous, disjoint slices (one CPU at least each).
-- No GPU: the allowed CPUs are split into ``local_size`` contiguous, disjoint slices.
+  share one GPU split that list into disjoint slices (one CPU at least each).
+- No GPU: the allowed CPUs are split into ``local_size`` disjoint slices.
+- Slicing: the CPUs are put in order by NUMA node, then physical core (``Topology.cores``;
+  each CPU is a core of its own where that is unknown), then hardware thread, and each rank
+  takes a contiguous run of whole cores; only with fewer cores than ranks are a core's
+  threads split between ranks. So a slice stays within one NUMA node where the counts
+  allow, and ranks never share a core they could have had apart. ``Binding.cpus`` is
+  sorted.
 - NIC: the GPU's nearest real NIC (link class, then speed); with no GPU, a real NIC on the
   slice's NUMA node, else the fastest real NIC; None when the machine has none.
 """
@@ -34,18 +40,39 @@ class Binding:
     device: Optional[int] = None        # its CUDA ordinal (= gpu unless CUDA_VISIBLE_DEVICES reorders)
 
 
-def _slice(items: list[int], k: int, n: int) -> list[int]:
-    """The k-th of n contiguous, near-equal, disjoint slices of ``items``; when there are
-    fewer items than slices, slice k is the single item ``items[k % len(items)]``."""
-    if not items:
+def _cores_in_order(topo: Topology, cpus: list[int]) -> list[list[int]]:
+    """``cpus`` grouped by physical core (``topo.cores``; a CPU no core lists is a core of
+    its own), ordered by NUMA node (CPUs of no node last), then the core's first CPU."""
+    want = set(cpus)
+    groups: list[list[int]] = []
+    for core in topo.cores:
+        threads = sorted(c for c in core if c in want)
+        if threads:
+            groups.append(threads)
+            want.difference_update(threads)
+    groups += [[c] for c in sorted(want)]
+    node_of = {c: n.id for n in topo.numa_nodes for c in n.cpus}
+    last = max(node_of.values(), default=0) + 1
+    return sorted(groups, key=lambda g: (node_of.get(g[0], last), g[0]))
+
+
+def _slice(cores: list[list[int]], k: int, n: int) -> list[int]:
+    """The k-th of n disjoint slices of the CPUs of ``cores`` (ordered core groups), sorted:
+    contiguous runs of near-equal numbers of whole cores when there are at least n cores,
+    else contiguous runs of the CPUs in core order; with fewer CPUs than slices, slice k is
+    the single CPU ``cpus[k % len(cpus)]`` of that order."""
+    flat = [c for core in cores for c in core]
+    if not flat:
         return []
     if n <= 1:
-        return list(items)
-    if len(items) < n:
-        return [items[k % len(items)]]
-    lo = k * len(items) // n
-    hi = (k + 1) * len(items) // n
-    return list(items[lo:hi])
+        return sorted(flat)
+    if len(cores) >= n:
+        lo, hi = k * len(cores) // n, (k + 1) * len(cores) // n
+        return sorted(c for core in cores[lo:hi] for c in core)
+    if len(flat) < n:
+        return [flat[k % len(flat)]]
+    lo, hi = k * len(flat) // n, (k + 1) * len(flat) // n
+    return sorted(flat[lo:hi])
 
 
 def binding_for(local_rank: int, local_size: int, topology: Optional[Topology] = None,
@@ -68,9 +95,10 @@ def binding_for(local_rank: int, local_size: int, topology: Optional[Topology] =
         near = sorted(topo.gpu_cpus(gpu))
         allowed_set = set(allowed)
         usable = [c for c in near if c in allowed_set] if allowed else near
-        cpus = _slice(usable or near, sharers.index(local_rank), len(sharers))
+        cpus = _slice(_cores_in_order(topo, usable or near), sharers.index(local_rank),
+                      len(sharers))
         return Binding(gpu=gpu, cpus=cpus, nic=topo.nearest_nic(gpu), device=gpus.index(gpu))
-    cpus = _slice(allowed, local_rank, local_size)
+    cpus = _slice(_cores_in_order(topo, allowed), local_rank, local_size)
     return Binding(gpu=None, cpus=cpus, nic=_nic_for_cpus(topo, cpus))
 
 

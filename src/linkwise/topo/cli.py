@@ -103,7 +103,12 @@ def run(args) -> int:
 
     probed: Optional[dict] = None
     if args.probe or args.plot:
-        probed = _run_probe(args, topo)
+        from .probe import ProbeError
+        try:
+            probed = _run_probe(args, topo)
+        except ProbeError as exc:
+            print(f"linkwise topo: --probe: {exc}", file=sys.stderr)
+            return 1
 
     plot_error = (probed or {}).pop("plot_error", None)
     # This machine's bindings follow CUDA_VISIBLE_DEVICES, as launch --bind auto's do.
@@ -147,7 +152,10 @@ def _run_probe(args, topo: Topology) -> dict:
     if args.fixture or args.load:
         print("linkwise topo --probe: measuring this machine, not the loaded topology",
               file=sys.stderr)
-    result = probe(size_bytes=args.size, iters=args.iters, progress=not args.no_progress)
+    # Named by this machine's topology (the probe measures it even with --fixture/--load).
+    here = topo if args.fixture is None and args.load is None else None
+    result = probe(size_bytes=args.size, iters=args.iters, progress=not args.no_progress,
+                   topology=here)
     out: dict = {"probe": result.to_dict(), "text": render_probe(result)}
     if args.reference:
         rows, ratios = [], []

@@ -14,7 +14,7 @@ from typing import Optional
 
 from .model import Link, Topology
 from .nvml import read_gpus
-from .sysfs import classify_pcie, pci_device, read_cpus, read_nics, read_text
+from .sysfs import classify_pcie, pci_device, read_cores, read_cpus, read_nics, read_text
 
 
 def discover(sysfs_root: str = "/sys", proc_root: str = "/proc", *,
@@ -28,6 +28,7 @@ def discover(sysfs_root: str = "/sys", proc_root: str = "/proc", *,
     try:
         topo.sockets, topo.numa_nodes, topo.cpus_allowed = read_cpus(
             sysfs_root, proc_root, warnings)
+        topo.cores = read_cores(sysfs_root, topo.cpus)
     except Exception as exc:  # belt and braces: discovery must not raise
         warnings.append(f"CPU discovery failed ({type(exc).__name__}: {exc})")
     try:
@@ -45,8 +46,11 @@ def discover(sysfs_root: str = "/sys", proc_root: str = "/proc", *,
     else:
         notes.append("NVML not used (use_nvml=False)")
 
-    single_node = topo.numa_nodes[0].id if len(topo.numa_nodes) == 1 else None
-    _place_gpus(topo, sysfs_root, single_node, warnings, notes)
+    # Devices that report no NUMA node go on the one node with CPUs, when there is one
+    # (CPU-less memory nodes - CXL, HBM, a Grace Hopper GPU's memory - do not count).
+    cpu_nodes = [n.id for n in topo.numa_nodes if n.cpus]
+    single_node = cpu_nodes[0] if len(cpu_nodes) == 1 else None
+    _place_gpus(topo, sysfs_root, single_node, nv.numa_ids if nv else {}, warnings, notes)
     _place_nics(topo, single_node, notes)
     _build_links(topo, nv)
     topo.warnings, topo.notes = warnings, notes
@@ -54,19 +58,26 @@ def discover(sysfs_root: str = "/sys", proc_root: str = "/proc", *,
 
 
 def _place_gpus(topo: Topology, sysfs: str, single_node: Optional[int],
-                warnings: list[str], notes: list[str]) -> None:
-    """PCI path, NUMA node and CPU affinity of each GPU from sysfs where NVML left gaps."""
+                nvml_numa: dict[int, int], warnings: list[str], notes: list[str]) -> None:
+    """PCI path, NUMA node and CPU affinity of each GPU.
+
+    NUMA node: the PCI device's sysfs ``numa_node``; else NVML's NUMA id when that node has
+    CPUs (on Grace Hopper/Blackwell NVML gives the GPU's own CPU-less memory node, which
+    says nothing about the CPUs and NICs near it); else the one node with CPUs if there is
+    only one; else None."""
     unknown_numa = []
     for g in topo.gpus:
         if g.pci_bus_id:
             path, node, found = pci_device(sysfs, g.pci_bus_id)
             if found:
                 g.pci_path = path
-                if g.numa_node is None:
-                    g.numa_node = node
+                g.numa_node = node
             else:
                 warnings.append(f"GPU{g.index} ({g.pci_bus_id}) not found under "
                                 f"{sysfs}/bus/pci/devices: PCIe path unknown")
+        nv_node = nvml_numa.get(g.index)
+        if g.numa_node is None and nv_node is not None and topo.numa_cpus(nv_node):
+            g.numa_node = nv_node
         if g.numa_node is None:
             if single_node is not None:
                 g.numa_node = single_node
@@ -75,7 +86,7 @@ def _place_gpus(topo: Topology, sysfs: str, single_node: Optional[int],
         if not g.cpu_affinity and g.numa_node is not None:
             g.cpu_affinity = topo.numa_cpus(g.numa_node)
     if topo.gpus and single_node is not None:
-        notes.append(f"one NUMA node: GPUs placed on node {single_node}")
+        notes.append(f"one NUMA node with CPUs: GPUs placed on node {single_node}")
     if unknown_numa:
         warnings.append(f"NUMA node unknown (sysfs numa_node -1) for {', '.join(unknown_numa)}"
                         "; CPU affinity from NVML only")

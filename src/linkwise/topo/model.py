@@ -13,12 +13,21 @@ Contracts
   NICs) whose path is known; ``pcie`` is the nvidia-smi class of the PCIe path (PIX, PXB,
   PHB, NODE, SYS) and ``nvlinks`` the number of NVLinks between two GPUs (0 for none).
 - Unknown numbers are ``None`` (never -1): a NUMA node of ``None`` means "not reported".
+- ``cores`` lists the physical cores as their online hardware threads (hyperthread
+  siblings); ``[]`` means not known, and then every CPU counts as a core of its own. Files
+  written before the field existed load with ``[]`` (format version 1 either way: a reader
+  ignores keys it does not know).
+- ``from_dict``/``from_json``/``load`` raise :class:`TopologyFormatError` (a ValueError) with
+  one line for anything that is not a saved topology: no ``"format": "linkwise-topology"``,
+  a field of the wrong type, a missing required field, invalid JSON; ``load`` names the file.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Optional
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
+from typing import Any, Optional, Union
 
 # PCIe path classes, nearest first (the order nvidia-smi's legend implies).
 PCIE_CLASSES = ("PIX", "PXB", "PHB", "NODE", "SYS")
@@ -132,6 +141,8 @@ class Topology:
     sockets: list[Socket] = field(default_factory=list)
     numa_nodes: list[NumaNode] = field(default_factory=list)
     cpus_allowed: list[int] = field(default_factory=list)
+    # Physical cores, each as its online hardware threads, by first CPU; [] = unknown.
+    cores: list[list[int]] = field(default_factory=list)
     gpus: list[Gpu] = field(default_factory=list)
     nics: list[Nic] = field(default_factory=list)
     links: list[Link] = field(default_factory=list)
@@ -211,38 +222,25 @@ class Topology:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Topology":
-        """Raises ValueError for anything that is not a saved topology (wrong format, or
-        fields of the wrong shape), never another error."""
+    def from_dict(cls, d: Any) -> "Topology":
+        """Raises TopologyFormatError (a ValueError) for anything that is not a saved
+        topology (other format, fields of the wrong type), never another error."""
         if not isinstance(d, dict):
-            raise ValueError(f"not a linkwise topology (a JSON {type(d).__name__}, not an object)")
-        if d.get("format", "linkwise-topology") != "linkwise-topology":
-            raise ValueError(f"not a linkwise topology (format={d.get('format')!r})")
-        try:
-            return cls._from_fields(d)
-        except (TypeError, AttributeError, KeyError) as exc:
-            raise ValueError(f"not a linkwise topology ({exc})") from None
-
-    @classmethod
-    def _from_fields(cls, d: dict[str, Any]) -> "Topology":
-        kinds = {"sockets": Socket, "numa_nodes": NumaNode, "gpus": Gpu, "nics": Nic,
-                 "links": Link}
-        names = {f.name for f in fields(cls)}
-        kw: dict[str, Any] = {}
-        for key, value in d.items():
-            if key not in names:
-                continue  # "format", "version", or keys from a newer writer
-            if key in kinds:
-                sub = kinds[key]
-                allowed = {f.name for f in fields(sub)}
-                value = [sub(**{k: v for k, v in item.items() if k in allowed})
-                         for item in value]
-            kw[key] = value
-        return cls(**kw)
+            raise TopologyFormatError(f"a JSON {_json_kind(d)}, not an object")
+        if d.get("format") != "linkwise-topology":
+            why = "no \"format\" key" if "format" not in d else f"format={d['format']!r}"
+            raise TopologyFormatError(why)
+        return _build(cls, d, "")
 
     @classmethod
     def from_json(cls, text: str) -> "Topology":
-        return cls.from_dict(json.loads(text))
+        try:
+            d = json.loads(text)
+        except RecursionError:
+            raise TopologyFormatError("JSON nested too deeply") from None
+        except ValueError as exc:  # json.JSONDecodeError: truncated, not JSON at all
+            raise TopologyFormatError(f"invalid JSON: {exc}") from None
+        return cls.from_dict(d)
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -251,6 +249,73 @@ class Topology:
 
     @classmethod
     def load(cls, path: str) -> "Topology":
-        """Exactly what was saved (linkwise.topo.load also notes where it came from)."""
+        """Exactly what was saved (linkwise.topo.load also notes where it came from).
+        OSError when the file cannot be read; TopologyFormatError naming ``path`` when it
+        is not a saved topology."""
         with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read())
+            try:
+                return cls.from_json(f.read())
+            except UnicodeDecodeError:
+                raise TopologyFormatError("not UTF-8 text", path) from None
+            except TopologyFormatError as exc:
+                raise TopologyFormatError(exc.reason, path) from None
+
+
+class TopologyFormatError(ValueError):
+    """Not a saved topology: one line, ``not a linkwise topology[: <path>] (<reason>)``."""
+
+    def __init__(self, reason: str, path: Optional[str] = None):
+        self.reason, self.path = reason, path
+        where = f": {path}" if path else ""
+        super().__init__(f"not a linkwise topology{where} ({reason})")
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _build(cls: type, d: Any, where: str) -> Any:
+    """An instance of dataclass ``cls`` from the JSON object ``d``, every field checked
+    against its annotation; keys the class does not have are ignored (a newer writer's)."""
+    if not isinstance(d, dict):
+        raise TopologyFormatError(f"{where or 'top level'}: an object expected, "
+                                  f"not a {_json_kind(d)}")
+    hints = typing.get_type_hints(cls)
+    kw: dict[str, Any] = {}
+    for f in fields(cls):
+        at = f"{where}.{f.name}" if where else f.name
+        if f.name in d:
+            kw[f.name] = _check(d[f.name], hints[f.name], at)
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise TopologyFormatError(f"{at}: missing")
+    return cls(**kw)
+
+
+def _check(value: Any, tp: Any, where: str) -> Any:
+    """``value`` (parsed JSON) as type ``tp``: int, str, bool, Optional[...], list[...] or
+    a dataclass; TopologyFormatError naming ``where`` when it is not one."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):  # Optional[X]
+        if value is None:
+            return None
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        origin = typing.get_origin(tp)
+    if origin is list:
+        if not isinstance(value, list):
+            raise TopologyFormatError(f"{where}: an array expected, not a {_json_kind(value)}")
+        (item,) = typing.get_args(tp)
+        return [_check(v, item, f"{where}[{k}]") for k, v in enumerate(value)]
+    if is_dataclass(tp):
+        return _build(tp, value, where)
+    ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str), bool: lambda v: isinstance(v, bool)}[tp]
+    if not ok(value):
+        want = {int: "an integer", str: "a string", bool: "true or false"}[tp]
+        raise TopologyFormatError(f"{where}: {want} expected, not a {_json_kind(value)}")
+    return value

@@ -9,15 +9,25 @@ Contracts
 - Bandwidth is in GB/s (1e9 bytes per second) of one direction; latency in microseconds,
   the mean GPU time of back-to-back ``latency_bytes`` copies (launch overhead included).
 - ``result.bandwidth_gbs[s][d]`` is for copies from ``devices[s]`` to ``devices[d]``;
-  the diagonal is None. ``devices`` is ``["host", "GPU0", ...]``.
+  the diagonal is None. ``devices`` is ``["host", <one name per CUDA device>]``, in CUDA
+  order: ``GPU<index>`` with the index of this machine's topology (NVML's, as the matrix
+  names it) where CUDA's devices map to it (``CUDA_VISIBLE_DEVICES`` applied), else
+  ``cuda<ordinal>`` (MIG instances, no NVML): never a CUDA ordinal that reads as another
+  GPU's matrix name.
 - With no CUDA device (or no torch) ``probe`` returns None and says why in ``reason``; it
-  never raises for that. It is a measurement, not a test: numbers vary run to run.
+  never raises for that. Buffers that cannot be allocated (a ``size_bytes`` larger than a
+  GPU's memory) raise :class:`ProbeError` with one line. It is a measurement, not a test:
+  numbers vary run to run.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
+
+
+class ProbeError(RuntimeError):
+    """The probe could not run as asked (its buffers could not be allocated)."""
 
 
 @dataclass
@@ -63,25 +73,52 @@ def _time_copies(torch, stream_device: int, fn: Callable[[], None], iters: int) 
         return start.elapsed_time(end) / 1e3 / iters
 
 
+def cuda_device_names(count: int, topology=None) -> list[str]:
+    """Names of CUDA devices 0..count-1 as the topology matrix names them: ``GPU<index>``
+    when the GPUs CUDA sees (``CUDA_VISIBLE_DEVICES`` applied, see
+    ``affinity.visible_gpus``) are ``count`` GPUs of ``topology`` (default: this
+    machine's), else ``cuda<ordinal>``."""
+    from .affinity import visible_gpus
+    if topology is None:
+        from . import load_or_discover
+        topology = load_or_discover()
+    seen = visible_gpus(topology)
+    if seen is None:
+        seen = sorted(g.index for g in topology.gpus)
+    if len(seen) == count:
+        return [f"GPU{i}" for i in seen]
+    return [f"cuda{i}" for i in range(count)]
+
+
 def probe(size_bytes: int = 256 << 20, iters: int = 10, latency_bytes: int = 8,
           latency_iters: int = 200, progress: bool = True,
-          gpus: Optional[list[int]] = None) -> Optional[ProbeResult]:
+          gpus: Optional[list[int]] = None, topology=None) -> Optional[ProbeResult]:
+    """``gpus``: CUDA ordinals to measure (default all); ``topology``: this machine's, to
+    name them by (default: ``load_or_discover()``)."""
     if no_probe_reason() is not None:
         return None
     import torch  # type: ignore
 
-    ids = list(range(torch.cuda.device_count())) if gpus is None else list(gpus)
-    devices = ["host"] + [f"GPU{i}" for i in ids]
+    count = torch.cuda.device_count()
+    names = cuda_device_names(count, topology)
+    ids = list(range(count)) if gpus is None else list(gpus)
+    devices = ["host"] + [names[i] if 0 <= i < count else f"cuda{i}" for i in ids]
     n = len(devices)
     bw: list[list[Optional[float]]] = [[None] * n for _ in range(n)]
     lat: list[list[Optional[float]]] = [[None] * n for _ in range(n)]
     peer = [[i == j or torch.cuda.can_device_access_peer(i, j) for j in ids] for i in ids]
 
-    big = {i: torch.empty(size_bytes, dtype=torch.uint8, device=f"cuda:{i}") for i in ids}
-    big2 = {i: torch.empty(size_bytes, dtype=torch.uint8, device=f"cuda:{i}") for i in ids}
-    small = {i: torch.empty(latency_bytes, dtype=torch.uint8, device=f"cuda:{i}") for i in ids}
-    host = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=True)
-    host_small = torch.empty(latency_bytes, dtype=torch.uint8, pin_memory=True)
+    try:
+        big = {i: torch.empty(size_bytes, dtype=torch.uint8, device=f"cuda:{i}") for i in ids}
+        big2 = {i: torch.empty(size_bytes, dtype=torch.uint8, device=f"cuda:{i}") for i in ids}
+        small = {i: torch.empty(latency_bytes, dtype=torch.uint8, device=f"cuda:{i}")
+                 for i in ids}
+        host = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=True)
+        host_small = torch.empty(latency_bytes, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one; so is a pinning failure
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ProbeError(f"cannot allocate two {_bytes_text(size_bytes)} buffers per GPU "
+                         f"and one in pinned host memory ({why})") from None
 
     # (src slot, dst slot, timing device, big copy, small copy)
     jobs = []

@@ -12,8 +12,10 @@ from typing import Optional
 
 from .model import Nic, NumaNode, Socket, parse_cpulist
 
-_BDF = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
-_HOST_BRIDGE = re.compile(r"^pci[0-9a-fA-F]{4}:[0-9a-fA-F]{2}$")
+# PCI domains are printed with at least 4 hex digits: 0000, and 10000 and up behind Intel
+# VMD controllers.
+_BDF = re.compile(r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
+_HOST_BRIDGE = re.compile(r"^pci[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}$")
 # Interface name prefixes that are never a real NIC even when sysfs gives them a device.
 _VIRTUAL_PREFIXES = ("lo", "ifb", "docker", "veth", "virbr", "br-", "cni", "flannel",
                      "cali", "tun", "tap", "dummy")
@@ -45,11 +47,15 @@ def listdir(path: str) -> list[str]:
 
 
 def normalize_bus_id(bus_id: str) -> str:
-    """NVML's ``00000000:18:00.0`` (8-digit domain) -> sysfs ``0000:18:00.0``, lower case."""
+    """NVML's bus id (8-digit domain) -> the sysfs name, lower case, the domain with at least
+    4 digits as the kernel prints it: ``00000000:18:00.0`` -> ``0000:18:00.0``,
+    ``00010000:E1:00.0`` (behind VMD) -> ``10000:e1:00.0``."""
     bus_id = bus_id.strip().lower()
     dom, _, rest = bus_id.partition(":")
-    if len(dom) > 4:
-        dom = dom[-4:]
+    try:
+        dom = f"{int(dom, 16):04x}"
+    except ValueError:
+        pass  # not hex: left as it is, and found nowhere in sysfs
     return f"{dom}:{rest}"
 
 
@@ -91,13 +97,13 @@ def read_cpus(sysfs: str, proc: str, warnings: list[str]
     package: dict[int, int] = {}
     for cpu in online:
         pid = read_int(os.path.join(cpu_dir, f"cpu{cpu}/topology/physical_package_id"))
-        if pid is None:
+        if pid is None or pid < 0:  # -1: not reported (arm64 without ACPI PPTT)
             pid = cpuinfo.get(cpu)
-        if pid is not None:
+        if pid is not None and pid >= 0:
             package[cpu] = pid
     if len(package) < len(online):
         warnings.append(f"socket of {len(online) - len(package)} CPU(s) unknown "
-                        f"(no topology/physical_package_id); counted in socket 0")
+                        f"(no topology/physical_package_id, or -1); counted in socket 0")
     by_socket: dict[int, list[int]] = {}
     for cpu in online:
         by_socket.setdefault(package.get(cpu, 0), []).append(cpu)
@@ -110,6 +116,48 @@ def read_cpus(sysfs: str, proc: str, warnings: list[str]
 
     allowed = _allowed_cpus(proc, online)
     return sockets, nodes, allowed
+
+
+def read_cores(sysfs: str, online: list[int]) -> list[list[int]]:
+    """Physical cores as lists of their online hardware threads, ordered by first CPU:
+    ``topology/thread_siblings_list`` (``core_cpus_list`` on newer kernels) of each online
+    CPU, else CPUs grouped by (``physical_package_id``, ``core_id``). ``[]`` when no CPU
+    says (callers then take each CPU as a core of its own); a CPU that alone does not say
+    is a core of its own."""
+    cpu_dir = os.path.join(sysfs, "devices/system/cpu")
+    online_set = set(online)
+    cores: dict[int, tuple[int, ...]] = {}   # CPU -> its core's threads
+    known = False
+    for cpu in online:
+        if cpu in cores:
+            continue
+        topo_dir = os.path.join(cpu_dir, f"cpu{cpu}/topology")
+        text = (read_text(os.path.join(topo_dir, "thread_siblings_list"))
+                or read_text(os.path.join(topo_dir, "core_cpus_list")))
+        try:
+            threads = [c for c in parse_cpulist(text or "") if c in online_set]
+        except ValueError:
+            threads = []
+        if cpu not in threads:
+            continue
+        known = True
+        for c in threads:
+            cores[c] = tuple(threads)
+    if not known:  # no sibling lists: core_id within each package
+        by_core: dict[tuple[int, int], list[int]] = {}
+        for cpu in online:
+            core = read_int(os.path.join(cpu_dir, f"cpu{cpu}/topology/core_id"))
+            pkg = read_int(os.path.join(cpu_dir, f"cpu{cpu}/topology/physical_package_id"))
+            if core is not None:
+                by_core.setdefault((pkg if pkg is not None else -1, core), []).append(cpu)
+        for threads in by_core.values():
+            known = True
+            for c in threads:
+                cores[c] = tuple(threads)
+    if not known:
+        return []
+    groups = {cores.get(c, (c,)) for c in online}
+    return sorted((list(g) for g in groups), key=lambda g: g[0])
 
 
 def _parse_cpuinfo(text: str) -> dict[int, Optional[int]]:
@@ -134,12 +182,20 @@ def _node_memory(node_path: str) -> Optional[int]:
 
 
 def _allowed_cpus(proc: str, online: list[int]) -> list[int]:
+    """The online CPUs this process may run on. ``Cpus_allowed_list`` is the raw mask and
+    may name offline CPUs (and ones never present), which a rank cannot be bound to; with
+    none of its CPUs online (a mask that cannot be right), every online CPU."""
     status = read_text(os.path.join(proc, "self/status")) or ""
     m = re.search(r"^Cpus_allowed_list:\s*(\S+)", status, re.M)
     if m:
-        return parse_cpulist(m.group(1))
+        try:
+            mask = set(parse_cpulist(m.group(1)))
+        except ValueError:
+            mask = set()
+        return [c for c in online if c in mask] or list(online)
     if proc == "/proc" and hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
+        mine = os.sched_getaffinity(0)
+        return [c for c in online if c in mine] or sorted(mine)
     return list(online)
 
 
