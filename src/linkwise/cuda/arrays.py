@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Optional
 # dtype name -> engine code (csrc/cuda/launch.h DType)
 DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2, "int32": 3, "float64": 4, "int64": 5}
 OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "avg": 4}
-_TYPESTR = {"f4": "float32", "f2": "float16", "i4": "int32", "f8": "float64", "i8": "int64"}
+_TYPESTR: dict = {}  # __cuda_array_interface__ typestr -> dtype name (_cai_dtype)
 _KDLCUDA, _KDLCUDAMANAGED = 2, 13
 
 
@@ -23,6 +23,7 @@ class DevArray(NamedTuple):
     dtype: Optional[str]   # a DTYPES key, or another name (bytes-only operations accept it)
     device: Optional[int]  # CUDA ordinal where known
     lib: str               # "torch", "cupy" or "other": where the current stream comes from
+    stream: Optional[int] = None  # "other": the CAI v3 "stream" entry, as a cudaStream_t
 
     @property
     def nbytes(self) -> int:
@@ -94,7 +95,8 @@ def view(x: Any, op: str) -> DevArray:
             count *= dim
         dev = getattr(getattr(x, "device", None), "id", None)
         lib = "cupy" if type(x).__module__.startswith("cupy") else "other"
-        return DevArray(int(cai["data"][0]), count, itemsize, _TYPESTR.get(ts[1:], ts), dev, lib)
+        return DevArray(int(cai["data"][0]), count, itemsize, _cai_dtype(ts), dev, lib,
+                        _cai_stream(cai, op) if lib == "other" else None)
     if hasattr(x, "__dlpack__") and is_cuda_array(x):
         import torch
         return view(torch.from_dlpack(x), op)
@@ -102,9 +104,46 @@ def view(x: Any, op: str) -> DevArray:
                     f"CUDA __dlpack__), got {type(x).__name__}")
 
 
-def stream_handle(stream: Any, arr: DevArray) -> int:
+def _cai_dtype(ts: str) -> str:
+    """The dtype name of a CAI typestr as torch and NumPy name it ("<f4" float32, "|u1"
+    uint8, "|b1" bool), so that arrays of two libraries compare equal; else the typestr."""
+    name = _TYPESTR.get(ts)
+    if name is None:
+        import numpy as np
+        try:
+            dt = np.dtype(ts)
+            name = dt.name if dt.kind in "biufc" and dt.isnative else ts
+        except TypeError:
+            name = ts
+        _TYPESTR[ts] = name
+    return name
+
+
+def _cai_stream(cai: dict, op: str) -> Optional[int]:
+    """The CAI v3 "stream" entry as the stream to enqueue on: absent or None (no
+    synchronisation needed) -> None (then the legacy default stream, as before), 1 (legacy
+    default) -> 0, 2 (per-thread default) -> 2 (cudaStreamPerThread), else the cudaStream_t
+    itself."""
+    st = cai.get("stream")
+    if st is None:
+        return None
+    if isinstance(st, bool) or not isinstance(st, int) or st < 0:
+        raise ValueError(f"{op}: __cuda_array_interface__ 'stream' must be None or a "
+                         f"cudaStream_t integer, got {st!r}")
+    return 0 if st == 1 else st  # 0, which v3 disallows, read as the legacy stream too
+
+
+def check_out(v: DevArray, o: DevArray, times: int, op: str) -> None:
+    """ValueError unless out (o) has x's (v) dtype and `times` times its elements."""
+    if o.dtype != v.dtype or o.count != v.count * times:
+        raise ValueError(f"{op}: out must be a {v.dtype} array of {v.count * times} elements, "
+                         f"got {o.dtype} with {o.count}")
+
+
+def stream_handle(stream: Any, arr: Optional[DevArray]) -> int:
     """The cudaStream_t to enqueue on: `stream` (an int, torch.cuda.Stream, cupy Stream), else the
-    current stream of the array's library, else the legacy default stream (0)."""
+    current stream of the array's library, else the stream a __cuda_array_interface__ (v3)
+    names, else the legacy default stream (0)."""
     if stream is not None:
         if isinstance(stream, int):
             return stream
@@ -113,12 +152,14 @@ def stream_handle(stream: Any, arr: DevArray) -> int:
             if isinstance(h, int):
                 return h
         raise TypeError(f"stream: expected an int cudaStream_t or a stream object, got {type(stream).__name__}")
+    if arr is None:
+        return 0
     if arr.lib == "torch":
         return torch_current_stream(arr.device)
     if arr.lib == "cupy":
         import cupy
         return cupy.cuda.get_current_stream().ptr
-    return 0
+    return arr.stream or 0
 
 
 def torch_stream(handle: int, device: int):

@@ -10,7 +10,9 @@ copying through the scratch area: each rank describes the allocation holding its
 (IPC handle of its base, offset), the descriptions go over the CPU engine (collectives: a
 host all_gather; send/recv: a host message to the receiver), each peer allocation is mapped
 once and cached per (peer, base) (remapped when the handle changes), and the copy engines
-move the data between user buffers (reg_engine.cu); broadcast (from
+move the data between user buffers (reg_engine.cu); memory CUDA IPC cannot export (torch's
+expandable_segments, cudaMallocAsync pools) takes the scratch path instead, agreed by every
+rank (registered.py); broadcast (from
 ``LINKWISE_GPU_BCAST_REG_MIN``, 64 MiB) is a push chain of SM stores into the
 next rank's buffer in one kernel, its blocks claiming 128 KiB items dynamically
 (bcast_dchain.cu). all_reduce (algo "auto") and
@@ -21,8 +23,9 @@ two device-side rendezvous (reg_reduce.cu, reg_engine.cu). The ranks agree on it
 host all_gather that carries the descriptions: if any rank's buffer cannot be registered, all
 of them take the scratch path. From ``LINKWISE_GPU_AR_RSAG_MIN`` (512 MiB) an all_reduce is
 that reduce_scatter into out's own chunk followed by a copy-engine all_gather, in one engine
-call (_rsag). On 2 ranks from ``LINKWISE_GPU_AR_PRS_MIN`` (64 MiB), and at any size and rank
-count with ``LINKWISE_GPU_AR_ALGO=prs``, an all_reduce is instead one kernel of SM stores only:
+call (_rsag; at any size with ``LINKWISE_GPU_AR_ALGO=rsag``). On 2 ranks from
+``LINKWISE_GPU_AR_PRS_MIN`` (64 MiB), and at any size and rank count with
+``LINKWISE_GPU_AR_ALGO=prs``, an all_reduce is instead one kernel of SM stores only:
 each rank pushes chunk p of its x into owner p's scratch, the owner reduces it from local
 memory and pushes the result into every rank's out (reg_prs.cu, _prs).
 Below the threshold, and on a capturing stream, they go through
@@ -37,7 +40,9 @@ send/recv, barrier and the host-staged path cannot: called under capture they ra
 RuntimeError instead of hanging.
 
 Semantics as NCCL's: every method enqueues on ``stream`` (an int cudaStream_t or a stream
-object), else on the current stream of the array's library (torch / cupy), and returns
+object), else on the current stream of the array's library (torch / cupy), else on the stream
+a ``__cuda_array_interface__`` v3 names (x's; 1 legacy, 2 per-thread, None or absent: the
+legacy stream), and returns
 without waiting for the GPU. All ranks issue the same collectives in the same order, on one
 stream (or streams the caller orders). send/recv between a pair match in issue order; the
 tag is accepted for API symmetry and not matched. Results are bitwise identical on every rank.
@@ -57,7 +62,9 @@ raises PeerError naming the peer. A device wait longer than the communicator's t
 TimeoutError the same way. Either is final: the data of operations in flight is undefined and
 the communicator cannot be used any more (make a new one). Plain stream synchronisation
 (``torch.cuda.synchronize()``, ``tensor.cpu()``) returns once kernels drained and raises
-nothing: call ``check()`` after it when a peer may have failed.
+nothing: call ``check()`` after it when a peer may have failed. After ``close()`` every
+method (``check()`` and ``synchronize()`` too) raises CommAbortedError; ``comm.cuda()`` keeps
+returning the closed GpuComm (make a new communicator for more GPU work).
 """
 from __future__ import annotations
 
@@ -65,10 +72,10 @@ import os
 from typing import Any, Optional
 
 from .. import config
-from .arrays import DTYPES, OPS, DevArray, stream_handle, view
+from . import registered as reg
+from .arrays import DTYPES, OPS, DevArray, check_out, stream_handle, view
 
 _DEFAULT_SLOT = 16 << 20
-_REG_TAG = (1 << 61) + 4243  # host messages carrying a send's buffer description
 _counter: dict = {}
 
 
@@ -92,14 +99,23 @@ def available() -> bool:
     return not unavailable_reason()
 
 
-def select_device(comm) -> int:
-    device = config.get("LINKWISE_DEVICE")  # ValueError naming the variable when it is not an int
-    if device is not None:
-        return device
+def select_device(comm, device: Optional[int] = None) -> int:
+    """`device`, else LINKWISE_DEVICE, else local_rank % the visible GPUs; ValueError when
+    the ordinal is not one of the visible GPUs (CUDA would fail every call on it later)."""
+    if device is None:
+        device = config.get("LINKWISE_DEVICE")  # ValueError naming the variable when not an int
     count = _native().cuda_device_count()
     if count <= 0:
         raise RuntimeError(f"rank {comm.rank}: no CUDA device is visible")
-    return int(getattr(comm, "local_rank", comm.rank)) % count
+    if device is None:
+        return int(getattr(comm, "local_rank", comm.rank)) % count
+    device = int(device)
+    if not 0 <= device < count:
+        src = "LINKWISE_DEVICE" if os.environ.get("LINKWISE_DEVICE") else "device"
+        raise ValueError(f"rank {comm.rank}: {src}={device} is out of range: {count} CUDA "
+                         f"device(s) visible to this process (ordinals 0..{count - 1}, after "
+                         "CUDA_VISIBLE_DEVICES)")
+    return device
 
 
 def gpu_comm(comm) -> "GpuComm":
@@ -123,22 +139,21 @@ class GpuComm:
             raise RuntimeError("linkwise was built without CUDA (set LINKWISE_CUDA=ON and rebuild)")
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
-        watch = self._exchange_cards()  # first: settings one rank refuses fail every rank here
-        self.device = select_device(comm) if device is None else int(device)
+        self._closed = True  # until made: every entry refuses a GpuComm that is not open
+        # First: settings one rank refuses (a device out of range too) fail every rank here.
+        watch = self._exchange_cards(device)
+        self.device = select_device(comm, device)
         slot = int(slot_bytes or config.get("LINKWISE_GPU_SLOT_BYTES") or _DEFAULT_SLOT)
         self._engine = n._GpuEngine(self.rank, self.size, self.device, slot, float(comm.timeout))
         if config.get("LINKWISE_GPU_ONESHOT_MAX"):
             self._engine.oneshot_max = config.get("LINKWISE_GPU_ONESHOT_MAX")
         if config.get("LINKWISE_GPU_MAX_BLOCKS"):
             self._engine.max_blocks = config.get("LINKWISE_GPU_MAX_BLOCKS")
-        self._reg_min = config.get("LINKWISE_GPU_REG_MIN")
-        if not config.get("LINKWISE_GPU_REG"):
-            self._reg_min = 1 << 62
+        self._reg_on = bool(config.get("LINKWISE_GPU_REG"))
+        self._reg_min = config.get("LINKWISE_GPU_REG_MIN") if self._reg_on else 1 << 62
         self._chain_piece = config.get("LINKWISE_GPU_CHAIN_PIECE")
         # Registered-buffer all_reduce / reduce_scatter from this many bytes (whole buffer).
-        self._red_reg_min = config.get("LINKWISE_GPU_REG_REDUCE_MIN")
-        if not config.get("LINKWISE_GPU_REG"):
-            self._red_reg_min = 1 << 62
+        self._red_reg_min = config.get("LINKWISE_GPU_REG_REDUCE_MIN") if self._reg_on else 1 << 62
         self._engine.reg_blocks = config.get("LINKWISE_GPU_REG_REDUCE_BLOCKS")  # 0: engine default
         # The push chains beat the scratch broadcast kernel at 64 MiB (docs/benchmarks.md).
         self._bcast_reg_min = max(self._reg_min, config.get("LINKWISE_GPU_BCAST_REG_MIN"))
@@ -162,9 +177,10 @@ class GpuComm:
     def slot_bytes(self) -> int:
         return self._engine.slot_bytes
 
-    def _exchange_cards(self) -> list:
+    def _exchange_cards(self, device: Optional[int]) -> list:
         """Exchanges every rank's (host, pid namespace, pid) and its first invalid GPU setting
-        (config.READ_BY_GPU_PLANE; the CUDA code reads several with atoi, unchecked). A rank
+        (config.READ_BY_GPU_PLANE; the CUDA code reads several with atoi, unchecked; a device
+        out of range, select_device). A rank
         that refuses a setting raises ValueError, the others BootstrapError naming it: before,
         it raised alone and they waited for it in the IPC exchange until the timeout. Returns
         the pids to watch (peer_watch.h): those that mean the same process here, else 0 (left
@@ -172,6 +188,11 @@ class GpuComm:
         import json
         from .._setup import host_identity, raise_for_refused_setting
         error = config.first_invalid(config.READ_BY_GPU_PLANE)
+        if not error:
+            try:
+                select_device(self.comm, device)
+            except (ValueError, RuntimeError) as exc:
+                error = str(exc).split(": ", 1)[1]  # raise_for_refused_setting names the rank
         if self.size == 1:
             raise_for_refused_setting(self.rank, [error], "make the GPU plane")
             return []
@@ -188,10 +209,20 @@ class GpuComm:
         raise_for_refused_setting(self.rank, [c["error"] for c in cards], "make the GPU plane")
         return [c["pid"] if c["who"] == me["who"] and pidns != "?" else 0 for c in cards]
 
+    def _open(self, op: str) -> None:
+        """Raises CommAbortedError once close() ran (the engine is gone: a call into it would
+        crash the process), then the recorded failure, if any (check())."""
+        if self._closed:
+            from ..errors import CommAbortedError
+            raise CommAbortedError(f"rank {self.rank}: {op} on a closed GPU communicator "
+                                   "(GpuComm.close() ran; make a new communicator to go on)")
+        self._engine.check()
+
     def check(self) -> None:
         """Raises PeerError if a peer of this communicator died, TimeoutError if a GPU wait timed
-        out (either is final). Does not synchronise: it reports what was recorded so far."""
-        self._engine.check()
+        out (either is final), CommAbortedError after close(). Does not synchronise: it reports
+        what was recorded so far."""
+        self._open("check")
 
     def abort(self, peer: int = -1) -> None:
         """Aborts every device wait of this communicator now (as a dead peer would; `peer` is the
@@ -203,6 +234,7 @@ class GpuComm:
         """A GpuRequest for the work enqueued so far on x's stream (`stream`, else x's current
         stream): its wait() returns `result` once the GPU got there."""
         from .._request import GpuRequest
+        self._open("request")
         s = stream_handle(stream, view(x, "request"))
         return GpuRequest(self._engine, self._engine.event_record(s), float(self.comm.timeout),
                           result)
@@ -219,7 +251,7 @@ class GpuComm:
 
     # -- helpers ---------------------------------------------------------------------------
     def _view(self, x: Any, op: str) -> DevArray:
-        self._engine.check()  # every operation starts here: a failed communicator raises
+        self._open(op)  # every operation starts here: a closed or failed communicator raises
         v = view(x, op)
         if v.device is not None and v.device != self.device:
             raise ValueError(f"rank {self.rank}: {op}: the array is on cuda:{v.device} but this "
@@ -243,43 +275,6 @@ class GpuComm:
             raise ValueError(f"{what}: op must be one of {', '.join(OPS)}, not {op!r}")
         return DTYPES[v.dtype], OPS[op]
 
-    def _reg_all(self, ptr: int, slot: int = 0) -> None:
-        """Every rank's description of its buffer (host all_gather), mapped as `slot`."""
-        import numpy as np
-        mine = np.frombuffer(self._engine.reg_describe(ptr), np.uint8)
-        everyone = self.comm.all_gather(mine)
-        k = mine.size
-        self._engine.reg_map([everyone[r * k:(r + 1) * k].tobytes() for r in range(self.size)], slot)
-
-    def _reg_reduce_ok(self, nbytes: int, s: int) -> bool:
-        """Whether a reduction of nbytes takes the registered path (same answer on every rank)."""
-        return (self.size > 1 and self._staged is None and nbytes >= self._red_reg_min
-                and not _native().cuda_stream_capturing(s))
-
-    def _reg_many(self, ptrs: list) -> bool:
-        """Maps every rank's buffers ptrs[i] as slot i, in one host all_gather. False (nothing
-        mapped) on every rank when any rank could not describe its buffers."""
-        import numpy as np
-        k = 88 * len(ptrs)  # reg_engine.cu kDescBytes each
-        try:
-            mine = b"\x01" + b"".join(self._engine.reg_describe(p) for p in ptrs)
-        except Exception:  # noqa: BLE001 - not a cudaMalloc allocation, IPC refused, ...
-            mine = b"\x00" * (1 + k)
-        everyone = self.comm.all_gather(np.frombuffer(mine, np.uint8))
-        rows = [everyone[r * (1 + k):(r + 1) * (1 + k)].tobytes() for r in range(self.size)]
-        if any(row[0] != 1 for row in rows):
-            return False
-        for i in range(len(ptrs)):
-            self._engine.reg_map([row[1 + 88 * i:1 + 88 * (i + 1)] for row in rows], i)
-        return True
-
-    def _piece(self, nbytes: int) -> int:
-        if self._chain_piece:
-            return self._chain_piece
-        if self.size == 2:  # the copy-engine chain's one hop: nobody downstream to overlap with
-            return nbytes
-        return min(32 << 20, max(2 << 20, (nbytes // 8) >> 12 << 12))  # measured best of the two tried
-
     # -- collectives -----------------------------------------------------------------------
     def all_reduce(self, x: Any, op: str = "sum", out: Any = None, stream: Any = None,
                    algo: str = "auto") -> Any:
@@ -294,57 +289,17 @@ class GpuComm:
             return x if out is None else out
         a = {"auto": 0, "oneshot": 1, "twoshot": 2}[algo]
         s = stream_handle(stream, v)
-        if a == 0 and self._reg_reduce_ok(v.nbytes, s):
-            if self._prs(v, o, dt, opc, s):
+        # LINKWISE_GPU_AR_ALGO=prs / rsag: the registered forms at any size (reg.forced_algo).
+        if a == 0 and (reg.reduce_ok(self, v.nbytes, s) or reg.forced_algo(self, s)):
+            if reg.prs(self, v, o, dt, opc, s):
                 return x if out is None else out
-            if self._rsag(v, o, dt, opc, s):
+            if reg.rsag(self, v, o, dt, opc, s):
                 return x if out is None else out
-            if self._reg_many([v.ptr, o.ptr]):
+            if reg.reg_many(self, [v.ptr, o.ptr]):
                 self._engine.all_reduce_reg(v.count, dt, opc, s)
                 return x if out is None else out
         self._engine.all_reduce(v.ptr, o.ptr, v.count, dt, opc, s, a)
         return x if out is None else out
-
-    def _rsag(self, v, o, dt: int, opc: int, s: int) -> bool:
-        """Large all_reduce as the registered reduce_scatter (x's chunk r reduced into out's
-        chunk r) then the registered all_gather of out's chunks: faster than the one-kernel
-        form at 512 MiB on 4xH200, slower at 64 MiB (docs/benchmarks.md, fourth session).
-        LINKWISE_GPU_AR_ALGO: 'rsag' forces it, 'direct' disables it; else from
-        LINKWISE_GPU_AR_RSAG_MIN bytes. Needs count divisible by the ranks. In place is safe:
-        the reduce_scatter's closing rendezvous precedes the all_gather's writes into out."""
-        algo = config.get("LINKWISE_GPU_AR_ALGO")
-        if algo == "direct" or v.count % self.size or (
-                algo != "rsag" and v.nbytes < config.get("LINKWISE_GPU_AR_RSAG_MIN")):
-            return False
-        m = v.count // self.size
-        own = o.ptr + self.rank * m * (v.nbytes // v.count)
-        # One host all_gather maps every rank's x (slot 0) and its own chunk of out (slot 1);
-        # every rank agrees here that both can be registered, before anything is enqueued
-        # (else all take another path). The engine call is reduce_scatter into that chunk,
-        # one rendezvous, the copy-engine all_gather of the chunks (reg_engine.cu).
-        if not self._reg_many([v.ptr, own]):
-            return False
-        self._engine.all_reduce_rsag_reg(m, dt, opc, s)
-        return True
-
-    def _prs(self, v, o, dt: int, opc: int, s: int) -> bool:
-        """Large all_reduce as one kernel of SM stores only (reg_prs.cu): each rank pushes the
-        items of chunk p of its x into owner p's prs scratch, the owner reduces them from local
-        memory and pushes the result into every rank's out. LINKWISE_GPU_AR_ALGO='prs' selects
-        it at any size; with no LINKWISE_GPU_AR_ALGO it is the default on 2 ranks from
-        LINKWISE_GPU_AR_PRS_MIN bytes, the only case where it has been measured at or above NCCL
-        (docs/benchmarks.md, sixth session; 4 ranks not measured yet). Any count; in place is
-        safe (contract in reg_prs.cu)."""
-        algo = config.get("LINKWISE_GPU_AR_ALGO")
-        if algo != "prs" and (algo or self.size != 2 or v.nbytes < config.get("LINKWISE_GPU_AR_PRS_MIN")):
-            return False
-        if self._prs_mapped is None:  # every rank's prs scratch as slot 2, once (collective)
-            self._reg_all(self._engine.prs_scratch(), 2)
-            self._prs_mapped = True
-        if not self._reg_many([o.ptr]):  # slot 0 = every rank's out; x is only read locally
-            return False
-        self._engine.all_reduce_prs_reg(v.ptr, v.count, dt, opc, s)
-        return True
 
     def reduce_scatter(self, x: Any, out: Any, op: str = "sum", stream: Any = None) -> Any:
         v, o = self._view(x, "reduce_scatter"), self._view(out, "reduce_scatter")
@@ -357,7 +312,7 @@ class GpuComm:
             self._staged.reduce_scatter(v, o, op, stream_handle(stream, v))
             return out
         s = stream_handle(stream, v)
-        if o.count and self._reg_reduce_ok(v.nbytes, s) and self._reg_many([v.ptr]):
+        if o.count and reg.reduce_ok(self, v.nbytes, s) and reg.reg_many(self, [v.ptr]):
             self._engine.reduce_scatter_reg(o.ptr, o.count, dt, opc, s)
             return out
         self._engine.reduce_scatter(v.ptr, o.ptr, o.count, dt, opc, s)
@@ -381,45 +336,44 @@ class GpuComm:
         staged = self._staged is not None
         # Registered-buffer path from LINKWISE_GPU_BCAST_REG_MIN, except while the stream is
         # being captured into a CUDA graph: then the scratch kernel below (capturable).
-        reg = (not staged and self.size > 1 and o.nbytes >= self._bcast_reg_min
-               and not _native().cuda_stream_capturing(s))
+        use_reg = (not staged and self.size > 1 and o.nbytes >= self._bcast_reg_min
+                   and not _native().cuda_stream_capturing(s))
         if o is not v and self.rank == root and staged:
             self._engine.copy_async(o.ptr, v.ptr, o.nbytes, s)
         if staged:
             self._no_capture(s, "host-staged broadcast")
             self._staged.broadcast(o, root, s)
-        elif reg:
-            self._reg_all(o.ptr)
+        elif use_reg and reg.reg_many(self, [o.ptr]):  # every rank's out exported, else none
             # The root's x goes along when out of place: the one-kernel chain reads it and fills
             # out in the same pass; the other forms copy it into out first (reg_engine.cu).
             src = v.ptr if o is not v and self.rank == root else 0
-            self._engine.broadcast_reg(o.ptr, o.nbytes, root, self._piece(o.nbytes), s, src)
+            self._engine.broadcast_reg(o.ptr, o.nbytes, root, reg.piece(self, o.nbytes), s, src)
         else:
             self._engine.broadcast_from(v.ptr, o.ptr, o.nbytes, root, s)
         return x if o is v else out
 
     def all_gather(self, x: Any, out: Any, stream: Any = None) -> Any:
         v, o = self._view(x, "all_gather"), self._view(out, "all_gather")
-        if o.nbytes != v.nbytes * self.size:
-            raise ValueError(f"all_gather: out must hold size * x.nbytes = {self.size * v.nbytes} "
-                             f"bytes, has {o.nbytes}")
+        check_out(v, o, self.size, "all_gather")  # as the host path: dtype and element count
         s = stream_handle(stream, v)
         if self._staged is not None:
             self._no_capture(s, "host-staged all_gather")
             self._staged.all_gather(v, o, s)
-        elif self.size > 1 and o.nbytes >= self._reg_min:
+            return out
+        if self.size > 1 and o.nbytes >= self._reg_min:
             self._no_capture(s, "all_gather of registered buffers (LINKWISE_GPU_REG_MIN)")
-            self._reg_all(v.ptr)
-            self._engine.all_gather_reg(o.ptr, v.nbytes, s)
-        else:
-            self._engine.all_gather(v.ptr, o.ptr, v.nbytes, s)
+            if reg.reg_many(self, [v.ptr]):  # every rank's x exported, else none: scratch path
+                self._engine.all_gather_reg(o.ptr, v.nbytes, s)
+                return out
+        self._engine.all_gather(v.ptr, o.ptr, v.nbytes, s)
         return out
 
     def all_to_all(self, x: Any, out: Any, stream: Any = None) -> Any:
         v, o = self._view(x, "all_to_all"), self._view(out, "all_to_all")
-        if o.nbytes != v.nbytes or v.nbytes % self.size:
-            raise ValueError("all_to_all: x and out must have the same size, divisible by the "
-                             "number of ranks")
+        if v.count % self.size:  # elements, not bytes: blocks never split an element
+            raise ValueError(f"all_to_all: x has {v.count} elements, not a multiple of the "
+                             f"communicator size {self.size}")
+        check_out(v, o, 1, "all_to_all")
         if self._staged is not None:
             self._no_capture(stream_handle(stream, v), "host-staged all_to_all")
             self._staged.all_to_all(v, o, stream_handle(stream, v))
@@ -434,9 +388,7 @@ class GpuComm:
         if self._staged is not None:
             self._staged.send(v, dst, s)
         elif v.nbytes >= self._reg_min:
-            import numpy as np
-            self.comm.send(np.frombuffer(self._engine.reg_describe(v.ptr), np.uint8), dst, _REG_TAG)
-            self._engine.send_reg(v.nbytes, dst, s)
+            reg.send(self, v, dst, s)  # tells dst whether x could be registered (else scratch)
         else:
             self._engine.send(v.ptr, v.nbytes, dst, s)
 
@@ -447,21 +399,16 @@ class GpuComm:
         if self._staged is not None:
             self._staged.recv(v, src, s)
         elif v.nbytes >= self._reg_min:
-            import numpy as np
-            desc = np.empty(88, np.uint8)  # reg_engine.cu kDescBytes
-            self.comm.recv(desc, src, _REG_TAG)
-            descs = [b""] * self.size
-            descs[src] = desc.tobytes()
-            self._engine.reg_map(descs, 0)
-            self._engine.recv_reg(v.ptr, v.nbytes, src, s)
+            reg.recv(self, v, src, s)
         else:
             self._engine.recv(v.ptr, v.nbytes, src, s)
         return v.nbytes
 
     def barrier(self, stream: Any = None) -> None:
-        """Device-side barrier enqueued on `stream` (default: legacy stream), then waits for it."""
-        h = stream if isinstance(stream, int) else 0
-        self._engine.check()
+        """Device-side barrier enqueued on `stream` (an int cudaStream_t or a torch / cupy
+        stream object; default: the legacy stream), then waits for it."""
+        self._open("barrier")
+        h = stream_handle(stream, None)  # None: 0, the legacy stream
         self._no_capture(h, "barrier")
         if self._staged is not None:
             self.synchronize(h)
@@ -472,6 +419,7 @@ class GpuComm:
 
     def synchronize(self, stream: int = 0) -> None:
         """Waits for `stream` (GIL released), then raises a recorded failure (see check())."""
+        self._open("synchronize")
         self._engine.synchronize(stream)
         self._engine.check()
 

@@ -22,8 +22,13 @@ def gpu_sendrecv(g, x: Any, dst: int, out: Any, src: int, send_tag: int, recv_ta
                  stream: Any = None) -> int:
     """Sends x to dst while receiving out from src on GpuComm g; returns the bytes received
     (enqueued, as recv: they are in out once the caller's stream gets there)."""
+    g._open("sendrecv")  # a closed GpuComm has no engine to fork a stream from
     v = view(x, "sendrecv")
-    view(out, "sendrecv")  # both are CUDA arrays, checked before the send is enqueued
+    o = view(out, "sendrecv")  # both are CUDA arrays, checked before the send is enqueued
+    if v.nbytes and o.nbytes and v.ptr < o.ptr + o.nbytes and o.ptr < v.ptr + v.nbytes:
+        # as the host path: the send (side stream) and the receive would race on these bytes
+        raise ValueError("sendrecv: x and out share memory; the receive would overwrite x while "
+                         "it is sent (use sendrecv_replace to exchange in place)")
     s = stream_handle(stream, v)
     g._no_capture(s, "sendrecv")  # before the fork: a captured stream cannot be forked from here
     side = g._engine.sendrecv_fork(s)
