@@ -251,7 +251,8 @@ declare("LINKWISE_GPU_DCHAIN_THREADS", 1024, int,
 declare("LINKWISE_GPU_AR_ALGO", "", str,
         "large registered GPU all_reduce: 'rsag' = registered reduce_scatter then all_gather, "
         "'direct' = the one-kernel form, 'prs' = push reduce-scatter + push all-gather in one "
-        "kernel (reg_prs.cu); empty = prs on 2 ranks from LINKWISE_GPU_AR_PRS_MIN bytes, else "
+        "kernel (reg_prs.cu); prs and rsag apply at any size (registered path; not under capture "
+        "or LINKWISE_GPU_REG=0); empty = prs on 2 ranks from LINKWISE_GPU_AR_PRS_MIN bytes, else "
         "rsag from LINKWISE_GPU_AR_RSAG_MIN bytes, else the one-kernel form")
 declare("LINKWISE_GPU_AR_PRS_MIN", 64 << 20, _size,
         "GPU all_reduce on 2 ranks as the prs kernel (push reduce-scatter + push all-gather) from "
