@@ -260,7 +260,7 @@ def test_cannot_listen_names_where_the_port_came_from(monkeypatch):
 
 
 def test_an_earlier_world_is_waited_out_and_a_later_one_joined():
-    """comm.init numbers the worlds a process makes in the token (`job|size|port|world`): a
+    """linkwise.init numbers the worlds a process makes in the token (`job|size|port|world`): a
     client of world 2 skips world 1's store, still open, and joins world 2's once it listens;
     a client of world 1 joins world 2's store (rank 0 retried a failed init)."""
     import threading

@@ -5,7 +5,8 @@ over shared memory and TCP, that knows the machine's links.
     comm = linkwise.init()          # under linkwise launch, torchrun, mpirun, srun, or alone
     comm.send(x, dst=1); comm.recv(y, src=0)
 """
-from .comm import Communicator, Request, init
+from .comm import Communicator, Request
+from ._world import init
 from ._request import wait_all
 from .topo.affinity import bind
 from .errors import BootstrapError, CommAbortedError, LinkwiseError, PeerError, TimeoutError

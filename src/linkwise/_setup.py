@@ -12,9 +12,12 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import selectors
 import socket
 import struct
 import threading
+import time
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -53,6 +56,7 @@ class PeerCard:
     cpus: str = ""  # hex bitmask of the CPUs this rank may run on ("" = unknown)
     transport: str = "auto"  # this rank's LINKWISE_TRANSPORT (ranks of one host must agree)
     error: str = ""  # this rank's first invalid LINKWISE_* setting (config.first_invalid)
+    net_error: str = ""  # why this rank has no interface for TCP to other hosts ("" if it has)
 
 
 def cpu_mask() -> int:
@@ -81,10 +85,26 @@ def cpus_per_rank(cards: list[PeerCard], rank: int, ranks_here: int) -> float:
 
 
 def own_card(rank: int) -> PeerCard:
-    """This process's card (host, pid, CPU mask); the TCP address is filled in later."""
+    """This process's card (host, pid, CPU mask, and whether it has an interface for TCP to
+    other hosts); the TCP address is filled in later."""
     error = config.first_invalid()
     return PeerCard(rank=rank, host=host_identity(), pid=os.getpid(), cpus=format(cpu_mask(), "x"),
-                    transport="auto" if error else config.get("LINKWISE_TRANSPORT"), error=error)
+                    transport="auto" if error else config.get("LINKWISE_TRANSPORT"), error=error,
+                    net_error=interface_error())
+
+
+def interface_error() -> str:
+    """Why this rank could not choose an interface for TCP to other hosts (a
+    LINKWISE_SOCKET_IFNAME that matches none, or no usable interface), else "". Checked before
+    the cards are exchanged, so that every rank refuses it at once (refuse_bad_cards) instead of
+    this rank alone when it opens its TCP listener, while the others wait for it."""
+    try:
+        with warnings.catch_warnings():  # the loopback-only warning is for when it is used
+            warnings.simplefilter("ignore")
+            netif.select_interface(config.get("LINKWISE_SOCKET_IFNAME") or None)
+    except (BootstrapError, ValueError, OSError) as exc:
+        return str(exc)
+    return ""
 
 
 def exchange_host_cards(store, tag: str, rank: int, size: int) -> list[PeerCard]:
@@ -99,15 +119,23 @@ def exchange_cards(store, tag: str, rank: int, size: int, card: PeerCard) -> lis
 
 def refuse_bad_cards(store, tag: str, rank: int, size: int, cards: list[PeerCard], timeout: float) -> None:
     """Raises on every rank when a card shows an invalid setting (ValueError on that rank,
-    BootstrapError naming it on the others) or ranks of one host that disagree on the transport.
-    Rank 0 raises only once every rank has read the cards: its store closes as it does."""
+    BootstrapError naming it on the others), a rank with peers on other hosts but no interface
+    to reach them (BootstrapError everywhere, naming it), or ranks of one host that disagree on
+    the transport. Rank 0 raises only once every rank has read the cards: its store closes as
+    it does."""
     errors = [c.error for c in cards]  # in rank order
+    # An interface matters only to a rank with a peer on another host (else TCP is loopback).
+    net = [c.net_error if any(o.host != c.host for o in cards) else "" for c in cards]
     disagreement = transport_disagreement(cards)
-    if not any(errors) and disagreement is None:
+    if not any(errors) and not any(net) and disagreement is None:
         return
     if size > 1:
         store.barrier(f"{tag}/refused-cards", size, timeout)
     raise_for_refused_setting(rank, errors, "join")
+    bad = next((r for r, e in enumerate(net) if e), None)
+    if bad is not None:
+        who = "" if bad == rank else f"rank {bad} has peers on other hosts but no interface for TCP to them: "
+        raise BootstrapError(f"rank {rank}: {who}{net[bad]}")
     raise BootstrapError(f"rank {rank}: {disagreement}")
 
 
@@ -154,6 +182,85 @@ def _handshake_bytes(job_id: str, rank: int) -> bytes:
     return struct.pack("!16si", job_id.encode()[:16].ljust(16, b"\0"), rank)
 
 
+_HANDSHAKE = struct.calcsize("!16si")  # 20 bytes: job id (16, zero-padded) and rank
+HANDSHAKE_WAIT = 30.0  # seconds an accepted connection has to send its handshake (peers send at once)
+
+
+def accept_peers(listener: socket.socket, job_id: str, expected: list[int], deadline: float,
+                 handshake_wait: float = HANDSHAKE_WAIT) -> dict[int, socket.socket]:
+    """Accept on ``listener`` until each rank of ``expected`` has connected and sent its
+    handshake (job id and rank), or until ``deadline`` (time.monotonic()); returns
+    {rank: socket} for those that did (a short result: the caller names the missing ranks).
+
+    Contract: anything else that connects to the port (a port scanner, a health check, a
+    process of another job) is closed and never stops or delays the peers: handshakes are read
+    from every pending connection at once, a connection that closes before its 20 bytes, sends
+    a wrong job id or rank, or stays silent for ``handshake_wait`` seconds is dropped, and
+    accepting goes on. No byte after the handshake is read (the engine gets the stream there)."""
+    want = job_id.encode()[:16].ljust(16, b"\0")
+    accepted: dict[int, socket.socket] = {}
+    pending: dict[socket.socket, tuple[bytearray, float]] = {}  # conn -> (bytes so far, drop time)
+    listener.setblocking(False)
+    with selectors.DefaultSelector() as sel:
+        sel.register(listener, selectors.EVENT_READ)
+        try:
+            while len(accepted) < len(expected):
+                now = time.monotonic()
+                if now >= deadline:
+                    break
+                for conn, (_, drop_at) in list(pending.items()):
+                    if now >= drop_at:  # silent too long: not a peer (peers send at once)
+                        sel.unregister(conn)
+                        del pending[conn]
+                        conn.close()
+                wake = min([deadline] + [t for _, t in pending.values()])
+                for key, _ in sel.select(min(max(0.0, wake - now), 5.0)):  # epoll takes int ms
+                    if key.fileobj is listener:
+                        try:
+                            conn, _ = listener.accept()
+                        except (BlockingIOError, InterruptedError):
+                            continue
+                        conn.setblocking(False)
+                        pending[conn] = (bytearray(), time.monotonic() + handshake_wait)
+                        sel.register(conn, selectors.EVENT_READ)
+                        continue
+                    conn = key.fileobj
+                    data, drop_at = pending[conn]
+                    try:
+                        chunk = conn.recv(_HANDSHAKE - len(data))
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError:
+                        chunk = b""
+                    data += chunk
+                    if chunk and len(data) < _HANDSHAKE:
+                        continue
+                    sel.unregister(conn)
+                    del pending[conn]
+                    job, peer = struct.unpack("!16si", data) if len(data) == _HANDSHAKE else (b"", -1)
+                    if job != want or peer not in expected or peer in accepted:
+                        conn.close()  # closed early, or not of this job: keep accepting
+                        continue
+                    accepted[peer] = conn
+        finally:
+            for conn in pending:
+                conn.close()
+    return accepted
+
+
+def _connect_peer(rank: int, peer: int, host: str, port: int, timeout: float) -> socket.socket:
+    """A connection to ``peer``'s TCP listener at host:port, or BootstrapError saying so."""
+    try:
+        return socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:  # ConnectionRefusedError, socket.timeout, no route to host
+        why = "timed out" if isinstance(exc, socket.timeout) else (exc.strerror or str(exc))
+        raise BootstrapError(
+            f"rank {rank}: cannot connect to rank {peer} at {host}:{port} ({why}); rank {peer} "
+            f"published that address from the interface it chose: check LINKWISE_SOCKET_IFNAME "
+            f"on rank {peer} (it must name an interface this host can reach) and that no "
+            f"firewall blocks TCP between the hosts") from None
+
+
 def connect_tcp(native, store, tag: str, rank: int, size: int, job_id: str,
                 tcp_peers: list[int], cards_host: list[PeerCard], timeout: float) -> None:
     """Full mesh among tcp_peers: a rank accepts from higher ranks and connects to lower ones."""
@@ -173,24 +280,11 @@ def connect_tcp(native, store, tag: str, rank: int, size: int, job_id: str,
     lower = [p for p in tcp_peers if p < rank]
     accepted: dict[int, socket.socket] = {}
     errors: list[BaseException] = []
+    deadline = time.monotonic() + timeout
 
     def accept_all() -> None:
         try:
-            listener.settimeout(timeout)
-            while len(accepted) < len(higher):
-                conn, _ = listener.accept()
-                conn.settimeout(timeout)
-                data = b""
-                while len(data) < 20:
-                    chunk = conn.recv(20 - len(data))
-                    if not chunk:
-                        break
-                    data += chunk
-                job, peer = struct.unpack("!16si", data)
-                if job != job_id.encode()[:16].ljust(16, b"\0") or peer not in higher:
-                    conn.close()  # a stray connection: not of this job
-                    continue
-                accepted[peer] = conn
+            accepted.update(accept_peers(listener, job_id, higher, deadline))
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread
             errors.append(exc)
 
@@ -199,12 +293,12 @@ def connect_tcp(native, store, tag: str, rank: int, size: int, job_id: str,
     try:
         for peer in lower:
             host, _, p = store.get(f"{tag}/tcp/{peer}").decode().rpartition(":")
-            sock = socket.create_connection((host, int(p)), timeout=timeout)
+            sock = _connect_peer(rank, peer, host, int(p), timeout)
             sock.sendall(_handshake_bytes(job_id, rank))
             sock.setblocking(False)
             native.adopt_tcp(peer, sock.detach())
-        thread.join(timeout)
-        if errors or thread.is_alive():
+        thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        if errors or thread.is_alive() or len(accepted) < len(higher):
             raise BootstrapError(f"rank {rank}: TCP links from ranks {sorted(set(higher) - set(accepted))} "
                                  f"did not arrive ({errors[0] if errors else 'timed out'}); check "
                                  "LINKWISE_SOCKET_IFNAME and firewalls")

@@ -22,15 +22,14 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import bootstrap, config
+from . import config
 from . import _bf16, _setup, _shm_exec
-from ._setup import new_job_id
 from ._request import Request, adopt_native  # noqa: F401 - Request is linkwise.Request
 from ._coll_args import _as_array, _raw
 from ._coll_coroutines import CoroutineCollectivesMixin
 from ._coll_gather import GatherScatterMixin
 from .collectives import CollectivesMixin
-from .errors import BootstrapError, CommAbortedError
+from .errors import CommAbortedError
 
 MAX_TAG = (1 << 62) - 1
 
@@ -412,76 +411,12 @@ def _release_unclosed(store, pid: int) -> None:
         store.close()
 
 
-def init(rank: Optional[int] = None, size: Optional[int] = None, addr: Optional[str] = None, *,
-         timeout: Optional[float] = None) -> Communicator:
-    """Join the job and return its world communicator.
-
-    Reads rank, size and rank 0's address from ``linkwise launch``, torchrun, mpirun (Open MPI,
-    MPICH/Hydra) or srun, or from the arguments (``addr`` is "host:port" of rank 0, which hosts
-    the rendezvous store). With no launcher and no arguments: a single rank.
-    """
-    env = bootstrap.detect(rank=rank, size=size, addr=addr)
-    if timeout is not None:
-        setup_timeout = config.seconds(timeout, "init")
-    else:
-        try:
-            setup_timeout = config.get("LINKWISE_TIMEOUT")
-        except ValueError:  # raised on every rank once all have joined (refuse_bad_cards); until then:
-            setup_timeout = config.TUNABLES["LINKWISE_TIMEOUT"].default
-    rendezvous = (env.master_addr, env.master_port)
-    if env.size > 1:
-        _refuse_second_world(rendezvous)
-    store = None
-    job_id = env.job_id
-    try:
-        if env.size > 1:
-            world = _worlds_made[rendezvous] = _worlds_made.get(rendezvous, 0) + 1
-            store = bootstrap.Store(env.master_addr, env.master_port, is_server=env.rank == 0,
-                                    timeout=setup_timeout, spare_ports=env.spare_ports,
-                                    token=f"{env.job_id}|{env.size}|{env.master_port}|{world}",
-                                    port_source=env.port_source)
-            if not job_id:
-                if env.rank == 0:
-                    store.set("job_id", new_job_id().encode())
-                job_id = store.get("job_id", setup_timeout).decode()
-        job_id = job_id or new_job_id()
-        job_id = "".join(ch for ch in job_id if ch.isalnum())[:24] or new_job_id()
-        comm = Communicator(env.rank, env.size, local_rank=env.local_rank, local_size=env.local_size,
-                            launcher=env.launcher, store=store, job_id=job_id, timeout=setup_timeout)
-        comm._rendezvous = rendezvous if env.size > 1 else None
-        return comm
-    except BaseException:
-        if store is not None:  # a failed init leaves no listener behind: a retry may bind the port again
-            store.close()
-        raise
-
-
-# World communicators this process began to make, by rendezvous: the number goes into the
-# store's token, so that a rank making the next world never joins the previous world's store,
-# which rank 0 may not have closed yet (store._world_gap; a rank behind, whose rank 0 retried
-# a failed init, still joins the later world's store).
-_worlds_made: dict = {}
-
-
-def _refuse_second_world(rendezvous: tuple) -> None:
-    """A second init() of the same job while its first world communicator is open would meet
-    that one's rendezvous store (rank 0 could not listen on its port; the others joined the
-    open store, whose keys were the first world's), so it is refused before anything moves."""
-    for comm in list(_live):
-        if not comm._closed and comm.__dict__.get("_rendezvous") == rendezvous:
-            raise BootstrapError(
-                f"rank {comm.rank}: init() was called again while this process's world communicator of the "
-                f"same job (rendezvous {rendezvous[0]}:{rendezvous[1]}) is open; use that one, close() it "
-                "first, or make sub-communicators with comm.split()")
-
-
 def _forget_parents_communicators() -> None:
     """In a forked child: the parent's communicators are not the child's to close (closing
     them at the child's exit shut the parent's store sockets, which the two share), nor are its
-    world counts the child's."""
+    world counts (_world) the child's."""
     _live.clear()
     _store_users.clear()
-    _worlds_made.clear()
 
 
 os.register_at_fork(after_in_child=_forget_parents_communicators)

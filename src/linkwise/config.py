@@ -9,6 +9,7 @@ Values are read from the environment at each call (cheap), so tests may set them
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -120,7 +121,12 @@ def seconds(raw: Any, op: str = "") -> float:
         raise ValueError(f"{where}timeout {raw!r}: give seconds, a positive number") from None
     if not 0 < t < float("inf"):
         raise ValueError(f"{where}timeout {raw!r}: give seconds, a positive finite number")
-    return t
+    # Clamped to a quarter of the longest wait that sockets and threading accept (about 73
+    # years, room left for the margins added to it): 1e10 made store requests raise OverflowError.
+    return min(t, MAX_TIMEOUT)
+
+
+MAX_TIMEOUT = threading.TIMEOUT_MAX / 4
 
 
 declare("LINKWISE_TIMEOUT", 300.0, seconds, "seconds any blocking call waits before raising TimeoutError "

@@ -1,8 +1,9 @@
 """A small TCP key-value store through which ranks rendezvous at setup.
 
 Rank 0 creates ``Store(host, port, is_server=True, ...)``: it listens on ``port`` (on ``host``
-when that is a loopback address, else on every interface) from a daemon thread and also
-connects to itself as a client. Every other rank creates ``Store(host, port, is_server=False)``
+when that is a loopback address, else on every interface, IPv4 and IPv6 alike where the system
+allows one socket both, so a host name that resolves to IPv6 only on the other ranks is
+reached too) from a daemon thread and also connects to itself as a client. Every other rank creates ``Store(host, port, is_server=False)``
 and retries connecting until ``timeout``.
 
 Spare ports: when the port was derived (MASTER_PORT+1, or hashed from a job id) rather than
@@ -11,11 +12,14 @@ that the kernel gave that local port). ``spare_ports=k`` then lets the server ta
 free port of ``port .. port+k``; clients try those ports in turn and keep the one whose server
 answers a HELLO with the job's ``token``, so a foreign listener on one of them is skipped.
 
-Wire format (both ways): ``u32 length`` + payload, big-endian. A request payload is
-``op:u8  key_len:u32  key  body`` where body is the value (SET), an f64 timeout in seconds,
-negative for none (GET), an i64 amount (ADD), an i64 size and an f64 timeout (BARRIER: count
-one arrival and wait for ``size``), or nothing (HELLO: the reply body is the server's token).
-A reply payload is ``status:u8  body``.
+Wire format and server: :mod:`linkwise._store_server`. A client's first request on each
+connection is a HELLO (the server drops a connection that starts otherwise), and a value is
+at most MAX_REQUEST bytes (64 MiB; linkwise's own are a few hundred).
+
+Joining: ``Store.join(rank, who)`` records that ``rank`` joined this store; a second join of
+the same rank is refused (BootstrapError naming the first), so a rank of another job that
+reached this job's store (same port, same token: no LINKWISE_JOB_ID) or a duplicate rank is
+an error at once instead of a rank silently taking another's place.
 
 Threading: the server runs one daemon thread per client connection; all of them share one
 dict guarded by one Condition, so any number of blocking GETs wait concurrently and a SET wakes
@@ -33,27 +37,20 @@ barrier request has then reached the server. Requests sent later get StoreClosed
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 import time
 from typing import Callable, Optional
 
+from ._store_server import (_ADD, _BARRIER, _BAR, _F64, _FAIL, _GET, _HELLO, _I64, _JOIN, _KEY, _LEN,
+                            _MISSING, _OK, _SET, DRAIN, MAX_REQUEST, Server, clamp_wait, recv_exact,
+                            recv_frame, send_frame)
 from .errors import BootstrapError, PeerError, TimeoutError
 
-__all__ = ["Store", "StoreClosedError"]
+__all__ = ["Store", "StoreClosedError", "DRAIN", "MAX_REQUEST"]
 
-_SET, _GET, _ADD, _BARRIER, _HELLO = 1, 2, 3, 4, 5
-_OK, _MISSING, _FAIL = 0, 1, 2
-_LEN = struct.Struct("!I")
-_KEY = struct.Struct("!BI")
-_F64 = struct.Struct("!d")
-_I64 = struct.Struct("!q")
-_BAR = struct.Struct("!qd")  # size, timeout
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _GRACE = 10.0  # seconds a client waits beyond a server-side timeout before it gives up
-DRAIN = 2.0  # seconds a closing server waits for requests in progress to be answered
 _HELLO_WAIT = 2.0  # seconds a client waits for a candidate port's HELLO reply
-_MAX_TOKEN = 256  # bytes of a store's token a client reads (job id | size | port)
+_MAX_TOKEN = 256  # bytes of a store's token a client reads (job id | size | port | world)
 
 
 class StoreClosedError(PeerError, BootstrapError):
@@ -64,183 +61,9 @@ class _Missing(Exception):
     """Internal: the server's wait timed out; ``args[0]`` is the reply body."""
 
 
-def _send_frame(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(_LEN.pack(len(payload)) + payload)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> Optional[bytes]:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            return None
-        got += k
-    return bytes(buf)
-
-
-def _recv_frame(sock: socket.socket) -> Optional[bytes]:
-    head = _recv_exact(sock, _LEN.size)
-    if head is None:
-        return None
-    (n,) = _LEN.unpack(head)
-    return _recv_exact(sock, n) if n else b""
-
-
-# What to change when rank 0 cannot listen, by where the port came from (LaunchEnv.port_source).
-_PORT_HINTS = {
-    "addr": "pass a free port in addr='host:port' (the same on every rank)",
-    "LINKWISE_MASTER_PORT": "set LINKWISE_MASTER_PORT to a free port (under linkwise launch: pass "
-                            "another --master-port, or none for a free one)",
-    "MASTER_PORT": "the store takes MASTER_PORT + 1 (torch's own store has MASTER_PORT); choose another "
-                   "MASTER_PORT, or set LINKWISE_MASTER_PORT to a free port",
-    "derived": "set LINKWISE_MASTER_PORT to a free port (the same on every rank)",
-}
-
-
-class _Server:
-    """The store itself; lives in rank 0's process. See the module docstring for threading."""
-
-    def __init__(self, host: str, port: int, token: bytes, spare_ports: int, port_source: str):
-        bind = host if host in _LOOPBACK else "::" if ":" in host else "0.0.0.0"
-        if bind == "localhost":
-            bind = "127.0.0.1"
-        # An IPv6 master address (fd00::5) needs an IPv6 listener; "::" takes IPv4 too where
-        # the system allows both on one socket.
-        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-        last = None
-        ports = [port] if port == 0 else list(range(port, min(port + spare_ports, 65535) + 1))
-        for p in ports:
-            try:
-                self.listener = socket.create_server((bind, p), family=family, backlog=256)
-                break
-            except OSError as exc:
-                last = str(exc)  # not exc: its traceback holds this frame, which holds it (a cycle)
-        else:
-            tried = f"{bind}:{port}" + (f"..{ports[-1]}" if len(ports) > 1 else "")
-            raise BootstrapError(
-                f"rank 0 cannot listen on {tried} for the rendezvous store ({last}); another "
-                f"job may hold the port: {_PORT_HINTS.get(port_source, _PORT_HINTS['derived'])}") from None
-        self.token = token
-        self.port = self.listener.getsockname()[1]
-        self.bind = bind
-        self._data: dict[str, bytes] = {}
-        self._cond = threading.Condition()
-        self._closed = False
-        self._conns: set[socket.socket] = set()
-        self._busy = 0  # requests received and not yet answered (guarded by _cond)
-        threading.Thread(target=self._accept_loop, name="linkwise-store-accept",
-                         daemon=True).start()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return  # listener shut down by close()
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._cond:
-                if self._closed:
-                    conn.close()
-                    return
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="linkwise-store-conn",
-                             daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            while True:
-                req = _recv_frame(conn)
-                if req is None:
-                    return
-                with self._cond:
-                    self._busy += 1
-                try:
-                    try:
-                        reply = self._handle(req)
-                    except (ValueError, UnicodeDecodeError, struct.error) as exc:
-                        reply = bytes([_FAIL]) + f"bad request: {exc}".encode()
-                    _send_frame(conn, reply)
-                finally:
-                    with self._cond:
-                        self._busy -= 1
-                        self._cond.notify_all()
-        except OSError:
-            return
-        finally:
-            with self._cond:
-                self._conns.discard(conn)
-            conn.close()
-
-    def _handle(self, req: bytes) -> bytes:
-        op, klen = _KEY.unpack_from(req)
-        key = req[_KEY.size:_KEY.size + klen].decode()
-        body = req[_KEY.size + klen:]
-        if op == _HELLO:
-            return bytes([_OK]) + self.token
-        with self._cond:
-            if op == _SET:
-                self._data[key] = body
-                self._cond.notify_all()
-                return bytes([_OK])
-            if op == _ADD:
-                (amount,) = _I64.unpack(body)
-                value = int(self._data.get(key, b"0")) + amount
-                self._data[key] = str(value).encode()
-                self._cond.notify_all()
-                return bytes([_OK]) + _I64.pack(value)
-            if op == _GET:
-                (timeout,) = _F64.unpack(body)
-                ready = self._cond.wait_for(lambda: key in self._data or self._closed,
-                                            None if timeout < 0 else timeout)
-                if key in self._data:
-                    return bytes([_OK]) + self._data[key]
-                if ready:  # woken by close()
-                    raise OSError("store closing")
-                return bytes([_MISSING])
-            if op == _BARRIER:
-                size, timeout = _BAR.unpack(body)
-                arrived = int(self._data.get(key, b"0")) + 1
-                self._data[key] = str(arrived).encode()
-                self._cond.notify_all()
-                if arrived > size:
-                    return bytes([_FAIL]) + (f"{arrived} callers for size {size}; barrier names "
-                                             f"are single-use and size must match on every rank"
-                                             ).encode()
-                done = self._cond.wait_for(
-                    lambda: int(self._data[key]) >= size or self._closed,
-                    None if timeout < 0 else timeout)
-                if int(self._data[key]) >= size:
-                    return bytes([_OK])
-                if done:
-                    raise OSError("store closing")
-                return bytes([_MISSING]) + _I64.pack(int(self._data[key]))
-        return bytes([_FAIL]) + f"unknown store op {op}".encode()
-
-    def close(self) -> None:
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._cond.notify_all()
-        try:
-            self.listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        with self._cond:  # answer what was asked before the close (see the module docstring)
-            self._cond.wait_for(lambda: self._busy == 0, DRAIN)
-            conns = list(self._conns)
-        for s in conns:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self.listener.close()
-
-
 def _world_gap(theirs: bytes, ours: bytes) -> Optional[int]:
     """Their world number less ours, where a store's token names this rank's job, size and
-    port (comm.init's tokens: `job|size|port|world`); None where it names another job or size. A rank
+    port (_world.init's tokens: `job|size|port|world`; a long job id hashed); None where it names another job or size. A rank
     that closed a world and made the next one may reach rank 0 before rank 0 has closed the
     old one (gap < 0): joining that store failed once rank 0 closed it, and rank 0 then waited
     for the rank in the new world until the timeout. A later world (gap > 0: rank 0 retried a
@@ -260,12 +83,12 @@ class Store:
 
     def __init__(self, host: str, port: int, *, is_server: bool, timeout: float,
                  token: str = "", spare_ports: int = 0, port_source: str = "LINKWISE_MASTER_PORT"):
-        # token: the same on every rank of one job and different between jobs (comm.init uses
+        # token: the same on every rank of one job and different between jobs (_world.init uses
         # the job id, size, base port and world number). A client skips a store whose token
         # differs: another job's (an error where no spare port is left) or this job's earlier
         # world, still open (it waits for the next one; _world_gap).
-        self.host, self.timeout, self.is_server = host, float(timeout), is_server
-        self._server: Optional[_Server] = None
+        self.host, self.timeout, self.is_server = host, clamp_wait(float(timeout)), is_server
+        self._server: Optional[Server] = None
         self._lock = threading.Lock()  # guards the connection pool below
         self._idle: list[socket.socket] = []  # connections no call is using
         self._open: set[socket.socket] = set()  # every connection (close() shuts them all)
@@ -273,9 +96,9 @@ class Store:
         self._token = token.encode()
         candidates, self.port = [port], port
         if is_server:
-            self._server = _Server(host, port, self._token, spare_ports, port_source)
+            self._server = Server(host, port, self._token, spare_ports, port_source)
             port = candidates[0] = self._server.port
-            host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self._server.bind, self._server.bind)
+            host = self._server.self_host
         elif spare_ports > 0 and port > 0:
             candidates = list(range(port, min(port + spare_ports, 65535) + 1))
         try:
@@ -284,6 +107,7 @@ class Store:
             self.close()
             raise
         self._conn_host = host  # where more connections go (the port answered HELLO, if asked)
+        self.joined_token = self._joined_token  # the token of the store joined (_world_gap >= 0)
         self._idle.append(sock)
         self._open.add(sock)
 
@@ -307,6 +131,7 @@ class Store:
                 theirs = self._their_token(sock)
                 gap = _world_gap(theirs, self._token) if theirs is not None else None
                 if theirs == self._token or (gap is not None and gap >= 0):
+                    self._joined_token = theirs
                     sock.settimeout(None)
                     return sock, port
                 sock.close()
@@ -330,19 +155,19 @@ class Store:
             time.sleep(delay)
             delay = min(delay * 2, 0.25)
 
-    def _their_token(self, sock: socket.socket) -> Optional[bytes]:
+    def _their_token(self, sock: socket.socket, wait: float = _HELLO_WAIT) -> Optional[bytes]:
         """Ask a freshly connected server for its token (HELLO), also on a port the user gave:
         a store of another job (or started with another size) there must not be joined. None
         for anything but a linkwise store, including a listener that does not answer within
-        _HELLO_WAIT."""
+        ``wait`` seconds (_HELLO_WAIT)."""
         try:
-            sock.settimeout(_HELLO_WAIT)
-            _send_frame(sock, _KEY.pack(_HELLO, 0))
-            head = _recv_exact(sock, _LEN.size)
+            sock.settimeout(wait)
+            send_frame(sock, _KEY.pack(_HELLO, 0))
+            head = recv_exact(sock, _LEN.size)
             n = _LEN.unpack(head)[0] if head is not None else -1
             if not 1 <= n <= 1 + _MAX_TOKEN:  # also keeps a foreign length from sizing a buffer
                 return None
-            reply = _recv_exact(sock, n)
+            reply = recv_exact(sock, n)
         except OSError:
             return None
         if reply is None or reply[:1] != bytes([_OK]):
@@ -355,9 +180,9 @@ class Store:
         k = key.encode()
         sock = self._take(what, key)
         try:
-            sock.settimeout(wait)
-            _send_frame(sock, _KEY.pack(op, len(k)) + k + body)
-            reply = _recv_frame(sock)
+            sock.settimeout(clamp_wait(wait))
+            send_frame(sock, _KEY.pack(op, len(k)) + k + body)
+            reply = recv_frame(sock)
         except socket.timeout:
             self._drop(sock)  # its reply may still come: the stream is out of step
             raise TimeoutError(f"store {what} {key!r}: no reply from {self.host}:{self.port} "
@@ -396,10 +221,16 @@ class Store:
             if self._idle:
                 return self._idle.pop()
         try:
-            sock = socket.create_connection((self._conn_host, self.port), timeout=max(1.0, min(self.timeout, 10.0)))
+            wait = max(1.0, min(self.timeout, 10.0))
+            sock = socket.create_connection((self._conn_host, self.port), timeout=wait)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as exc:
             raise self._gone(what, key, exc) from None
+        # Every connection starts with a HELLO (the server drops one that does not); a store
+        # with another token on the port is no longer the one this object joined.
+        if self._their_token(sock, max(_HELLO_WAIT, wait)) != self.joined_token:
+            sock.close()
+            raise self._gone(what, key, None)
         with self._lock:
             self._open.add(sock)
             if self._closed:  # closed meanwhile
@@ -418,7 +249,11 @@ class Store:
         sock.close()
 
     def set(self, key: str, value: bytes) -> None:
-        """Set ``key`` to ``value`` and wake everyone waiting for it."""
+        """Set ``key`` to ``value`` and wake everyone waiting for it. ValueError for a value over
+        MAX_REQUEST bytes (with the key; the server would drop the connection)."""
+        if len(value) + len(key.encode()) + _KEY.size > MAX_REQUEST:
+            raise ValueError(f"store set {key!r}: {len(value)} bytes is more than the store takes "
+                             f"({MAX_REQUEST} bytes a request, key included)")
         self._request(_SET, key, bytes(value), self.timeout + _GRACE, "set")
 
     def get(self, key: str, timeout: Optional[float] = None) -> bytes:
@@ -446,6 +281,21 @@ class Store:
             (arrived,) = _I64.unpack(m.args[0])
             raise TimeoutError(f"barrier {name!r}: only {arrived} of {size} ranks arrived within "
                                f"{t:g} s; a rank is missing or stuck") from None
+
+    def join(self, rank: int, who: str) -> None:
+        """Record that this process joined the store as ``rank``; ``who`` describes it (pid,
+        host) in the error of a later one. Contract: one join per rank and store; the second
+        raises BootstrapError here, naming the first, and changes nothing."""
+        try:
+            self._request(_JOIN, str(int(rank)), who.encode(), self.timeout + _GRACE, "join")
+        except _Missing as m:
+            first = m.args[0].decode(errors="replace")
+            raise BootstrapError(
+                f"rank {rank}: another process already joined the rendezvous store at "
+                f"{self.host}:{self.port} as rank {rank} ({first}; this is {who}): most likely "
+                f"another job uses the same port with the same size and no LINKWISE_JOB_ID (set "
+                f"LINKWISE_JOB_ID to a value of its own in each job, or give each job its own "
+                f"port), or two processes were started with the same rank") from None
 
     def all_gather(self, name: str, rank: int, size: int, value: bytes,
                    timeout: Optional[float] = None,
