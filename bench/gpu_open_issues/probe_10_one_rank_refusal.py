@@ -1,0 +1,46 @@
+# RANKS: 2
+"""Bug: an argument refused on ONE rank of a GPU collective (here: the root's out= of the wrong
+size, checked on the root only, gpu_comm.py:376) raises there at once, but the other ranks have
+already enqueued their kernels, which spin until LINKWISE_TIMEOUT and then mark the GPU plane
+timed out for good (every later GPU call raises). The host path tells waiting peers within
+~0.1 s (README "Mismatched calls"); the GPU plane has no refusal notice (e.g. through the abort
+word / a store key), so one typo costs the full timeout (300 s by default) and the communicator.
+Expected: the non-root learns within a few seconds."""
+import os, sys, time
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _pu import *  # noqa: E402,F403
+
+setenv(LINKWISE_TIMEOUT=10)
+
+
+def main():
+    comm, g, torch = init(2)
+    n = 1 << 16
+    x = torch.ones(n, device="cuda")
+    out = torch.empty(n + (1 if comm.rank == 0 else 0), device="cuda")  # wrong on the root only
+    torch.cuda.synchronize()
+    comm.barrier()
+    t0 = time.time()
+    err = None
+    try:
+        comm.broadcast(x, root=0, out=out)
+        torch.cuda.synchronize()
+        g.check()
+    except Exception as e:  # noqa: BLE001
+        err = e
+    dt = time.time() - t0
+    if comm.rank == 0:
+        INFO(f"root: {exc_text(err) if err else 'no error'} after {dt:.2f}s")
+    else:
+        verdict(err is not None and dt < 3.0,
+                f"non-root learned of the root's refusal after {dt:.1f}s: "
+                f"{exc_text(err) if err else 'NO ERROR (returned normally)'}")
+        try:
+            g.check()
+            INFO("GPU plane still usable afterwards")
+        except Exception as e:  # noqa: BLE001
+            INFO(f"GPU plane dead afterwards: {exc_text(e)[:120]}")
+    finish(comm)
+
+
+run(main)
