@@ -323,3 +323,12 @@ def test_a_given_up_write_is_not_delivered_after_its_comm_is_freed():
         proc.kill()
         proc.wait()
     assert out.splitlines()[-1] == "not delivered: CommClosedError", out
+
+
+def test_an_older_peers_hello_is_named_as_such():
+    """A HELLO without the live token (linkwise before the token) is refused, saying why."""
+    old = b'{"host": "h", "pid": 5, "probe": 0, "value": 0, "live": 1}'
+    with pytest.raises(CommClosedError, match="no live token: an older linkwise"):
+        _dask_wire._parse_hello(old)
+    with pytest.raises(CommClosedError, match=r"malformed$"):
+        _dask_wire._parse_hello(b"not json")

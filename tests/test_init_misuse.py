@@ -162,3 +162,13 @@ def test_an_invalid_setting_on_one_rank_fails_a_split_on_every_rank():
     for rank, (outcome, seconds, total) in enumerate(out):
         expected = "ValueError: rank 1: LINKWISE_COLL_THREADS" if rank == 1 else "BootstrapError"
         assert outcome.startswith(expected) and seconds < 10 and total == 3.0, out
+
+
+def test_init_is_still_importable_from_linkwise_comm():
+    """init() moved to linkwise._world; code that imported it from linkwise.comm still works."""
+    import linkwise
+    from linkwise.comm import init
+    assert init is linkwise.init
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        from linkwise import comm
+        comm.nothing_here

@@ -80,6 +80,29 @@ def test_a_second_join_of_one_rank_is_refused_naming_the_first():
             assert one.get("k", 1) == b"v"
 
 
+def test_a_rank_whose_process_died_can_be_joined_again():
+    """The join of a process that died (its store connection closed) no longer holds the
+    rank: a process started in its place was refused at once while rank 0 waited for it
+    until the timeout. The same process joining again (a retry) is taken too."""
+    with Store("127.0.0.1", 0, is_server=True, timeout=5, token="t") as store:
+        store.join(0, "pid 1 on a")
+        store.join(0, "pid 1 on a")  # a retry by the same process
+        gone = Store("127.0.0.1", store.port, is_server=False, timeout=5, token="t")
+        gone.join(1, "pid 2 on b")
+        gone.close()  # what the kernel does to the sockets of a process that died
+        deadline = time.monotonic() + 5
+        with Store("127.0.0.1", store.port, is_server=False, timeout=5, token="t") as fresh:
+            while True:  # the server notices the closed connection a moment later
+                try:
+                    fresh.join(1, "pid 3 on b")
+                    break
+                except BootstrapError:
+                    assert time.monotonic() < deadline, "the dead process's join still holds rank 1"
+                    time.sleep(0.05)
+            fresh.set("k", b"v")
+            assert store.get("k", 1) == b"v"
+
+
 def _ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as s:

@@ -5,12 +5,14 @@
 // one byte order).
 // Unsigned bytes ('B', as bytes/bytearray/uint8 give) are "untyped" (code 0): raw bytes
 // may be received into anything and anything into raw bytes.
-// 'V' codes (records, strings, long double) also carry a 12-bit hash of the whole format
-// string and item size in bits 17-28, so that two record layouts of one size, or records of
-// 256 and 512 bytes, do not match. A hash can collide (1 in 4096): the check is a guard
-// against mistakes, not a proof.
+// 'V' codes (records, strings, long double) carry the item size in bits 0-7 and 17-22 (exact
+// up to 16383 bytes) and, for structured records (format "T{...}"), a 7-bit hash of their
+// layout in bits 23-29: the format without field names and native byte-order marks, so that
+// [('x','f8'),('y','f8')] and [('a','f8'),('b','f8')], or the same struct from NumPy and from
+// ctypes, match. Layout 0 is a record without fields (void 'V16', bytes 'S16', long double):
+// it matches any 'V' code of its size, as raw bytes would. A hash can collide (1 in 127): the
+// check guards against mistakes, it proves nothing.
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -21,16 +23,29 @@ namespace linkwise {
 
 namespace {
 
-constexpr int kLayoutShift = 17;
-constexpr uint32_t kLayoutMask = 0xfffu << kLayoutShift;
+constexpr int kSizeHighShift = 17, kLayoutShift = 23;
+constexpr uint32_t kSizeHighMask = 0x3fu << kSizeHighShift, kLayoutMask = 0x7fu << kLayoutShift;
 
-// Bits 17-28 of a 'V' code (0 for the numeric kinds): FNV-1a over the format and the size.
-uint32_t record_layout(char kind, const char* format, size_t itemsize) {
+bool native_order_mark(char c) {
+  const char native = __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__ ? '>' : '<';
+  return c == '@' || c == '=' || c == native;
+}
+
+// Bits 17-29 of a 'V' code (0 for the numeric kinds; see the file's comment).
+uint32_t record_bits(char kind, const char* format, size_t itemsize) {
   if (kind != 'V') return 0;
-  uint32_t h = 2166136261u;
-  for (const char* c = format; *c; ++c) h = (h ^ static_cast<unsigned char>(*c)) * 16777619u;
-  for (int i = 0; i < 8; ++i) h = (h ^ ((itemsize >> (8 * i)) & 0xff)) * 16777619u;
-  return ((h ^ (h >> 12) ^ (h >> 24)) << kLayoutShift) & kLayoutMask;
+  uint32_t layout = 0;
+  if (format[0] == 'T' && format[1] == '{') {
+    uint32_t h = 2166136261u;  // FNV-1a over the format, names (":name:") and native marks left out
+    bool in_name = false;
+    for (const char* c = format; *c; ++c) {
+      if (*c == ':') { in_name = !in_name; continue; }
+      if (in_name || native_order_mark(*c)) continue;
+      h = (h ^ static_cast<unsigned char>(*c)) * 16777619u;
+    }
+    layout = (h ^ (h >> 7) ^ (h >> 14) ^ (h >> 21)) % 127 + 1;  // 1..127: 0 is "no fields"
+  }
+  return (static_cast<uint32_t>((itemsize >> 8) & 0x3f) << kSizeHighShift) | (layout << kLayoutShift);
 }
 
 }  // namespace
@@ -52,11 +67,17 @@ uint32_t dtype_code(const char* format, size_t itemsize) {
   else if (f == '?') kind = 'b';
   else kind = 'V';
   const uint32_t order = swapped && itemsize > 1 && kind != 'V' ? kSwappedBytes : 0;
-  const uint32_t size = static_cast<uint32_t>(itemsize < 0xff ? itemsize : 0xff);
-  return order | record_layout(kind, format, itemsize) | (static_cast<uint32_t>(kind) << 8) | size;
+  return order | record_bits(kind, format, itemsize) | (static_cast<uint32_t>(kind) << 8) |
+         static_cast<uint32_t>(itemsize & 0xff);
 }
 
-bool dtypes_compatible(uint32_t a, uint32_t b) { return a == 0 || b == 0 || a == b; }
+bool dtypes_compatible(uint32_t a, uint32_t b) {
+  if (a == 0 || b == 0 || a == b) return true;
+  // Two records of one size where either has no fields (its layout bits 0): raw bytes.
+  const bool records = (a & kCollCode) == 0 && (b & kCollCode) == 0 && ((a >> 8) & 0xff) == 'V' &&
+                       ((b >> 8) & 0xff) == 'V';
+  return records && (a & ~kLayoutMask) == (b & ~kLayoutMask) && ((a & kLayoutMask) == 0 || (b & kLayoutMask) == 0);
+}
 
 std::string dtype_name(uint32_t code) {
   if (code == 0) return "untyped bytes";
@@ -76,11 +97,9 @@ std::string dtype_name(uint32_t code) {
     case 'c': return "complex" + std::to_string(bits);
     case 'b': return "bool";
     default: {
-      const unsigned size = code & 0xff;
-      char layout[8];
-      std::snprintf(layout, sizeof layout, "%03x", (code & kLayoutMask) >> kLayoutShift);
-      return (size == 0xff ? std::string("records of 255 bytes or more") : std::to_string(size) + "-byte records") +
-             " (layout " + layout + ")";
+      const unsigned size = (code & 0xff) | (((code & kSizeHighMask) >> kSizeHighShift) << 8);
+      const unsigned layout = (code & kLayoutMask) >> kLayoutShift;
+      return std::to_string(size) + "-byte records" + (layout ? " (layout " + std::to_string(layout) + ")" : "");
     }
   }
 }

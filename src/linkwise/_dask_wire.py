@@ -128,6 +128,7 @@ async def _exchange_hellos(sock: socket.socket) -> dict:
 def _parse_hello(body: bytes) -> dict:
     """The peer's HELLO, its fields checked (a stray client must not raise anything but
     CommClosedError, nor make this side read memory at a garbage address)."""
+    peer = None
     try:
         peer = json.loads(body)
         ok = (isinstance(peer, dict) and isinstance(peer.get("host"), str)
@@ -137,5 +138,7 @@ def _parse_hello(body: bytes) -> dict:
     except ValueError:
         ok = False
     if not ok:
-        raise CommClosedError("linkwise comm: the peer's handshake is malformed")
+        older = isinstance(peer, dict) and "live" in peer and "token" not in peer
+        raise CommClosedError("linkwise comm: the peer's handshake is malformed" + (
+            " (it has no live token: an older linkwise; use one version on every worker)" if older else ""))
     return peer

@@ -127,7 +127,8 @@ class Server:
         self.token = token
         self.port = self.listener.getsockname()[1]
         self._data: dict[str, bytes] = {}
-        self._joined: dict[str, str] = {}  # rank -> who joined as it (JOIN)
+        # rank -> (who joined as it, the connection its JOIN came on) (JOIN)
+        self._joined: dict[str, tuple[str, socket.socket]] = {}
         self._cond = threading.Condition()
         self._closed = False
         self._conns: set[socket.socket] = set()
@@ -164,7 +165,7 @@ class Server:
                     self._busy += 1
                 try:
                     try:
-                        reply = self._handle(req)
+                        reply = self._handle(req, conn)
                     except (ValueError, UnicodeDecodeError, struct.error, OverflowError) as exc:
                         reply = bytes([_FAIL]) + f"bad request: {exc}".encode()
                     send_frame(conn, reply)
@@ -179,7 +180,7 @@ class Server:
                 self._conns.discard(conn)
             conn.close()
 
-    def _handle(self, req: bytes) -> bytes:
+    def _handle(self, req: bytes, conn: socket.socket) -> bytes:
         op, klen = _KEY.unpack_from(req)
         key = req[_KEY.size:_KEY.size + klen].decode()
         body = req[_KEY.size + klen:]
@@ -197,12 +198,16 @@ class Server:
                 self._cond.notify_all()
                 return bytes([_OK]) + _I64.pack(value)
             if op == _JOIN:
-                # Contract: each rank joins a store once. A second join of one rank is
-                # refused (_MISSING), with the description of the first (see Store.join).
+                # Contract: a rank is joined by one process at a time. A join by another
+                # process while the first one's JOIN connection is open is refused
+                # (_MISSING), with the description of the first (see Store.join). A process
+                # that died closed that connection: one started in its place joins, as
+                # before joins were recorded. The same process may join again (a retry).
+                who = body.decode(errors="replace")
                 first = self._joined.get(key)
-                if first is not None:
-                    return bytes([_MISSING]) + first.encode()
-                self._joined[key] = body.decode(errors="replace")
+                if first is not None and first[0] != who and first[1] in self._conns:
+                    return bytes([_MISSING]) + first[0].encode()
+                self._joined[key] = (who, conn)
                 return bytes([_OK])
             if op == _GET:
                 (timeout,) = _F64.unpack(body)

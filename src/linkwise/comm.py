@@ -436,3 +436,12 @@ def _close_all() -> None:
             comm.close()
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
+
+
+def __getattr__(name: str):
+    """``linkwise.comm.init``: where ``init`` lived before it moved to ``_world`` (imported
+    lazily: _world imports this module)."""
+    if name == "init":
+        from ._world import init
+        return init
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

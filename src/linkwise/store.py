@@ -284,8 +284,10 @@ class Store:
 
     def join(self, rank: int, who: str) -> None:
         """Record that this process joined the store as ``rank``; ``who`` describes it (pid,
-        host) in the error of a later one. Contract: one join per rank and store; the second
-        raises BootstrapError here, naming the first, and changes nothing."""
+        host) in the error of a later one. Contract: one process per rank and store at a time; a
+        join by another while the first one's store connection is open raises BootstrapError
+        here, naming the first, and changes nothing. A process that died closed that
+        connection, so one started in its place joins; the same ``who`` may join again."""
         try:
             self._request(_JOIN, str(int(rank)), who.encode(), self.timeout + _GRACE, "join")
         except _Missing as m:

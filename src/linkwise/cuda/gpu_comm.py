@@ -192,7 +192,7 @@ class GpuComm:
             try:
                 select_device(self.comm, device)
             except (ValueError, RuntimeError) as exc:
-                error = str(exc).split(": ", 1)[1]  # raise_for_refused_setting names the rank
+                error = str(exc).removeprefix(f"rank {self.rank}: ")  # the rank is named again below
         if self.size == 1:
             raise_for_refused_setting(self.rank, [error], "make the GPU plane")
             return []
