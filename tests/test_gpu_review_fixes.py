@@ -302,3 +302,35 @@ def test_unexportable_buffers_take_the_scratch_path(who):
     if res[0][1]:
         pytest.skip("this torch exports expandable-segment memory through CUDA IPC")
     _errors([e for e, _ in res])
+
+
+# -- probe_01: a host-staged sendrecv ring ----------------------------------------------------------
+def _staged_ring_body(comm):
+    g, torch = _setup(comm)
+    assert g._staged is not None
+    nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    errors = []
+    for nbytes in (1 << 20, 32 << 20):  # 32 MiB: 8 chunks of 4 MiB, more than the 3 staging slots
+        n = nbytes // 4
+        x = torch.full((n,), float(comm.rank + 1), device="cuda")
+        out = torch.zeros(n, device="cuda")
+        torch.cuda.synchronize()
+        comm.sendrecv(x, nxt, out, prv)
+        torch.cuda.synchronize()
+        if not bool((out == prv + 1).all()):
+            errors.append(f"rank {comm.rank}: {nbytes >> 20} MiB wrong")
+    y = torch.full((8 << 20,), float(comm.rank), device="cuda")  # in place, through a copy
+    comm.sendrecv_replace(y, nxt, prv)
+    torch.cuda.synchronize()
+    if not bool((y == prv).all()):
+        errors.append(f"rank {comm.rank}: sendrecv_replace wrong")
+    return errors
+
+
+def test_a_host_staged_sendrecv_ring_moves_more_than_the_staging_slots():
+    """Every rank's staged send blocked the host until its reader took the chunks beyond the
+    3 slots, and every reader was in its own send: 32 MiB timed out on every rank."""
+    env = {**SAFE_ENV, "LINKWISE_P2P_DISABLE": "1", "LINKWISE_TIMEOUT": "30"}
+    t0 = time.monotonic()
+    _errors(run_ranks(_two_or_more(), _staged_ring_body, env=env, timeout=120))
+    assert time.monotonic() - t0 < 60

@@ -10,9 +10,16 @@ after sendrecv sees both done and x may be reused at once in stream order. The f
 are CUDA events on raw stream handles, so any CUDA array (torch, cupy,
 __cuda_array_interface__, DLPack) works alike. sendrecv_replace sends a copy of x, made on the
 caller's stream, through the same exchange.
+
+Host-staged (LINKWISE_P2P_DISABLE=1): a staged send blocks this thread until its reader has
+taken every chunk beyond the staging slots, so with every rank of a ring in its send none
+would reach its receive. There the send runs on a helper thread while this thread receives
+(Staged keeps separate pinned buffers for the two directions); sendrecv returns once both
+are done, and re-raises the send's error if the receive succeeded.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from .arrays import copy_on_stream, stream_handle, view
@@ -33,10 +40,31 @@ def gpu_sendrecv(g, x: Any, dst: int, out: Any, src: int, send_tag: int, recv_ta
     g._no_capture(s, "sendrecv")  # before the fork: a captured stream cannot be forked from here
     side = g._engine.sendrecv_fork(s)
     try:
+        if g._staged is not None:
+            return _staged_exchange(g, x, dst, send_tag, side, out, src, recv_tag, s)
         g.send(x, dst, send_tag, stream=side)
         return g.recv(out, src, recv_tag, stream=s)
     finally:
         g._engine.sendrecv_join(s)  # also after a failure: nothing on s may overtake the send
+
+
+def _staged_exchange(g, x, dst, send_tag, side, out, src, recv_tag, s) -> int:
+    failed: list = []
+
+    def send() -> None:
+        try:
+            g.send(x, dst, send_tag, stream=side)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            failed.append(exc)
+    sender = threading.Thread(target=send, name="linkwise-staged-sendrecv", daemon=True)
+    sender.start()
+    try:
+        n = g.recv(out, src, recv_tag, stream=s)
+    finally:
+        sender.join()  # the send ends too: it has its own timeout
+    if failed:
+        raise failed[0]
+    return n
 
 
 def gpu_sendrecv_replace(g, x: Any, dst: int, src: int, send_tag: int, recv_tag: int,

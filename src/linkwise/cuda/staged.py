@@ -158,11 +158,13 @@ class Staged:
         return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
 
     def _pipeline(self, src: int, dst: int, nbytes: int, itemsize: int, stream: int, body,
-                  down: bool = True, up: bool = True):
-        """For each chunk: [device src -> pinned] -> body(host view, k) -> [pinned -> device dst]."""
+                  down: bool = True, up: bool = True, first_buf: int = 0):
+        """For each chunk: [device src -> pinned] -> body(host view, k) -> [pinned -> device dst].
+        Uses pinned buffers first_buf..first_buf + nbuf - 1: a send passes nbuf, so that it may
+        run on another thread beside a receive (a host-staged sendrecv, cuda/sendrecv.py)."""
         e, B = self.e, self.nbuf
         chunks = self._chunks(nbytes, itemsize)
-        bufs = [self._buf(i, min(self.chunk, nbytes) + 256) for i in range(min(B, len(chunks)))]
+        bufs = [self._buf(first_buf + i, min(self.chunk, nbytes) + 256) for i in range(min(B, len(chunks)))]
         ready = {}
 
         def d2h(k):
@@ -223,7 +225,7 @@ class Staged:
             return
         def body(ptr, n, k):
             self.comm.send(self._np(ptr, n), dst, _TAG)
-        self._pipeline(v.ptr, 0, v.nbytes, 1, stream, body, down=True, up=False)
+        self._pipeline(v.ptr, 0, v.nbytes, 1, stream, body, down=True, up=False, first_buf=self.nbuf)
 
     def recv(self, v, src: int, stream: int):
         if src in self._local:
