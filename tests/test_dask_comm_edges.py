@@ -191,25 +191,32 @@ def test_empty_frames_of_any_shape():
     assert _dask_wire.byte_view(np.arange(6.0).reshape(2, 3)).nbytes == 48
 
 
-# A peer that, once connected to, sends one 80 MiB array through Dask's array serializer.
-SENDER = """
-import asyncio, sys
+def _peer(handler: str, lifetime: float) -> str:
+    """A peer program: a linkwise:// listener whose handler is ``handler`` (the body of
+    ``async def handle(comm)``, indented 8), printing its address, then living ``lifetime`` s."""
+    return f"""
+import asyncio, time
 import numpy as np
 from distributed.comm import listen
 from distributed.protocol import to_serialize
 from linkwise import dask_comm
 
 async def main():
-    async def send(comm):
-        await comm.write({"x": to_serialize(np.arange(10 << 20, dtype=np.int64))})
-        await comm.read()  # until the test closes
-    listener = listen("linkwise://127.0.0.1:0", send)
+    async def handle(comm):
+{handler}
+    listener = listen("linkwise://127.0.0.1:0", handle)
     await listener.start()
     print(listener.contact_address, flush=True)
-    await asyncio.sleep(120)
+    await asyncio.sleep({lifetime})
 
 asyncio.run(main())
 """
+
+
+# A peer that, once connected to, sends one 80 MiB array through Dask's array serializer.
+SENDER = _peer("""\
+        await comm.write({"x": to_serialize(np.arange(10 << 20, dtype=np.int64))})
+        await comm.read()  # until the test closes""", 120)
 
 
 def test_shards_of_a_large_frame_arrive_joinable():
@@ -265,27 +272,13 @@ def test_abort_from_another_thread_ends_the_comm_on_its_loop():
 
 # A peer whose handler keeps its event loop busy for 2 s before reading: the frames of the
 # message written meanwhile are copied (and the writer's live word read) only after that.
-BUSY_READER = """
-import asyncio, time
-import numpy as np
-from distributed.comm import listen
-from linkwise import dask_comm
-
-async def main():
-    async def handle(comm):
+BUSY_READER = _peer("""\
         time.sleep(2)
         try:
             msg = await comm.read()
             print("DELIVERED", np.unique(np.asarray(msg["x"])).tolist(), flush=True)
         except Exception as exc:
-            print("not delivered:", type(exc).__name__, flush=True)
-    listener = listen("linkwise://127.0.0.1:0", handle)
-    await listener.start()
-    print(listener.contact_address, flush=True)
-    await asyncio.sleep(15)
-
-asyncio.run(main())
-"""
+            print("not delivered:", type(exc).__name__, flush=True)""", 15)
 
 
 def test_a_given_up_write_is_not_delivered_after_its_comm_is_freed():
