@@ -172,3 +172,17 @@ def test_init_is_still_importable_from_linkwise_comm():
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         from linkwise import comm
         comm.nothing_here
+
+
+def test_a_per_rank_device_setting_is_not_to_be_set_alike():
+    """The others' error told them to set LINKWISE_DEVICE "alike on every rank": it is each
+    rank's own."""
+    from linkwise._setup import raise_for_refused_setting
+    from linkwise.errors import BootstrapError
+    device = "LINKWISE_DEVICE=7 is out of range: 1 CUDA device is visible"
+    with pytest.raises(BootstrapError, match="fix it on rank 1$"):
+        raise_for_refused_setting(0, ["", device], "make the GPU plane")
+    with pytest.raises(ValueError, match="rank 1: LINKWISE_DEVICE=7"):
+        raise_for_refused_setting(1, ["", device], "make the GPU plane")
+    with pytest.raises(BootstrapError, match="set it alike on every rank$"):
+        raise_for_refused_setting(0, ["", "LINKWISE_CHUNK_SIZE='x' is not a size"], "set up")

@@ -258,6 +258,22 @@ def test_cpu_slices():
         assert sorted(c for x in s for c in x) == list(range(8)) and all(s)
 
 
+def test_bind_cpu_takes_whole_cores_within_a_node(monkeypatch):
+    """--bind cpu cut the CPU list in number order: on a 2-socket host numbered as dgx1 (CPU c
+    and c + 40 one core's threads) two ranks each got half of both sockets' threads. It now
+    slices as --bind auto does without GPUs; unreadable sysfs falls back to the number cuts."""
+    from linkwise import topo
+    discover_module = sys.modules["linkwise.topo.discover"]  # topo.discover is the function
+    dgx1 = topo.fixture("dgx1")
+    monkeypatch.setattr(discover_module, "discover", lambda **kw: dgx1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(80)))
+    got = launch._bindings("cpu", 2, lambda text: None)
+    assert got == [(list(range(0, 20)) + list(range(40, 60)), {}),
+                   (list(range(20, 40)) + list(range(60, 80)), {})]
+    monkeypatch.setattr(discover_module, "discover", lambda **kw: 1 / 0)
+    assert launch._bindings("cpu", 2, lambda text: None) == [(list(range(40)), {}), (list(range(40, 80)), {})]
+
+
 def test_bind_auto_uses_topology(monkeypatch):
     fake = types.ModuleType("linkwise.topo.affinity")
     fake.binding_for = lambda k, n: types.SimpleNamespace(cpus=[k], gpu=k)

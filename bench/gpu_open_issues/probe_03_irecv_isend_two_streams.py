@@ -1,10 +1,9 @@
 # RANKS: 2
 """Bug: irecv / arecv of a CUDA array of LINKWISE_GPU_REG_MIN (4 MiB) or more blocks the HOST
-until the peer has called its send (gpu_comm.py:449-456: self.comm.recv of the sender's buffer
+until the peer has called its send (cuda/registered.py recv, from GpuComm.recv: self.comm.recv of the sender's buffer
 description inside GpuComm.recv). So the NCCL-legal pattern "irecv on stream A, then isend on
 stream B" on both ranks, which works below 4 MiB, deadlocks (until LINKWISE_TIMEOUT) at 4 MiB+:
-each rank is stuck in irecv and never reaches its isend. (The docs only warn about irecv before
-isend on ONE stream.) Same for `await asyncio.gather(comm.arecv(..), comm.asend(..))`, where it
+each rank is stuck in irecv and never reaches its isend. (Seen on one H100 at 64 KiB too: see the README here.) Same for `await asyncio.gather(comm.arecv(..), comm.asend(..))`, where it
 also blocks the event loop. Expected: both sizes complete."""
 import os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

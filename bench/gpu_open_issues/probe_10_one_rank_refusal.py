@@ -1,6 +1,6 @@
 # RANKS: 2
 """Bug: an argument refused on ONE rank of a GPU collective (here: the root's out= of the wrong
-size, checked on the root only, gpu_comm.py:376) raises there at once, but the other ranks have
+size, checked on the root only, cuda/gpu_comm.py broadcast) raises there at once, but the other ranks have
 already enqueued their kernels, which spin until LINKWISE_TIMEOUT and then mark the GPU plane
 timed out for good (every later GPU call raises). The host path tells waiting peers within
 ~0.1 s (README "Mismatched calls"); the GPU plane has no refusal notice (e.g. through the abort

@@ -146,7 +146,10 @@ def raise_for_refused_setting(rank: int, errors: list[str], what: str) -> None:
     if bad == rank:
         raise ValueError(f"rank {rank}: {errors[bad]}")
     if bad is not None:
-        raise BootstrapError(f"rank {rank}: rank {bad} could not {what}: {errors[bad]}; set it alike on every rank")
+        # LINKWISE_DEVICE (or device=) is each rank's own: the others are not told to copy it
+        advice = (f"fix it on rank {bad}" if "LINKWISE_DEVICE" in errors[bad] or "device=" in errors[bad]
+                  else "set it alike on every rank")
+        raise BootstrapError(f"rank {rank}: rank {bad} could not {what}: {errors[bad]}; {advice}")
 
 
 def transport_disagreement(cards: list[PeerCard]) -> Optional[str]:

@@ -176,7 +176,7 @@ declare("LINKWISE_LAUNCH_OTHERS", None, str,
         "set by `linkwise launch`: what other launchers' variables said when it started the rank; "
         "init() refuses a process another launcher started inside the rank since, where that "
         "launcher's rank or size differ from the rank's")
-declare("LINKWISE_DEVICE", None, int, "GPU index this rank uses (set by `linkwise launch --bind auto`)")
+declare("LINKWISE_DEVICE", None, int, "CUDA ordinal (after CUDA_VISIBLE_DEVICES) this rank uses (set by `linkwise launch --bind auto`)")
 declare("LINKWISE_TOPO_FILE", "", str,
         "a topology JSON (linkwise topo --save) used instead of discovering this machine")
 # Collectives (issue 3), read per call by linkwise.collectives.

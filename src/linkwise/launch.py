@@ -69,7 +69,8 @@ SHM_DIR = "/dev/shm"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks to start")
     p.add_argument("--bind", choices=("none", "cpu", "auto"), default="none",
-                   help="cpu: disjoint slices of the allowed cores; auto: from the topology "
+                   help="cpu: disjoint slices of the allowed CPUs, whole cores within a NUMA node where "
+                        "the counts allow; auto: from the topology "
                         "(cores, GPU, NIC near each rank), else as cpu")
     p.add_argument("--master-port", type=_port, default=None,
                    help="port of rank 0's rendezvous store (default: a free port)")
@@ -135,7 +136,21 @@ def _bindings(mode: str, n: int, say) -> list[tuple[list[int], dict[str, str]]]:
     allowed = sorted(os.sched_getaffinity(0))
     if n > len(allowed):
         say(f"linkwise launch: {n} ranks on {len(allowed)} cores; ranks share cores")
-    return [(s, {}) for s in cpu_slices(allowed, n)]
+    return [(s, {}) for s in _core_aware_slices(allowed, n)]
+
+
+def _core_aware_slices(allowed: list[int], n: int) -> list[list[int]]:
+    """As --bind auto without GPUs: whole physical cores within a NUMA node where the counts
+    allow (the CPUs ordered by node, core, thread; linkwise.topo.affinity), read from sysfs
+    without NVML; cpu_slices' cuts in number order if that cannot be read (they may give a
+    rank both sockets, or one core's hyperthreads to two ranks)."""
+    try:
+        from .topo.affinity import slice_cpus
+        from .topo.discover import discover
+        topo = discover(use_nvml=False)
+        return [slice_cpus(topo, allowed, k, n) for k in range(n)]
+    except Exception:  # noqa: BLE001 - a topology bug must not stop the job from starting
+        return cpu_slices(allowed, n)
 
 
 def _auto_bindings(binding_for, binding_env, n: int, say) -> list:

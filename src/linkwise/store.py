@@ -16,10 +16,12 @@ Wire format and server: :mod:`linkwise._store_server`. A client's first request 
 connection is a HELLO (the server drops a connection that starts otherwise), and a value is
 at most MAX_REQUEST bytes (64 MiB; linkwise's own are a few hundred).
 
-Joining: ``Store.join(rank, who)`` records that ``rank`` joined this store; a second join of
-the same rank is refused (BootstrapError naming the first), so a rank of another job that
-reached this job's store (same port, same token: no LINKWISE_JOB_ID) or a duplicate rank is
-an error at once instead of a rank silently taking another's place.
+Joining: ``Store.join(rank, who)`` records that ``rank`` joined this store; a join of the same
+rank by another process while the first one's store connection is open is refused
+(BootstrapError naming the first), so a rank of another job that reached this job's store
+(same port, same token: no LINKWISE_JOB_ID) or a duplicate rank is an error at once instead of
+a rank silently taking another's place. The same process may join again, and once the first
+has died (its connection closed) a process started in its place joins.
 
 Threading: the server runs one daemon thread per client connection; all of them share one
 dict guarded by one Condition, so any number of blocking GETs wait concurrently and a SET wakes

@@ -47,17 +47,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-d", "--datatype", default=None,
                    help=f"{', '.join(common.DTYPES)} or all (default float). linkwise cannot "
                         "reduce uint32, uint64: all_reduce, reduce, reduce_scatter show their "
-                        "rows n/a, and with no other type refuse to start")
+                        "rows n/a, and with no other type refuse to start; p2p refuses -d")
     p.add_argument("-o", "--op", default=None,
                    help=f"{', '.join(common.OPS + common.BITWISE_OPS)}, or all = nccl-tests' "
                         f"{','.join(common.OPS)} (default sum). The bitwise ops take "
                         f"{', '.join(common.BITWISE_TYPES)}: with -d all their floating-point "
-                        "rows show n/a; with floating-point types only it is an error")
+                        "rows show n/a; with floating-point types only it is an error; p2p "
+                        "refuses -o")
     p.add_argument("-r", "--root", type=int, default=None,
                    help="root of broadcast and reduce (a rank of the job; default 0); the other "
-                        "collectives ignore it, as nccl-tests does")
+                        "collectives ignore it, as nccl-tests does; p2p refuses it")
     p.add_argument("-N", "--nranks", type=int, default=None,
-                   help="ranks to start (default 2); under a launcher the launcher's ranks run the "
+                   help="ranks to start (default 2; at most 16 a CPU when bench starts them, a "
+                        "launcher may start more); under a launcher the launcher's ranks run the "
                         "sweep in place, unless it started only this one and -N asks for more")
     p.add_argument("--tests", default="latency,bw,bibw", help="p2p: which of latency,bw,bibw")
     p.add_argument("--window", type=int, default=64, help="p2p: messages in flight for bw/bibw")

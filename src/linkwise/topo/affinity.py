@@ -75,6 +75,12 @@ def _slice(cores: list[list[int]], k: int, n: int) -> list[int]:
     return sorted(flat[lo:hi])
 
 
+def slice_cpus(topo: Topology, cpus: list[int], k: int, n: int) -> list[int]:
+    """The k-th of n disjoint slices of ``cpus``, by the rules above (node, core, thread):
+    what ranks without a GPU get, and `linkwise launch --bind cpu`."""
+    return _slice(_cores_in_order(topo, cpus), k, n)
+
+
 def binding_for(local_rank: int, local_size: int, topology: Optional[Topology] = None,
                 visible: Optional[list[int]] = None) -> Binding:
     """See the module docstring. ``visible``: the topology indices of the GPUs CUDA sees, in
