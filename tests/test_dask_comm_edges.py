@@ -278,7 +278,7 @@ BUSY_READER = _peer("""\
             msg = await comm.read()
             print("DELIVERED", np.unique(np.asarray(msg["x"])).tolist(), flush=True)
         except Exception as exc:
-            print("not delivered:", type(exc).__name__, flush=True)""", 15)
+            print("not delivered:", type(exc).__name__, flush=True)""", 6)
 
 
 def test_a_given_up_write_is_not_delivered_after_its_comm_is_freed():
