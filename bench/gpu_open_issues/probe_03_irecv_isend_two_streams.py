@@ -3,7 +3,7 @@
 until the peer has called its send (cuda/registered.py recv, from GpuComm.recv: self.comm.recv of the sender's buffer
 description inside GpuComm.recv). So the NCCL-legal pattern "irecv on stream A, then isend on
 stream B" on both ranks, which works below 4 MiB, deadlocks (until LINKWISE_TIMEOUT) at 4 MiB+:
-each rank is stuck in irecv and never reaches its isend. (Seen on one H100 at 64 KiB too: see the README here.) Same for `await asyncio.gather(comm.arecv(..), comm.asend(..))`, where it
+each rank is stuck in irecv and never reaches its isend. (64 KiB failed too until the copy kernels were preloaded: CUDA lazy module loading.) Same for `await asyncio.gather(comm.arecv(..), comm.asend(..))`, where it
 also blocks the event loop. Expected: both sizes complete."""
 import os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

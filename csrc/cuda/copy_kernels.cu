@@ -246,5 +246,20 @@ void launch_recv(const DevComm& c, void* x, size_t n, int src, int par, uint64_t
 void launch_barrier(const DevComm& c, cudaStream_t s) {
   barrier_kernel<<<1, 32, 0, s>>>(c);
 }
+cudaError_t preload_copy_kernels() {
+  const void* kernels[] = {reinterpret_cast<const void*>(send_kernel),
+                           reinterpret_cast<const void*>(recv_kernel),
+                           reinterpret_cast<const void*>(barrier_kernel),
+                           reinterpret_cast<const void*>(bcast_kernel),
+                           reinterpret_cast<const void*>(bcast_sag_kernel),
+                           reinterpret_cast<const void*>(gather_kernel),
+                           reinterpret_cast<const void*>(alltoall_kernel)};
+  for (const void* k : kernels) {
+    cudaFuncAttributes attr;
+    cudaError_t e = cudaFuncGetAttributes(&attr, k);  // loads the kernel's module function
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
 
 }  // namespace linkwise::cuda

@@ -69,6 +69,7 @@ GpuEngine::GpuEngine(int rank, int nranks, int device, size_t slot_bytes, double
   LW_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&impl_->dev.host), hf, 0), "scratch setup");
   LW_CUDA(cudaMemset(p, 0, kControlBytes), "scratch setup");
   LW_CUDA(cudaDeviceSynchronize(), "scratch setup");
+  LW_CUDA(preload_copy_kernels(), "kernel preload");  // before any of ours can spin (launch.h)
   DevComm& d = impl_->dev;
   d.rank = rank;
   d.nranks = nranks;

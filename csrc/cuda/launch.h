@@ -58,6 +58,13 @@ void launch_send(const DevComm& c, const void* x, size_t n, int dst, int par, ui
 void launch_recv(const DevComm& c, void* x, size_t n, int src, int par, uint64_t data_need,
                  int blocks, cudaStream_t s);
 void launch_barrier(const DevComm& c, cudaStream_t s);
+// Loads the point-to-point, barrier and block-copy kernels now. Under CUDA's lazy module
+// loading (the default since CUDA 12) a kernel is loaded at its first launch, and loading
+// waits for the kernels running in the context: a recv kernel spinning for its data would
+// then keep the matching send kernel of the same process from ever loading (a recv posted
+// before its send deadlocked until the timeout, on two streams as on one). Returns the first
+// CUDA error, cudaSuccess if none.
+cudaError_t preload_copy_kernels();
 
 // One slice reduced from registered user buffers (reg_reduce.cu): elements [0, len) of
 // src[0..nsrc) (rank order) reduced into every dst[0..ndst). Not an epoch kernel: the caller
