@@ -200,7 +200,7 @@ def accept_peers(listener: socket.socket, job_id: str, expected: list[int], dead
     from every pending connection at once, a connection that closes before its 20 bytes, sends
     a wrong job id or rank, or stays silent for ``handshake_wait`` seconds is dropped, and
     accepting goes on. No byte after the handshake is read (the engine gets the stream there)."""
-    want = job_id.encode()[:16].ljust(16, b"\0")
+    want = _handshake_bytes(job_id, 0)[:16]  # the job id as a peer sends it
     accepted: dict[int, socket.socket] = {}
     pending: dict[socket.socket, tuple[bytearray, float]] = {}  # conn -> (bytes so far, drop time)
     listener.setblocking(False)

@@ -39,15 +39,13 @@ DRAIN = 2.0  # seconds a closing server waits for requests in progress to be ans
 MAX_REQUEST = 64 << 20
 _HELLO_FRAME = _KEY.size  # a HELLO's whole payload: op and an empty key
 _CHUNK = 1 << 20  # a frame's buffer grows by at most this much per read
-# The longest wait a socket or a threading wait accepts is threading.TIMEOUT_MAX (~292 years
-# on Linux; socket.settimeout overflows a little above it). Waits are clamped to a quarter of
-# it, as config.seconds clamps timeouts, which leaves room for the grace periods added.
-MAX_WAIT = MAX_TIMEOUT
 
 
 def clamp_wait(seconds: Optional[float]) -> Optional[float]:
-    """``seconds`` (None: no limit) no longer than MAX_WAIT."""
-    return None if seconds is None else min(seconds, MAX_WAIT)
+    """``seconds`` (None: no limit) no longer than config.MAX_TIMEOUT, as config.seconds
+    clamps timeouts: socket.settimeout and threading waits overflow a little above
+    threading.TIMEOUT_MAX, and the quarter leaves room for the grace periods added."""
+    return None if seconds is None else min(seconds, MAX_TIMEOUT)
 
 
 def send_frame(sock: socket.socket, payload: bytes) -> None:

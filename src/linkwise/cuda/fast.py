@@ -27,18 +27,12 @@ import sys
 from typing import Any, Optional
 
 from .arrays import OPS
+from .registered import forced_algo
 
 # torch dtype name / numpy dtype char -> (engine dtype code (launch.h DType), element bytes)
 _REDUCE_T = {"float32": (0, 4), "float16": (1, 2), "bfloat16": (2, 2), "int32": (3, 4),
              "float64": (4, 8), "int64": (5, 8)}
 _REDUCE_C = {"f": (0, 4), "e": (1, 2), "i": (3, 4), "d": (4, 8), "l": (5, 8), "q": (5, 8)}
-
-
-def _forced_algo(g: Any) -> bool:
-    """LINKWISE_GPU_AR_ALGO=prs / rsag (read once, here) with the registered path on: the
-    general path then takes every all_reduce (registered at any size, gpu_comm.py)."""
-    from .. import config
-    return config.get("LINKWISE_GPU_AR_ALGO") in ("prs", "rsag") and g._reg_on and g.size > 1
 
 
 class FastPath:
@@ -52,7 +46,7 @@ class FastPath:
         self._bc = g._engine.broadcast_fast
         # From these sizes the registered-buffer paths (host all_gather per call) take over.
         self._ar_max = g._red_reg_min
-        if _forced_algo(g):  # LINKWISE_GPU_AR_ALGO=prs / rsag: that form at every size
+        if forced_algo(g):  # LINKWISE_GPU_AR_ALGO=prs / rsag (read once, here): the general path
             self._ar_max = 0
         self._bc_max = g._bcast_reg_min
         self._T = self._C = None

@@ -9,6 +9,8 @@ tells the receiver in the same host message that carries its buffer's descriptio
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from .. import config
 
 DESC_BYTES = 88  # reg_engine.cu kDescBytes
@@ -55,12 +57,14 @@ def reduce_ok(g, nbytes: int, s: int) -> bool:
             and not _native().cuda_stream_capturing(s))
 
 
-def forced_algo(g, s: int) -> bool:
+def forced_algo(g, s: Optional[int] = None) -> bool:
     """LINKWISE_GPU_AR_ALGO=prs / rsag asks for that form at any size: True where the
-    registered path may run at all (2+ ranks, NVLink path, LINKWISE_GPU_REG on, stream not
-    capturing). The same answer on every rank when the variable is set alike."""
+    registered path may run at all (2+ ranks, NVLink path, LINKWISE_GPU_REG on, and stream
+    s, when given, not capturing; the fast path asks once, without one). The same answer on
+    every rank when the variable is set alike."""
     return (config.get("LINKWISE_GPU_AR_ALGO") in ("prs", "rsag") and g.size > 1
-            and g._staged is None and g._reg_on and not _native().cuda_stream_capturing(s))
+            and g._staged is None and g._reg_on
+            and (s is None or not _native().cuda_stream_capturing(s)))
 
 
 def piece(g, nbytes: int) -> int:
