@@ -19,10 +19,10 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from . import config, netif
-from .errors import BootstrapError
+from .errors import BootstrapError, PeerError
 
 SHM_PREFIX = "linkwise-"
 
@@ -187,13 +187,18 @@ def _handshake_bytes(job_id: str, rank: int) -> bytes:
 
 _HANDSHAKE = struct.calcsize("!16si")  # 20 bytes: job id (16, zero-padded) and rank
 HANDSHAKE_WAIT = 30.0  # seconds an accepted connection has to send its handshake (peers send at once)
+CHECK_EVERY = 0.2  # seconds between a waiting accept's checks for ranks that left setup
+LEFT_WAIT = 0.5  # seconds a failed connect waits for the store to say the peer left setup
 
 
 def accept_peers(listener: socket.socket, job_id: str, expected: list[int], deadline: float,
-                 handshake_wait: float = HANDSHAKE_WAIT) -> dict[int, socket.socket]:
+                 handshake_wait: float = HANDSHAKE_WAIT,
+                 check: Optional[Callable[[], None]] = None) -> dict[int, socket.socket]:
     """Accept on ``listener`` until each rank of ``expected`` has connected and sent its
     handshake (job id and rank), or until ``deadline`` (time.monotonic()); returns
     {rank: socket} for those that did (a short result: the caller names the missing ranks).
+    ``check`` (Store.raise_if_left) is called every CHECK_EVERY seconds of waiting; what it
+    raises ends the wait (a rank that died during setup never connects).
 
     Contract: anything else that connects to the port (a port scanner, a health check, a
     process of another job) is closed and never stops or delays the peers: handshakes are read
@@ -204,6 +209,7 @@ def accept_peers(listener: socket.socket, job_id: str, expected: list[int], dead
     accepted: dict[int, socket.socket] = {}
     pending: dict[socket.socket, tuple[bytearray, float]] = {}  # conn -> (bytes so far, drop time)
     listener.setblocking(False)
+    next_check = time.monotonic() + CHECK_EVERY if check is not None else float("inf")
     with selectors.DefaultSelector() as sel:
         sel.register(listener, selectors.EVENT_READ)
         try:
@@ -211,12 +217,15 @@ def accept_peers(listener: socket.socket, job_id: str, expected: list[int], dead
                 now = time.monotonic()
                 if now >= deadline:
                     break
+                if now >= next_check:
+                    check()
+                    next_check = time.monotonic() + CHECK_EVERY
                 for conn, (_, drop_at) in list(pending.items()):
                     if now >= drop_at:  # silent too long: not a peer (peers send at once)
                         sel.unregister(conn)
                         del pending[conn]
                         conn.close()
-                wake = min([deadline] + [t for _, t in pending.values()])
+                wake = min([deadline, next_check] + [t for _, t in pending.values()])
                 for key, _ in sel.select(min(max(0.0, wake - now), 5.0)):  # epoll takes int ms
                     if key.fileobj is listener:
                         try:
@@ -287,7 +296,7 @@ def connect_tcp(native, store, tag: str, rank: int, size: int, job_id: str,
 
     def accept_all() -> None:
         try:
-            accepted.update(accept_peers(listener, job_id, higher, deadline))
+            accepted.update(accept_peers(listener, job_id, higher, deadline, check=store.raise_if_left))
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread
             errors.append(exc)
 
@@ -296,11 +305,17 @@ def connect_tcp(native, store, tag: str, rank: int, size: int, job_id: str,
     try:
         for peer in lower:
             host, _, p = store.get(f"{tag}/tcp/{peer}").decode().rpartition(":")
-            sock = _connect_peer(rank, peer, host, int(p), timeout)
+            try:
+                sock = _connect_peer(rank, peer, host, int(p), timeout)
+            except BootstrapError:
+                store.raise_if_left(LEFT_WAIT)  # refused since the peer died: name it
+                raise
             sock.sendall(_handshake_bytes(job_id, rank))
             sock.setblocking(False)
             native.adopt_tcp(peer, sock.detach())
         thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        if errors and isinstance(errors[0], PeerError):  # a rank left setup (RankLeftError, StoreClosedError)
+            raise errors[0]
         if errors or thread.is_alive() or len(accepted) < len(higher):
             raise BootstrapError(f"rank {rank}: TCP links from ranks {sorted(set(higher) - set(accepted))} "
                                  f"did not arrive ({errors[0] if errors else 'timed out'}); check "
@@ -328,7 +343,12 @@ def setup_links(native, store, tag: str, rank: int, size: int, job_id: str, time
             store.set(f"{tag}/shm-name/{rank}", native.shm_inbox_name().encode())
             store.barrier(f"{tag}/shm-created", size, timeout)
             for p in shm_peers:
-                native.connect_shm(p, store.get(f"{tag}/shm-name/{p}", timeout).decode(), cards[p].pid)
+                inbox = store.get(f"{tag}/shm-name/{p}", timeout).decode()
+                try:
+                    native.connect_shm(p, inbox, cards[p].pid)
+                except Exception:
+                    store.raise_if_left(LEFT_WAIT)  # its inbox went with a peer that died: name it
+                    raise
             store.barrier(f"{tag}/shm-connected", size, timeout)
         finally:
             native.unlink_shm()

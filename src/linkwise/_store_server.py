@@ -5,7 +5,20 @@ Wire format (both ways): ``u32 length`` + payload, big-endian. A request payload
 ``op:u8  key_len:u32  key  body`` where body is the value (SET), an f64 timeout in seconds,
 negative for none (GET), an i64 amount (ADD), an i64 size and an f64 timeout (BARRIER: count
 one arrival and wait for ``size``), a description of the caller (JOIN: the key is the rank),
-or nothing (HELLO: the reply body is the server's token). A reply payload is ``status:u8  body``.
+nothing (SETTLED: the key is the rank; HELLO: the reply body is the server's token), or an
+f64 wait in seconds (CHECK). A reply payload is ``status:u8  body``; status LEFT's body is
+``rank|description`` of a rank that left during setup.
+
+Ranks that leave during setup: a JOIN's connection is its process's (the client keeps it for
+joins and SETTLED only), so it closes when that process dies or closes its store. If that
+happens before the rank sent SETTLED (its init() done), the rank is recorded as left, and
+every wait (GET, BARRIER, CHECK) that is not satisfied answers LEFT at once, naming the
+first rank that left: the ranks still setting up raise instead of waiting for the timeout.
+A rank that settled and closes later is not a death (the engine watches peers from then
+on). A later JOIN of the rank (a process started in its place) clears the record. A closing
+server whose joined ranks have not all settled or left first waits for them to (up to
+DRAIN seconds), answering their requests, so that they learn which rank left (its own
+closing JOIN connection makes rank 0 one) instead of seeing the store vanish.
 
 Untrusted input: anything may connect to the store's port (port scanners, health checks, an
 HTTP probe). The server therefore drops a connection whose first request is not a HELLO (every
@@ -23,15 +36,17 @@ from typing import Optional
 from .config import MAX_TIMEOUT
 from .errors import BootstrapError
 
-_SET, _GET, _ADD, _BARRIER, _HELLO, _JOIN = 1, 2, 3, 4, 5, 6
-_OK, _MISSING, _FAIL = 0, 1, 2
+_SET, _GET, _ADD, _BARRIER, _HELLO, _JOIN, _SETTLED, _CHECK = 1, 2, 3, 4, 5, 6, 7, 8
+_OK, _MISSING, _FAIL, _LEFT = 0, 1, 2, 3
 _LEN = struct.Struct("!I")
 _KEY = struct.Struct("!BI")
 _F64 = struct.Struct("!d")
 _I64 = struct.Struct("!q")
 _BAR = struct.Struct("!qd")  # size, timeout
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-DRAIN = 2.0  # seconds a closing server waits for requests in progress to be answered
+# Seconds a closing server waits for the joined ranks still setting up to settle or leave,
+# and then for requests in progress to be answered.
+DRAIN = 2.0
 # The longest request frame the server reads (op, key and value together); a longer one ends
 # its connection. linkwise's own values are small (a rank's card is a few hundred bytes of
 # JSON, a CUDA IPC handle 64 bytes), so this is generous; Store.set refuses a longer value
@@ -127,7 +142,12 @@ class Server:
         self._data: dict[str, bytes] = {}
         # rank -> (who joined as it, the connection its JOIN came on) (JOIN)
         self._joined: dict[str, tuple[str, socket.socket]] = {}
+        self._settled: set[str] = set()  # ranks whose setup is done (SETTLED)
+        # rank -> who: ranks whose JOIN connection closed before they settled, in the order
+        # they left (the first is the one the waiters name; later ones mostly follow from it)
+        self._left: dict[str, str] = {}
         self._cond = threading.Condition()
+        self._closing = False  # close() began: it waits for the ranks still setting up
         self._closed = False
         self._conns: set[socket.socket] = set()
         self._busy = 0  # requests received and not yet answered (guarded by _cond)
@@ -176,7 +196,28 @@ class Server:
         finally:
             with self._cond:
                 self._conns.discard(conn)
+                self._note_left(conn)
             conn.close()
+
+    def _note_left(self, conn: socket.socket) -> None:
+        """``conn`` closed (caller holds _cond): a rank that joined on it and had not settled
+        left during setup; every waiter wakes (and answers LEFT)."""
+        if self._closed:
+            return
+        for rank, (who, joined_on) in self._joined.items():
+            if joined_on is conn and rank not in self._settled and rank not in self._left:
+                self._left[rank] = who
+                self._cond.notify_all()
+
+    def _left_reply(self) -> bytes:
+        """LEFT, naming the first rank that left during setup (caller holds _cond)."""
+        rank, who = next(iter(self._left.items()))
+        return bytes([_LEFT]) + f"{rank}|{who}".encode()
+
+    def _all_settled_or_left(self) -> bool:
+        """Every joined rank has settled or its JOIN connection has closed (caller holds _cond)."""
+        return all(rank in self._settled or conn not in self._conns
+                   for rank, (_, conn) in self._joined.items())
 
     def _handle(self, req: bytes, conn: socket.socket) -> bytes:
         op, klen = _KEY.unpack_from(req)
@@ -206,13 +247,31 @@ class Server:
                 if first is not None and first[0] != who and first[1] in self._conns:
                     return bytes([_MISSING]) + first[0].encode()
                 self._joined[key] = (who, conn)
+                # A process in the place of one that left sets up afresh (waiters that were
+                # told of the leaving have raised already).
+                self._left.pop(key, None)
+                self._settled.discard(key)
+                return bytes([_OK])
+            if op == _SETTLED:
+                self._settled.add(key)
+                self._cond.notify_all()  # a closing server may wait for it
+                return bytes([_OK])
+            if op == _CHECK:
+                (wait,) = _F64.unpack(body)
+                self._cond.wait_for(lambda: self._left or self._closed, clamp_wait(max(0.0, wait)))
+                if self._left:
+                    return self._left_reply()
+                if self._closed:
+                    raise OSError("store closing")
                 return bytes([_OK])
             if op == _GET:
                 (timeout,) = _F64.unpack(body)
-                ready = self._cond.wait_for(lambda: key in self._data or self._closed,
+                ready = self._cond.wait_for(lambda: key in self._data or self._closed or self._left,
                                             None if timeout < 0 else clamp_wait(timeout))
                 if key in self._data:
                     return bytes([_OK]) + self._data[key]
+                if self._left:
+                    return self._left_reply()
                 if ready:  # woken by close()
                     raise OSError("store closing")
                 return bytes([_MISSING])
@@ -226,10 +285,12 @@ class Server:
                                              f"are single-use and size must match on every rank"
                                              ).encode()
                 done = self._cond.wait_for(
-                    lambda: int(self._data[key]) >= size or self._closed,
+                    lambda: int(self._data[key]) >= size or self._closed or self._left,
                     None if timeout < 0 else clamp_wait(timeout))
                 if int(self._data[key]) >= size:
                     return bytes([_OK])
+                if self._left:
+                    return self._left_reply()
                 if done:
                     raise OSError("store closing")
                 return bytes([_MISSING]) + _I64.pack(int(self._data[key]))
@@ -237,8 +298,13 @@ class Server:
 
     def close(self) -> None:
         with self._cond:
-            if self._closed:
+            if self._closing:
                 return
+            self._closing = True
+            # Ranks still setting up are answered a while longer (see the module docstring):
+            # they learn who left (the closing rank 0 itself, once its own JOIN connection
+            # closed) rather than only that the store went away.
+            self._cond.wait_for(self._all_settled_or_left, DRAIN)
             self._closed = True
             self._cond.notify_all()
         try:

@@ -54,6 +54,8 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, addr: Optional[
         comm = Communicator(env.rank, env.size, local_rank=env.local_rank, local_size=env.local_size,
                             launcher=env.launcher, store=store, job_id=job_id, timeout=setup_timeout)
         comm._rendezvous = rendezvous if env.size > 1 else None
+        if store is not None:
+            store.settled()  # from now on this rank closing its store is not leaving setup
         return comm
     except BaseException:
         if store is not None:  # a failed init leaves no listener behind: a retry may bind the port again

@@ -23,6 +23,14 @@ rank by another process while the first one's store connection is open is refuse
 a rank silently taking another's place. The same process may join again, and once the first
 has died (its connection closed) a process started in its place joins.
 
+Leaving during setup: the connection a rank joined on is kept for joins and ``settled()``
+only, open as long as its process and this object are. ``settled()`` (init() calls it once
+its world communicator is made) says the rank's setup is done. A joined rank whose
+connection closes before that (it died, or its init() failed and closed the store) makes
+every store wait that is not yet satisfied, on every rank, raise :class:`RankLeftError`
+naming it at once, and so does :meth:`raise_if_left`, which waits that are not store waits
+(accepting TCP links) call between slices. After ``settled()``, closing is not leaving.
+
 Threading: the server runs one daemon thread per client connection; all of them share one
 dict guarded by one Condition, so any number of blocking GETs wait concurrently and a SET wakes
 them. A client ``Store`` object may be used from any number of threads at once: each call
@@ -31,10 +39,13 @@ takes an idle connection to the server, or opens one more, so a call blocked in 
 communicator's setup: the two once waited for each other until the timeout).
 
 Failure: if the server goes away (rank 0 exited, closed the store, or was killed) every client
-call in progress or later raises :class:`StoreClosedError` (a PeerError and a BootstrapError),
-never hangs. Closing the server first answers every request it has already received (for
-up to DRAIN seconds), so rank 0 may close right after a final barrier: every participant's
-barrier request has then reached the server. Requests sent later get StoreClosedError.
+call in progress or later raises :class:`StoreClosedError` (a PeerError and a BootstrapError
+naming rank 0), never hangs. Closing the server first answers every request it has already
+received (for up to DRAIN seconds), so rank 0 may close right after a final barrier: every
+participant's barrier request has then reached the server. Requests sent later get
+StoreClosedError. While joined ranks are still setting up, a closing server first waits (up to
+DRAIN seconds) for them to settle or leave, answering them: they raise RankLeftError naming
+the rank that left (rank 0 itself when its own init() failed) rather than StoreClosedError.
 """
 from __future__ import annotations
 
@@ -43,12 +54,12 @@ import threading
 import time
 from typing import Callable, Optional
 
-from ._store_server import (_ADD, _BARRIER, _BAR, _F64, _FAIL, _GET, _HELLO, _I64, _JOIN, _KEY, _LEN,
-                            _MISSING, _OK, _SET, DRAIN, MAX_REQUEST, Server, clamp_wait, recv_exact,
-                            recv_frame, send_frame)
+from ._store_server import (_ADD, _BARRIER, _BAR, _CHECK, _F64, _FAIL, _GET, _HELLO, _I64, _JOIN, _KEY,
+                            _LEFT, _LEN, _MISSING, _OK, _SET, _SETTLED, DRAIN, MAX_REQUEST, Server,
+                            clamp_wait, recv_exact, recv_frame, send_frame)
 from .errors import BootstrapError, PeerError, TimeoutError
 
-__all__ = ["Store", "StoreClosedError", "DRAIN", "MAX_REQUEST"]
+__all__ = ["Store", "StoreClosedError", "RankLeftError", "DRAIN", "MAX_REQUEST"]
 
 _GRACE = 10.0  # seconds a client waits beyond a server-side timeout before it gives up
 _HELLO_WAIT = 2.0  # seconds a client waits for a candidate port's HELLO reply
@@ -57,6 +68,11 @@ _MAX_TOKEN = 256  # bytes of a store's token a client reads (job id | size | por
 
 class StoreClosedError(PeerError, BootstrapError):
     """The rendezvous store (hosted by rank 0) closed its connection."""
+
+
+class RankLeftError(PeerError, BootstrapError):
+    """A rank died or left during setup: its store connection closed before its init() was
+    done. ``peer`` is that rank, ``rank`` this one (-1 where this object joined as none)."""
 
 
 class _Missing(Exception):
@@ -95,6 +111,11 @@ class Store:
         self._idle: list[socket.socket] = []  # connections no call is using
         self._open: set[socket.socket] = set()  # every connection (close() shuts them all)
         self._closed = False
+        # The connection this process joined on (see "Leaving during setup"): used by join()
+        # and settled() only, never in _idle; guarded by _lock like the pool.
+        self._held: Optional[socket.socket] = None
+        self._rank = -1  # the rank joined as (-1: none)
+        self._settled = False  # settled() was called: closing no longer means leaving setup
         self._token = token.encode()
         candidates, self.port = [port], port
         if is_server:
@@ -177,10 +198,18 @@ class Store:
         return reply[1:]
 
     def _request(self, op: int, key: str, body: bytes, wait: Optional[float],
-                 what: str) -> bytes:
-        """Send one request and return the reply body; ``wait`` bounds the reply (None: none)."""
+                 what: str, held: bool = False) -> bytes:
+        """Send one request and return the reply body; ``wait`` bounds the reply (None: none).
+        ``held``: on the joined connection (self._held, made first if there is none), which
+        stays out of the pool; while a request uses it, self._held is None, so that close()
+        only shuts it down (as any connection in use) and this call drops it."""
         k = key.encode()
-        sock = self._take(what, key)
+        sock = None
+        if held:
+            with self._lock:
+                sock, self._held = self._held, None
+        if sock is None:
+            sock = self._take(what, key)
         try:
             sock.settimeout(clamp_wait(wait))
             send_frame(sock, _KEY.pack(op, len(k)) + k + body)
@@ -198,8 +227,12 @@ class Store:
         with self._lock:
             if self._closed:
                 self._drop_locked(sock)
+            elif held:
+                self._held = sock
             else:
                 self._idle.append(sock)
+        if reply[0] == _LEFT:
+            raise self._left_error(reply[1:], what, key)
         if reply[0] == _FAIL:
             raise BootstrapError(f"store {what} {key!r}: {reply[1:].decode()}")
         if reply[0] == _MISSING:
@@ -208,12 +241,27 @@ class Store:
 
     def _gone(self, what: str, key: str, exc: Optional[BaseException]) -> StoreClosedError:
         why = f" ({exc})" if exc else ""
+        if self._rank >= 0 and not self._settled:
+            return StoreClosedError(
+                f"rank {self._rank}: rank 0 died or left during setup: the rendezvous store it hosts at "
+                f"{self.host}:{self.port} closed the connection (store {what} {key!r}){why}; see rank 0's "
+                f"output for the cause", rank=self._rank, peer=0, op=f"store {what}")
         return StoreClosedError(
             f"store {what} {key!r}: the rendezvous store at {self.host}:{self.port} closed the "
             f"connection{why}; rank 0 exited, failed or closed its world communicator (which hosts "
             f"the store that split communicators also set up through): see its output, and let "
             f"rank 0 close only after a final barrier",
             peer=0, op=f"store {what}")
+
+    def _left_error(self, body: bytes, what: str, key: str) -> RankLeftError:
+        """The server's LEFT reply (``rank|who``) as the error this rank raises."""
+        rank, _, who = body.decode(errors="replace").partition("|")
+        me = f"rank {self._rank}: " if self._rank >= 0 else ""
+        peer = int(rank) if rank.isdigit() else -1
+        return RankLeftError(
+            f"{me}rank {rank} ({who}) died or left during setup: its connection to the rendezvous "
+            f"store closed before its init() was done (this rank was in store {what} {key!r}); see "
+            f"rank {rank}'s output for the cause", rank=self._rank, peer=peer, op=f"store {what}")
 
     def _take(self, what: str, key: str) -> socket.socket:
         """An idle connection, or a new one (no other call uses it until it is given back)."""
@@ -248,6 +296,8 @@ class Store:
         self._open.discard(sock)
         if sock in self._idle:
             self._idle.remove(sock)
+        if sock is self._held:
+            self._held = None
         sock.close()
 
     def set(self, key: str, value: bytes) -> None:
@@ -289,9 +339,12 @@ class Store:
         host) in the error of a later one. Contract: one process per rank and store at a time; a
         join by another while the first one's store connection is open raises BootstrapError
         here, naming the first, and changes nothing. A process that died closed that
-        connection, so one started in its place joins; the same ``who`` may join again."""
+        connection, so one started in its place joins; the same ``who`` may join again. The
+        connection joined on is kept for join() and settled() only, open as long as this
+        object: until settled(), its closing is this rank leaving setup (the module docstring)."""
         try:
-            self._request(_JOIN, str(int(rank)), who.encode(), self.timeout + _GRACE, "join")
+            self._request(_JOIN, str(int(rank)), who.encode(), self.timeout + _GRACE, "join", held=True)
+            self._rank = int(rank)
         except _Missing as m:
             first = m.args[0].decode(errors="replace")
             raise BootstrapError(
@@ -300,6 +353,25 @@ class Store:
                 f"another job uses the same port with the same size and no LINKWISE_JOB_ID (set "
                 f"LINKWISE_JOB_ID to a value of its own in each job, or give each job its own "
                 f"port), or two processes were started with the same rank") from None
+
+    def settled(self) -> None:
+        """Tell the store that this rank's setup is done: from now on its connection closing
+        is not a rank leaving setup (see the module docstring). Sent on the joined connection,
+        so the server reads it before that connection's end. A store already gone is not an
+        error here: the setup is done, and nobody is left to tell."""
+        self._settled = True
+        if self._rank < 0:
+            return
+        try:
+            self._request(_SETTLED, str(self._rank), b"", self.timeout + _GRACE, "settled", held=True)
+        except BootstrapError:  # StoreClosedError, or this object closed meanwhile
+            pass
+
+    def raise_if_left(self, wait: float = 0.0) -> None:
+        """RankLeftError if a joined rank left during setup (waiting up to ``wait`` seconds for
+        one to), StoreClosedError if the store is gone; else nothing. For waits that are not
+        store waits, between their slices."""
+        self._request(_CHECK, "", _F64.pack(float(wait)), float(wait) + _GRACE, "check")
 
     def all_gather(self, name: str, rank: int, size: int, value: bytes,
                    timeout: Optional[float] = None,
@@ -341,7 +413,7 @@ class Store:
             self._server.close()
             self._server = None
         with self._lock:
-            for sock in list(self._idle):
+            for sock in list(self._idle) + ([self._held] if self._held is not None else []):
                 self._drop_locked(sock)
 
     def __enter__(self) -> "Store":
