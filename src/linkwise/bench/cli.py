@@ -34,16 +34,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="size step when -f is 1 (default 1M; at least 1 byte when -e > -b); "
                         "-i without -f steps by it, as in nccl-tests")
     p.add_argument("-n", "--iters", type=int, default=None,
-                   help="timed iterations (default 20; p2p 10000, fewer for large sizes)")
+                   help="timed iterations (default 20). p2p: round trips for latency (default "
+                        "10000; at least 10, fewer for large sizes), a tenth as many windows "
+                        "for bw and bibw (at least 10; for large sizes fewer, down to 5)")
     p.add_argument("-w", "--warmup_iters", type=int, default=None,
                    help="untimed warm-up iterations (default 5; p2p 200). Collectives: the "
                         "first call, which finds out whether the system has that form and sets "
                         "up its connections, counts as one, so -w 0 still makes that one call; "
                         "p2p warms up with at least 2 round trips (1 window for bw, bibw)")
     p.add_argument("-c", "--check", type=int, default=1,
-                   help="1 (or more, as nccl-tests' check count): check every result and count "
-                        "wrong elements (default 1; p2p: wrong bytes received, checked after "
-                        "each size's timed rounds); 0: no checks")
+                   help="check count, as nccl-tests': N runs each variant N more times on "
+                        "fresh inputs (other values each time) and counts wrong elements, up "
+                        "to the first of them that finds some (default 1); 0: no checks. p2p: "
+                        "any N counts the wrong bytes received in each size's timed rounds")
     p.add_argument("-d", "--datatype", default=None,
                    help=f"{', '.join(common.DTYPES)} or all (default float). linkwise cannot "
                         "reduce uint32, uint64: all_reduce, reduce, reduce_scatter show their "
@@ -60,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-N", "--nranks", type=int, default=None,
                    help="ranks to start (default 2; at most 16 a CPU when bench starts them, a "
                         "launcher may start more); under a launcher the launcher's ranks run the "
-                        "sweep in place, unless it started only this one and -N asks for more")
+                        "sweep in place, unless it started only this one and -N asks for more. "
+                        "Not nccl-tests' -N (run cycles): --reps repeats the sweep")
     p.add_argument("--tests", default="latency,bw,bibw", help="p2p: which of latency,bw,bibw")
     p.add_argument("--window", type=int, default=64, help="p2p: messages in flight for bw/bibw")
     p.add_argument("--compare", default="", help="other systems to run the same sweep: gloo,mpi "
@@ -74,14 +78,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "system alike); 'both': eager and graph sweeps in the same processes, "
                         "two tables; default: eager back-to-back calls only")
     p.add_argument("--reps", type=int, default=1,
-                   help="repeat the whole sweep (every system, alternating); report medians "
-                   "(#wrong: the largest count of any repetition)")
+                   help="repeat the whole sweep (every system, alternating; at least 1); "
+                   "report medians (#wrong: the largest count of any repetition)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw and time against size "
                    "(needs matplotlib; the extension picks the format: .png, .pdf, .svg, ...)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--mpirun-args", default="", help="extra mpirun arguments for --compare mpi")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds for each launch")
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds for each launch (default 900; a positive number)")
 
 
 def _normalise(args) -> list[str]:
@@ -127,6 +132,10 @@ def _normalise(args) -> list[str]:
         raise ValueError(f"-n {args.iters}: need at least 1 timed iteration")
     if args.warmup_iters is not None and args.warmup_iters < 0:
         raise ValueError(f"-w {args.warmup_iters}: must be >= 0")
+    if args.reps < 1:
+        raise ValueError(f"--reps {args.reps}: need at least 1 sweep")
+    if not 0 < args.timeout < float("inf"):  # also NaN, which never ran out
+        raise ValueError(f"--timeout {args.timeout:g}: give seconds, a positive finite number")
     _check_outputs(args)
     common.check_plan(args.test, common.resolve_dtypes(args.datatype), common.resolve_ops(args.op))
     others = [s.strip() for s in args.compare.split(",") if s.strip()]
@@ -185,6 +194,25 @@ def _check_ranks(args, nranks: int) -> None:
         raise ValueError("p2p needs -N 2 or more")
     if args.test in common.HAS_ROOT and not 0 <= args.root < nranks:
         raise ValueError(f"-r {args.root} is not a rank of {nranks}")
+
+
+# What spawn.launch_ranks sets in each rank it starts: the values here never reach them.
+SPAWN_SETS = ("LINKWISE_RANK", "LINKWISE_SIZE", "LINKWISE_LOCAL_RANK", "LINKWISE_LOCAL_SIZE",
+              "LINKWISE_MASTER_ADDR", "LINKWISE_MASTER_PORT", "LINKWISE_JOB_ID")
+
+
+def _check_tunables(device: str, spawning: bool) -> None:
+    """The LINKWISE_* variables the ranks will read, parsed here: a value the library refuses
+    is one line (ValueError naming it) before any rank starts, instead of a traceback from
+    every rank once init() or the first collective reads it. The GPU plane's only for
+    --device cuda (a CPU sweep never reads them)."""
+    from .. import config
+    for name, tunable in config.TUNABLES.items():
+        if spawning and name in SPAWN_SETS:
+            continue
+        if device != "cuda" and name.startswith(config.READ_BY_GPU_PLANE):
+            continue
+        tunable.current()
 
 
 SPAWN_PER_CPU = 16  # ranks bench starts itself, at most, for each CPU it may run on
@@ -359,7 +387,11 @@ def _in_launcher(args, others: list[str], one_host: bool = True) -> int:
 
 def run(args) -> int:
     from .. import bootstrap
-    env = bootstrap.detect()
+    try:
+        env = bootstrap.detect()
+    except ValueError as exc:  # a launcher variable that cannot be read (LINKWISE_RANK=x)
+        print(f"linkwise bench: {exc}", file=sys.stderr)
+        return 2
     # Under a launcher its ranks run the sweep in place; a launcher of one rank starts -N ranks
     # itself, as outside a launcher, where -N asks for more (one task of an allocation, say)
     # or for p2p, which needs two.
@@ -372,13 +404,15 @@ def run(args) -> int:
         _check_ranks(args, env.size if in_place else args.nranks)
         if not in_place:
             _check_spawn_count(args.nranks)
+        one_here = not in_place and args.nranks == 1 and args.test != "p2p"  # this process
+        _check_tunables(getattr(args, "device", "cpu"), spawning=not (in_place or one_here))
     except ValueError as exc:
         if env.rank in (0, None):  # under a launcher every rank finds it: one line is enough
             print(f"linkwise bench: {exc}", file=sys.stderr)
         return 2
     if in_place:
         return _in_launcher(args, others, one_host=env.local_size == env.size)
-    if args.nranks == 1 and args.test != "p2p":
+    if one_here:
         return _in_launcher(args, others)
     from .spawn import LaunchError
     try:

@@ -180,9 +180,11 @@ def page_aligned(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def input_values(coll: str, op: str, rank: int, n: int, dtype: np.dtype) -> np.ndarray:
-    """Rank ``rank``'s deterministic input of n elements: small integers, exact in every dtype."""
-    i = np.arange(n, dtype=np.int64)
+def input_values(coll: str, op: str, rank: int, n: int, dtype: np.dtype, seed: int = 0) -> np.ndarray:
+    """Rank ``rank``'s deterministic input of n elements: small integers, exact in every dtype.
+    ``seed`` shifts the pattern, so that each check iteration (``-c N``) moves other values
+    than the one before (a result left over from it does not pass)."""
+    i = np.arange(n, dtype=np.int64) + seed
     if op == "prod":
         vals = 1 + ((i + rank) % 3 == 0)  # ones and twos: a product of 8 ranks stays <= 256
     else:
