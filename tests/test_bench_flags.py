@@ -405,3 +405,20 @@ def test_a_bad_tunable_under_a_launcher_is_one_line():
 def test_the_gpu_planes_tunables_do_not_stop_a_cpu_sweep():
     r = bench("all_reduce", "-b", "8", "-e", "8", *FAST, env={"LINKWISE_GPU_LL_MAX": "zz"})
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("argv,start", [
+    (["-b", "8", "-e", "1G", "-i", "1"], "-i 1: 1073741817 sizes from -b 8 to -e 1G; a sweep has at most 100000"),
+    (["-b", "8", "-e", "1G", "-f", "1.0000001"], "-f 1.0000001: more than 100000 sizes")])
+def test_a_sweep_of_a_billion_sizes_is_refused(argv, start):
+    """Before, every rank built the list of a billion sizes (tens of GB each) and the run
+    ended at --timeout, or when the memory ran out."""
+    _one_error(bench("all_reduce", *FAST, *argv, timeout=30), start)
+
+
+def test_sweep_count_matches_the_sweep():
+    for lo, hi, f, step in [(8, 4096, 2, 0), (0, 100, 1, 7), (5, 5, 1, 0), (0, 1000, 1.3, 0),
+                            (9, 8, 2, 1), (0, 0, 1, 1)]:
+        want = len(common.sweep(lo, hi, f, step)) if hi >= lo else 0
+        assert common.sweep_count(lo, hi, f, step) == want, (lo, hi, f, step)
+    assert common.sweep_count(8, 1 << 30, 1.0000001, 0, limit=50) == 51

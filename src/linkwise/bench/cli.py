@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "-i instead; below 1: an error")
     p.add_argument("-i", "--stepbytes", default=None,
                    help="size step when -f is 1 (default 1M; at least 1 byte when -e > -b); "
-                        "-i without -f steps by it, as in nccl-tests")
+                        "-i without -f steps by it, as in nccl-tests. A sweep has at most "
+                        f"{common.MAX_SIZES} sizes")
     p.add_argument("-n", "--iters", type=int, default=None,
                    help="timed iterations (default 20). p2p: round trips for latency (default "
                         "10000; at least 10, fewer for large sizes), a tenth as many windows "
@@ -114,6 +115,12 @@ def _normalise(args) -> list[str]:
         raise ValueError(f"-f {f:g}: the size factor must be at least 1 (1: step by -i bytes)")
     if f <= 1 and step < 1 and hi > lo:
         raise ValueError(f"-i {args.stepbytes}: with -f 1 sizes grow by -i bytes; need at least 1")
+    count = common.sweep_count(lo, hi, f, step)
+    if count > common.MAX_SIZES:
+        how = f"-i {args.stepbytes}" if f <= 1 else f"-f {f}"
+        many = f"{count}" if f <= 1 else f"more than {common.MAX_SIZES}"
+        raise ValueError(f"{how}: {many} sizes from -b {args.minbytes} to -e {args.maxbytes}; "
+                         f"a sweep has at most {common.MAX_SIZES} (a larger step, or -f 2)")
     if args.test == "p2p":
         from .p2p import TESTS as P2P_TESTS
         tests = [t.strip() for t in args.tests.split(",") if t.strip()]
