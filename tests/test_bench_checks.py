@@ -107,6 +107,24 @@ def test_a_compared_systems_wrong_results_are_named(monkeypatch, capsys):
     assert "gloo gave 2 wrong elements" in capsys.readouterr().err
 
 
+def test_graph_both_prints_two_tables_and_one_json(capsys, tmp_path):
+    """--graph both: the eager table, then the graph one; the JSON holds both systems; a wrong
+    count in the graph sweep alone still gives status 1."""
+    from linkwise.bench import cli
+    bad = _row(64, "float", "sum") | {"ip": {"time_us": 1.0, "algbw": 1.0, "busbw": 1.0, "wrong": 3}}
+    doc = {"test": "all_reduce", "nranks": 2,
+           "systems": {"linkwise": {"status": "ok", "runs": [[_row(64, "float", "sum")]]},
+                       "linkwise [graph]": {"status": "ok", "runs": [[bad]]}}}
+    out = tmp_path / "r.json"
+    args = type("Args", (), {"json": str(out), "plot": None})()
+    assert cli._finish(doc, args) == 1
+    text = capsys.readouterr().out
+    assert text.count("# linkwise bench all_reduce: 2 ranks") == 2
+    eager, graph = text.split("# --- the same sweep captured in CUDA graphs ---\n")
+    assert "Out of bounds values : 0 OK" in eager and "Out of bounds values : 3 FAILED" in graph
+    assert set(json.loads(out.read_text())["systems"]) == {"linkwise", "linkwise [graph]"}
+
+
 class _FaultyFrom(Backend):
     """One rank: all_reduce out of place done right (a copy) until call ``bad_from``, which and
     every later call leaves the output unwritten. Records each call's input."""

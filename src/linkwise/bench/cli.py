@@ -252,21 +252,37 @@ def _args_json(args) -> str:
 
 
 def _finish(doc: dict, args) -> int:
-    graph = {k: v for k, v in doc["systems"].items() if k.endswith(GRAPH_SUFFIX)}
-    if graph:  # --graph both: the eager table, then the graph one (same processes, same run)
-        eager = dict(doc, systems={k: v for k, v in doc["systems"].items() if k not in graph})
-        rc = _finish(eager, _without_outputs(args))
-        gdoc = dict(doc, systems={k[:-len(GRAPH_SUFFIX)]: v for k, v in graph.items()})
-        print("# --- the same sweep captured in CUDA graphs ---")
-        rc2 = _finish(gdoc, _without_outputs(args))
-        return max(rc, rc2, _write_outputs(doc, args, plot=False))
-    coll = doc["test"]
-    for name, s in doc["systems"].items():
+    """Print the table (--graph both: the eager one, then the graph one), write --json and
+    --plot, and give the exit status. A reader of stdout that goes away (`| head`) ends the
+    tables, not the files: its BrokenPipeError is raised once they are written, for
+    linkwise.cli's quiet end."""
+    graph = [k for k in doc["systems"] if k.endswith(GRAPH_SUFFIX)]
+    for s in doc["systems"].values():
         if s.get("status") == "ok":
-            s["rows"] = report.median_rows(s.get("runs", []), coll, doc["nranks"])
-    report.print_doc(doc, sys.stdout)
-    sys.stdout.flush()
-    written = _write_outputs(doc, args)
+            s["rows"] = report.median_rows(s.get("runs", []), doc["test"], doc["nranks"])
+    parts = [dict(doc, systems={k: v for k, v in doc["systems"].items() if k not in graph})]
+    if graph:  # the same sweep captured in CUDA graphs, same processes, same run
+        parts.append(dict(doc, systems={k[:-len(GRAPH_SUFFIX)]: doc["systems"][k] for k in graph}))
+    gone = None
+    try:
+        for k, part in enumerate(parts):
+            if k:
+                print("# --- the same sweep captured in CUDA graphs ---")
+            report.print_doc(part, sys.stdout)
+        sys.stdout.flush()
+    except BrokenPipeError as exc:
+        gone = exc
+    written = _write_outputs(doc, args, plot=not graph)
+    rc = max([written] + [_status(part) for part in parts])
+    if gone is not None:
+        raise gone
+    return rc
+
+
+def _status(doc: dict) -> int:
+    """The exit status one table's systems give (2: linkwise has no such test and nothing was
+    measured; 1: wrong elements or a failed system), saying on stderr what the table does not."""
+    coll = doc["test"]
     measured = [s for s in doc["systems"].values() if s.get("status") == "ok"]
     lw = doc["systems"].get("linkwise", {})
     if lw.get("status") == "not available" and not measured:
@@ -278,7 +294,7 @@ def _finish(doc: dict, args) -> int:
         if count and name != "linkwise":  # the table's own count is linkwise's
             print(f"linkwise bench {coll}: {name} gave {count} wrong elements (rows in --json)", file=sys.stderr)
     failed = any(s.get("status") == "failed" for s in doc["systems"].values())  # told on stderr
-    return max(written, 1 if any(wrong.values()) or failed else 0)
+    return 1 if any(wrong.values()) or failed else 0
 
 
 def _wrong_count(rows: list[dict], test: str) -> int:
@@ -311,13 +327,6 @@ def _write_outputs(doc: dict, args, plot: bool = True) -> int:
 
 
 GRAPH_SUFFIX = " [graph]"
-
-
-def _without_outputs(args):
-    import copy
-    a = copy.copy(args)
-    a.json = a.plot = None
-    return a
 
 
 def _merge(doc: dict, part: dict) -> None:
@@ -427,15 +436,18 @@ def run(args) -> int:
     except LaunchError as exc:
         print(f"linkwise bench: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # stdout's reader went away (| head): linkwise.cli ends quietly
+        raise
     except OSError as exc:  # a rank's process could not be started (EAGAIN, ENOMEM)
         print(f"linkwise bench: could not start the ranks: {exc}", file=sys.stderr)
         return 1
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="linkwise bench", description="measure latency and bandwidth")
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    """``python -m linkwise.bench.cli ARGS`` is ``linkwise bench ARGS`` (the same parser and the
+    same quiet end when stdout's reader goes away)."""
+    from ..cli import main as linkwise_main
+    return linkwise_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
