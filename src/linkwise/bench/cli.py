@@ -25,7 +25,8 @@ TESTS = ("p2p",) + common.COLLECTIVES
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("test", choices=TESTS, help="p2p, or a collective as in nccl-tests")
-    p.add_argument("-b", "--minbytes", default=None, help="smallest size (default 1 for p2p, 8)")
+    p.add_argument("-b", "--minbytes", default=None,
+                   help="smallest size (default 1 for p2p, 8; p2p sizes start at 1)")
     p.add_argument("-e", "--maxbytes", default="64M", help="largest size (default 64M)")
     p.add_argument("-f", "--stepfactor", type=float, default=None,
                    help="multiply the size by this (default 2, or 1 when -i is given); 1: add "
@@ -110,6 +111,8 @@ def _normalise(args) -> list[str]:
         args.stepbytes = "1M"
     step = common.parse_size(args.stepbytes, "-i")
     common.sweep(lo, hi)  # -e < -b
+    if args.test == "p2p" and hi < 1:  # its sizes start at 1 byte (runner.plan)
+        raise ValueError(f"-e {args.maxbytes}: p2p measures messages of 1 byte or more")
     f = args.stepfactor
     if not (1 <= f < float("inf")):  # also NaN
         raise ValueError(f"-f {f:g}: the size factor must be at least 1 (1: step by -i bytes)")
