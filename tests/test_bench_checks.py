@@ -105,3 +105,74 @@ def test_a_compared_systems_wrong_results_are_named(monkeypatch, capsys):
     args = type("Args", (), {"json": None, "plot": None})()
     assert cli._finish(doc, args) == 1
     assert "gloo gave 2 wrong elements" in capsys.readouterr().err
+
+
+def test_graph_both_prints_two_tables_and_one_json(capsys, tmp_path):
+    """--graph both: the eager table, then the graph one; the JSON holds both systems; a wrong
+    count in the graph sweep alone still gives status 1."""
+    from linkwise.bench import cli
+    bad = _row(64, "float", "sum") | {"ip": {"time_us": 1.0, "algbw": 1.0, "busbw": 1.0, "wrong": 3}}
+    doc = {"test": "all_reduce", "nranks": 2,
+           "systems": {"linkwise": {"status": "ok", "runs": [[_row(64, "float", "sum")]]},
+                       "linkwise [graph]": {"status": "ok", "runs": [[bad]]}}}
+    out = tmp_path / "r.json"
+    args = type("Args", (), {"json": str(out), "plot": None})()
+    assert cli._finish(doc, args) == 1
+    text = capsys.readouterr().out
+    assert text.count("# linkwise bench all_reduce: 2 ranks") == 2
+    eager, graph = text.split("# --- the same sweep captured in CUDA graphs ---\n")
+    assert "Out of bounds values : 0 OK" in eager and "Out of bounds values : 3 FAILED" in graph
+    assert set(json.loads(out.read_text())["systems"]) == {"linkwise", "linkwise [graph]"}
+
+
+class _FaultyFrom(Backend):
+    """One rank: all_reduce out of place done right (a copy) until call ``bad_from``, which and
+    every later call leaves the output unwritten. Records each call's input."""
+
+    name = "faulty"
+
+    def __init__(self, bad_from: int):
+        self.rank, self.size = 0, 1
+        self.bad_from, self.inputs = bad_from, []
+
+    def barrier(self) -> None:
+        pass
+
+    def max_over_ranks(self, value: float) -> float:
+        return value
+
+    def sum_over_ranks(self, value: int) -> int:
+        return value
+
+    def bind(self, coll, send, recv, inplace, op, root):
+        def fn():
+            self.inputs.append(send.copy())
+            if len(self.inputs) < self.bad_from:
+                recv[...] = send
+        return fn
+
+
+def _checked(backend: Backend, checks: int) -> dict:
+    return collective._one_variant(backend, "all_reduce", np.dtype(np.float32), "sum", 0, 64, 64,
+                                   inplace=False, iters=2, warmup=0, check=checks)
+
+
+def test_check_count_runs_that_many_checks_on_new_inputs():
+    """-c N is nccl-tests' check count: N checking calls, each on other inputs (before, any
+    N >= 1 made one)."""
+    b = _FaultyFrom(bad_from=10 ** 6)
+    assert _checked(b, 3)["wrong"] == 0
+    assert len(b.inputs) == 1 + 2 + 3  # the probing call, 2 timed, 3 checks
+    checks = b.inputs[3:]
+    assert not any(np.array_equal(checks[i], checks[j]) for i in range(3) for j in range(i))
+    assert not any(np.array_equal(c, b.inputs[0]) for c in checks)
+
+
+def test_a_later_check_finds_what_the_first_did_not():
+    """A fault from the 5th call on (the second check) passes -c 1 and is found by -c 2;
+    the first check that finds wrong elements ends the checks."""
+    assert _checked(_FaultyFrom(bad_from=5), 1)["wrong"] == 0
+    b = _FaultyFrom(bad_from=5)
+    assert _checked(b, 3)["wrong"] == 64
+    assert len(b.inputs) == 5
+    assert _checked(_FaultyFrom(bad_from=5), 0)["wrong"] is None

@@ -274,7 +274,8 @@ def test_bad_p2p_tests_and_window(argv, start):
 
 
 def test_check_count_as_nccl_tests():
-    """-c takes a count as nccl-tests does: 2 checks as 1 does; a negative one is an error."""
+    """-c takes a count as nccl-tests does (test_bench_checks: what it runs); a negative one
+    is an error."""
     r = bench("all_reduce", "-b", "64", "-e", "64", *FAST, "-c", "2")
     assert r.returncode == 0, r.stderr
     assert [row[8] for row in _data_rows(r.stdout)] == ["0"]  # #wrong, out of place: checked
@@ -362,3 +363,62 @@ def test_rows_in_nccl_tests_order():
     assert r.returncode == 0, r.stderr
     got = [(row[2], row[3], int(row[0])) for row in _data_rows(r.stdout)]
     assert got == [(t, o, s) for t in ("int32", "float") for o in ("sum", "max") for s in (8, 16)]
+
+
+# -- 10. --timeout, --reps and LINKWISE_* values checked before any rank starts ---------------
+@pytest.mark.parametrize("argv,start", [
+    (["--timeout", "0"], "--timeout 0: give seconds, a positive finite number"),
+    (["--timeout", "-1"], "--timeout -1: give seconds"),
+    (["--timeout", "nan"], "--timeout nan: give seconds"),   # before: no time limit at all
+    (["--reps", "0"], "--reps 0: need at least 1 sweep"),
+    (["--reps", "-3"], "--reps -3: need at least 1 sweep")])
+def test_bad_timeout_and_reps(argv, start):
+    """Before, --timeout 0 or -1 started the ranks and then failed ("did not finish within
+    -1 s"), NaN never timed out, and --reps below 1 ran one sweep."""
+    _one_error(bench("all_reduce", "-b", "8", "-e", "8", *FAST, *argv), start)
+
+
+@pytest.mark.parametrize("var,value,argv", [
+    ("LINKWISE_TIMEOUT", "abc", []), ("LINKWISE_ALGO", "foo", []),
+    ("LINKWISE_COLL_THREADS", "abc", ["-N", "1"]), ("LINKWISE_CHUNK_SIZE", "-5", []),
+    ("LINKWISE_RANK", "x", [])])
+def test_a_bad_tunable_is_one_line_before_any_rank_starts(var, value, argv):
+    """Before, every rank printed a traceback (the communicator or the first collective
+    refused the value there) and bench said only that rank 0 exited with status 1."""
+    r = bench("all_reduce", "-b", "8", "-e", "8", *FAST, *argv, env={var: value})
+    _one_error(r, "")
+    assert var in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_bad_tunable_under_a_launcher_is_one_line():
+    e = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             LINKWISE_ALGO="foo")
+    r = subprocess.run([sys.executable, "-m", "linkwise.cli", "launch", "-n", "2", "-m",
+                        "linkwise.bench.cli", "all_reduce", "-b", "8", "-e", "8", *FAST],
+                       env=e, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if "LINKWISE_ALGO='foo'" in ln]
+    assert len(said) == 1 and said[0].startswith("[rank 0] linkwise bench: "), r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_the_gpu_planes_tunables_do_not_stop_a_cpu_sweep():
+    r = bench("all_reduce", "-b", "8", "-e", "8", *FAST, env={"LINKWISE_GPU_LL_MAX": "zz"})
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("argv,start", [
+    (["-b", "8", "-e", "1G", "-i", "1"], "-i 1: 1073741817 sizes from -b 8 to -e 1G; a sweep has at most 100000"),
+    (["-b", "8", "-e", "1G", "-f", "1.0000001"], "-f 1.0000001: more than 100000 sizes")])
+def test_a_sweep_of_a_billion_sizes_is_refused(argv, start):
+    """Before, every rank built the list of a billion sizes (tens of GB each) and the run
+    ended at --timeout, or when the memory ran out."""
+    _one_error(bench("all_reduce", *FAST, *argv, timeout=30), start)
+
+
+def test_sweep_count_matches_the_sweep():
+    for lo, hi, f, step in [(8, 4096, 2, 0), (0, 100, 1, 7), (5, 5, 1, 0), (0, 1000, 1.3, 0),
+                            (9, 8, 2, 1), (0, 0, 1, 1)]:
+        want = len(common.sweep(lo, hi, f, step)) if hi >= lo else 0
+        assert common.sweep_count(lo, hi, f, step) == want, (lo, hi, f, step)
+    assert common.sweep_count(8, 1 << 30, 1.0000001, 0, limit=50) == 51

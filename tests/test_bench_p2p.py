@@ -135,3 +135,10 @@ def test_a_huge_rank_count_is_refused_before_any_rank_starts():
     r = bench("all_reduce", "-N", "100000", "-b", "8", "-e", "8", "--no-progress")
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     assert r.stderr.startswith("linkwise bench: -N 100000: more than 16 ranks for each"), r.stderr
+
+
+def test_p2p_of_0_bytes_at_most_is_refused():
+    """Before, -e 0 measured (and showed) a 1-byte message, larger than -e."""
+    r = bench("p2p", "-b", "0", "-e", "0", "-n", "10", "-w", "2", "--no-progress")
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.strip() == "linkwise bench: -e 0: p2p measures messages of 1 byte or more"

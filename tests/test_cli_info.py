@@ -188,3 +188,37 @@ def test_every_variable_the_code_reads_is_a_declared_tunable():
     assert len(read) > 20, read  # the scan found the code
     internal = {v for v in read if v.startswith("LINKWISE_BENCH_")}  # bench's own hand-off to its ranks
     assert sorted(read - internal - set(config.TUNABLES)) == []
+
+
+def _with_stdout_reader_gone(argv: list[str], env: dict) -> subprocess.CompletedProcess:
+    """Run `python -m linkwise.cli ARGV` writing to a pipe whose reader has gone (as `| head`
+    once it has its lines)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([sys.executable, "-m", "linkwise.cli", *argv], env=env,
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+
+
+def test_info_ends_quietly_when_stdout_goes_away():
+    """Before, rich ended the process with status 1 (`linkwise info | head` under pipefail
+    failed), where `linkwise topo` and bench end with 0."""
+    src = os.path.dirname(os.path.dirname(os.path.abspath(linkwise.__file__)))
+    p = _with_stdout_reader_gone(["info"], dict(os.environ, PYTHONPATH=src))
+    assert (p.returncode, p.stderr) == (0, "")
+
+
+def test_bench_writes_its_json_when_stdout_goes_away(tmp_path):
+    """Before, the BrokenPipeError was taken for a rank that could not start ("could not start
+    the ranks: [Errno 32] Broken pipe", status 1) and the --json file was never written."""
+    src = os.path.dirname(os.path.dirname(os.path.abspath(linkwise.__file__)))
+    out = tmp_path / "r.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LINKWISE_")}
+    p = _with_stdout_reader_gone(["bench", "all_reduce", "-b", "8", "-e", "64", "-f", "8", "-n",
+                                  "2", "-w", "1", "--no-progress", "--timeout", "60", "--json",
+                                  str(out)], dict(env, PYTHONPATH=src))
+    assert (p.returncode, p.stderr) == (0, "")
+    rows = json.loads(out.read_text())["systems"]["linkwise"]["rows"]
+    assert [r["size"] for r in rows] == [8, 64]

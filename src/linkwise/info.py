@@ -86,10 +86,19 @@ def _show(value: Any) -> str:
 
 def _print_rich(data: dict) -> None:
     from rich.console import Console
+
+    # Rendered, then written: rich ends the process with status 1 itself when stdout's reader
+    # goes away (`linkwise info | head`); a plain write lets linkwise.cli end quietly (0).
+    console = Console()
+    with console.capture() as captured:
+        _print_tables(console, data)
+    sys.stdout.write(captured.get())
+
+
+def _print_tables(console, data: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    console = Console()
     summary = Table(title="linkwise", show_header=False)
     summary.add_column(style="bold")
     summary.add_column()

@@ -58,7 +58,8 @@ class Backend:
         raise NotImplementedError
 
     def sum_over_ranks(self, value: int) -> int:
-        """The sum over all ranks (valid at least on rank 0)."""
+        """The sum over all ranks, returned on every rank (the check iterations of ``-c N``
+        stop on it, every rank at the same one)."""
         raise NotImplementedError
 
     # -- point-to-point --------------------------------------------------------------------

@@ -25,25 +25,30 @@ TESTS = ("p2p",) + common.COLLECTIVES
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("test", choices=TESTS, help="p2p, or a collective as in nccl-tests")
-    p.add_argument("-b", "--minbytes", default=None, help="smallest size (default 1 for p2p, 8)")
+    p.add_argument("-b", "--minbytes", default=None,
+                   help="smallest size (default 1 for p2p, 8; p2p sizes start at 1)")
     p.add_argument("-e", "--maxbytes", default="64M", help="largest size (default 64M)")
     p.add_argument("-f", "--stepfactor", type=float, default=None,
                    help="multiply the size by this (default 2, or 1 when -i is given); 1: add "
                         "-i instead; below 1: an error")
     p.add_argument("-i", "--stepbytes", default=None,
                    help="size step when -f is 1 (default 1M; at least 1 byte when -e > -b); "
-                        "-i without -f steps by it, as in nccl-tests")
+                        "-i without -f steps by it, as in nccl-tests. A sweep has at most "
+                        f"{common.MAX_SIZES} sizes")
     p.add_argument("-n", "--iters", type=int, default=None,
-                   help="timed iterations (default 20; p2p 10000, fewer for large sizes)")
+                   help="timed iterations (default 20). p2p: round trips for latency (default "
+                        "10000; at least 10, fewer for large sizes), a tenth as many windows "
+                        "for bw and bibw (at least 10; for large sizes fewer, down to 5)")
     p.add_argument("-w", "--warmup_iters", type=int, default=None,
                    help="untimed warm-up iterations (default 5; p2p 200). Collectives: the "
                         "first call, which finds out whether the system has that form and sets "
                         "up its connections, counts as one, so -w 0 still makes that one call; "
                         "p2p warms up with at least 2 round trips (1 window for bw, bibw)")
     p.add_argument("-c", "--check", type=int, default=1,
-                   help="1 (or more, as nccl-tests' check count): check every result and count "
-                        "wrong elements (default 1; p2p: wrong bytes received, checked after "
-                        "each size's timed rounds); 0: no checks")
+                   help="check count, as nccl-tests': N runs each variant N more times on "
+                        "fresh inputs (other values each time) and counts wrong elements, up "
+                        "to the first of them that finds some (default 1); 0: no checks. p2p: "
+                        "any N counts the wrong bytes received in each size's timed rounds")
     p.add_argument("-d", "--datatype", default=None,
                    help=f"{', '.join(common.DTYPES)} or all (default float). linkwise cannot "
                         "reduce uint32, uint64: all_reduce, reduce, reduce_scatter show their "
@@ -60,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-N", "--nranks", type=int, default=None,
                    help="ranks to start (default 2; at most 16 a CPU when bench starts them, a "
                         "launcher may start more); under a launcher the launcher's ranks run the "
-                        "sweep in place, unless it started only this one and -N asks for more")
+                        "sweep in place, unless it started only this one and -N asks for more. "
+                        "Not nccl-tests' -N (run cycles): --reps repeats the sweep")
     p.add_argument("--tests", default="latency,bw,bibw", help="p2p: which of latency,bw,bibw")
     p.add_argument("--window", type=int, default=64, help="p2p: messages in flight for bw/bibw")
     p.add_argument("--compare", default="", help="other systems to run the same sweep: gloo,mpi "
@@ -74,14 +80,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "system alike); 'both': eager and graph sweeps in the same processes, "
                         "two tables; default: eager back-to-back calls only")
     p.add_argument("--reps", type=int, default=1,
-                   help="repeat the whole sweep (every system, alternating); report medians "
-                   "(#wrong: the largest count of any repetition)")
+                   help="repeat the whole sweep (every system, alternating; at least 1); "
+                   "report medians (#wrong: the largest count of any repetition)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw and time against size "
                    "(needs matplotlib; the extension picks the format: .png, .pdf, .svg, ...)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--mpirun-args", default="", help="extra mpirun arguments for --compare mpi")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds for each launch")
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds for each launch (default 900; a positive number)")
 
 
 def _normalise(args) -> list[str]:
@@ -104,11 +111,19 @@ def _normalise(args) -> list[str]:
         args.stepbytes = "1M"
     step = common.parse_size(args.stepbytes, "-i")
     common.sweep(lo, hi)  # -e < -b
+    if args.test == "p2p" and hi < 1:  # its sizes start at 1 byte (runner.plan)
+        raise ValueError(f"-e {args.maxbytes}: p2p measures messages of 1 byte or more")
     f = args.stepfactor
     if not (1 <= f < float("inf")):  # also NaN
         raise ValueError(f"-f {f:g}: the size factor must be at least 1 (1: step by -i bytes)")
     if f <= 1 and step < 1 and hi > lo:
         raise ValueError(f"-i {args.stepbytes}: with -f 1 sizes grow by -i bytes; need at least 1")
+    count = common.sweep_count(lo, hi, f, step)
+    if count > common.MAX_SIZES:
+        how = f"-i {args.stepbytes}" if f <= 1 else f"-f {f}"
+        many = f"{count}" if f <= 1 else f"more than {common.MAX_SIZES}"
+        raise ValueError(f"{how}: {many} sizes from -b {args.minbytes} to -e {args.maxbytes}; "
+                         f"a sweep has at most {common.MAX_SIZES} (a larger step, or -f 2)")
     if args.test == "p2p":
         from .p2p import TESTS as P2P_TESTS
         tests = [t.strip() for t in args.tests.split(",") if t.strip()]
@@ -127,6 +142,10 @@ def _normalise(args) -> list[str]:
         raise ValueError(f"-n {args.iters}: need at least 1 timed iteration")
     if args.warmup_iters is not None and args.warmup_iters < 0:
         raise ValueError(f"-w {args.warmup_iters}: must be >= 0")
+    if args.reps < 1:
+        raise ValueError(f"--reps {args.reps}: need at least 1 sweep")
+    if not 0 < args.timeout < float("inf"):  # also NaN, which never ran out
+        raise ValueError(f"--timeout {args.timeout:g}: give seconds, a positive finite number")
     _check_outputs(args)
     common.check_plan(args.test, common.resolve_dtypes(args.datatype), common.resolve_ops(args.op))
     others = [s.strip() for s in args.compare.split(",") if s.strip()]
@@ -187,6 +206,25 @@ def _check_ranks(args, nranks: int) -> None:
         raise ValueError(f"-r {args.root} is not a rank of {nranks}")
 
 
+# What spawn.launch_ranks sets in each rank it starts: the values here never reach them.
+SPAWN_SETS = ("LINKWISE_RANK", "LINKWISE_SIZE", "LINKWISE_LOCAL_RANK", "LINKWISE_LOCAL_SIZE",
+              "LINKWISE_MASTER_ADDR", "LINKWISE_MASTER_PORT", "LINKWISE_JOB_ID")
+
+
+def _check_tunables(device: str, spawning: bool) -> None:
+    """The LINKWISE_* variables the ranks will read, parsed here: a value the library refuses
+    is one line (ValueError naming it) before any rank starts, instead of a traceback from
+    every rank once init() or the first collective reads it. The GPU plane's only for
+    --device cuda (a CPU sweep never reads them)."""
+    from .. import config
+    for name, tunable in config.TUNABLES.items():
+        if spawning and name in SPAWN_SETS:
+            continue
+        if device != "cuda" and name.startswith(config.READ_BY_GPU_PLANE):
+            continue
+        tunable.current()
+
+
 SPAWN_PER_CPU = 16  # ranks bench starts itself, at most, for each CPU it may run on
 
 
@@ -217,21 +255,37 @@ def _args_json(args) -> str:
 
 
 def _finish(doc: dict, args) -> int:
-    graph = {k: v for k, v in doc["systems"].items() if k.endswith(GRAPH_SUFFIX)}
-    if graph:  # --graph both: the eager table, then the graph one (same processes, same run)
-        eager = dict(doc, systems={k: v for k, v in doc["systems"].items() if k not in graph})
-        rc = _finish(eager, _without_outputs(args))
-        gdoc = dict(doc, systems={k[:-len(GRAPH_SUFFIX)]: v for k, v in graph.items()})
-        print("# --- the same sweep captured in CUDA graphs ---")
-        rc2 = _finish(gdoc, _without_outputs(args))
-        return max(rc, rc2, _write_outputs(doc, args, plot=False))
-    coll = doc["test"]
-    for name, s in doc["systems"].items():
+    """Print the table (--graph both: the eager one, then the graph one), write --json and
+    --plot, and give the exit status. A reader of stdout that goes away (`| head`) ends the
+    tables, not the files: its BrokenPipeError is raised once they are written, for
+    linkwise.cli's quiet end."""
+    graph = [k for k in doc["systems"] if k.endswith(GRAPH_SUFFIX)]
+    for s in doc["systems"].values():
         if s.get("status") == "ok":
-            s["rows"] = report.median_rows(s.get("runs", []), coll, doc["nranks"])
-    report.print_doc(doc, sys.stdout)
-    sys.stdout.flush()
-    written = _write_outputs(doc, args)
+            s["rows"] = report.median_rows(s.get("runs", []), doc["test"], doc["nranks"])
+    parts = [dict(doc, systems={k: v for k, v in doc["systems"].items() if k not in graph})]
+    if graph:  # the same sweep captured in CUDA graphs, same processes, same run
+        parts.append(dict(doc, systems={k[:-len(GRAPH_SUFFIX)]: doc["systems"][k] for k in graph}))
+    gone = None
+    try:
+        for k, part in enumerate(parts):
+            if k:
+                print("# --- the same sweep captured in CUDA graphs ---")
+            report.print_doc(part, sys.stdout)
+        sys.stdout.flush()
+    except BrokenPipeError as exc:
+        gone = exc
+    written = _write_outputs(doc, args, plot=not graph)
+    rc = max([written] + [_status(part) for part in parts])
+    if gone is not None:
+        raise gone
+    return rc
+
+
+def _status(doc: dict) -> int:
+    """The exit status one table's systems give (2: linkwise has no such test and nothing was
+    measured; 1: wrong elements or a failed system), saying on stderr what the table does not."""
+    coll = doc["test"]
     measured = [s for s in doc["systems"].values() if s.get("status") == "ok"]
     lw = doc["systems"].get("linkwise", {})
     if lw.get("status") == "not available" and not measured:
@@ -243,7 +297,7 @@ def _finish(doc: dict, args) -> int:
         if count and name != "linkwise":  # the table's own count is linkwise's
             print(f"linkwise bench {coll}: {name} gave {count} wrong elements (rows in --json)", file=sys.stderr)
     failed = any(s.get("status") == "failed" for s in doc["systems"].values())  # told on stderr
-    return max(written, 1 if any(wrong.values()) or failed else 0)
+    return 1 if any(wrong.values()) or failed else 0
 
 
 def _wrong_count(rows: list[dict], test: str) -> int:
@@ -276,13 +330,6 @@ def _write_outputs(doc: dict, args, plot: bool = True) -> int:
 
 
 GRAPH_SUFFIX = " [graph]"
-
-
-def _without_outputs(args):
-    import copy
-    a = copy.copy(args)
-    a.json = a.plot = None
-    return a
 
 
 def _merge(doc: dict, part: dict) -> None:
@@ -359,7 +406,11 @@ def _in_launcher(args, others: list[str], one_host: bool = True) -> int:
 
 def run(args) -> int:
     from .. import bootstrap
-    env = bootstrap.detect()
+    try:
+        env = bootstrap.detect()
+    except ValueError as exc:  # a launcher variable that cannot be read (LINKWISE_RANK=x)
+        print(f"linkwise bench: {exc}", file=sys.stderr)
+        return 2
     # Under a launcher its ranks run the sweep in place; a launcher of one rank starts -N ranks
     # itself, as outside a launcher, where -N asks for more (one task of an allocation, say)
     # or for p2p, which needs two.
@@ -372,13 +423,15 @@ def run(args) -> int:
         _check_ranks(args, env.size if in_place else args.nranks)
         if not in_place:
             _check_spawn_count(args.nranks)
+        one_here = not in_place and args.nranks == 1 and args.test != "p2p"  # this process
+        _check_tunables(getattr(args, "device", "cpu"), spawning=not (in_place or one_here))
     except ValueError as exc:
         if env.rank in (0, None):  # under a launcher every rank finds it: one line is enough
             print(f"linkwise bench: {exc}", file=sys.stderr)
         return 2
     if in_place:
         return _in_launcher(args, others, one_host=env.local_size == env.size)
-    if args.nranks == 1 and args.test != "p2p":
+    if one_here:
         return _in_launcher(args, others)
     from .spawn import LaunchError
     try:
@@ -386,15 +439,18 @@ def run(args) -> int:
     except LaunchError as exc:
         print(f"linkwise bench: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # stdout's reader went away (| head): linkwise.cli ends quietly
+        raise
     except OSError as exc:  # a rank's process could not be started (EAGAIN, ENOMEM)
         print(f"linkwise bench: could not start the ranks: {exc}", file=sys.stderr)
         return 1
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="linkwise bench", description="measure latency and bandwidth")
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    """``python -m linkwise.bench.cli ARGS`` is ``linkwise bench ARGS`` (the same parser and the
+    same quiet end when stdout's reader goes away)."""
+    from ..cli import main as linkwise_main
+    return linkwise_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

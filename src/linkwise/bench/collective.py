@@ -2,8 +2,10 @@
 
 For each size, type, op and root: out-of-place then in-place, each timed as ``-w`` warm-up
 calls, a barrier, ``-n`` timed calls; the time reported is the mean per call, the max over
-ranks. With ``-c 1`` every rank then refills its inputs, runs the operation once more and
-counts the elements that differ from a NumPy reference (summed over ranks).
+ranks. With ``-c N`` (N >= 1) every rank then, up to N times as nccl-tests does, refills its
+inputs (other values each time), runs the operation once more and counts the elements that
+differ from a NumPy reference (summed over ranks); the first iteration with wrong elements
+ends the check and gives the row's count.
 
 Sizes are nccl-tests': for all_gather, reduce_scatter and all_to_all ``size`` is the whole
 buffer (n blocks of size/n bytes), rounded down to a multiple of n elements, and ``count``
@@ -29,15 +31,15 @@ def _inputs(coll: str, op: str, rank: int, size: int, total: int, block: int, dt
 
 
 def _unaligned_inputs(coll: str, op: str, rank: int, size: int, total: int, block: int, dtype,
-                      root: int):
+                      root: int, seed: int = 0):
     if coll == "all_gather":
-        send = common.input_values(coll, op, rank, block, dtype)
+        send = common.input_values(coll, op, rank, block, dtype, seed)
         recv = np.zeros(total, dtype)
         recv[rank * block:(rank + 1) * block] = send
         return send, recv
     if coll == "reduce_scatter":
-        return common.input_values(coll, op, rank, total, dtype), np.zeros(block, dtype)
-    send = common.input_values(coll, op, rank, total, dtype)
+        return common.input_values(coll, op, rank, total, dtype, seed), np.zeros(block, dtype)
+    send = common.input_values(coll, op, rank, total, dtype, seed)
     if coll == "broadcast":
         recv = send.copy() if rank == root else np.zeros(total, dtype)
         return send, recv
@@ -47,10 +49,11 @@ def _unaligned_inputs(coll: str, op: str, rank: int, size: int, total: int, bloc
 
 
 def expected(coll: str, op: str, rank: int, size: int, total: int, block: int, dtype,
-             root: int) -> Optional[np.ndarray]:
-    """What this rank's result must be; None where nothing is defined (reduce off root)."""
+             root: int, seed: int = 0) -> Optional[np.ndarray]:
+    """What this rank's result must be (inputs made with ``seed``); None where nothing is
+    defined (reduce off root)."""
     def inp(r, n):
-        return common.input_values(coll, op, r, n, dtype)
+        return common.input_values(coll, op, r, n, dtype, seed)
     if coll == "all_reduce":
         return common.reduce_reference(np.stack([inp(r, total) for r in range(size)]), op, dtype)
     if coll == "reduce":
@@ -72,8 +75,11 @@ def expected(coll: str, op: str, rank: int, size: int, total: int, block: int, d
 
 
 def _one_variant(backend: Backend, coll: str, dtype, op: str, root: int, total: int, block: int,
-                 inplace: bool, iters: int, warmup: int, check: bool) -> dict:
-    """Time (and check) one variant; {'na': reason} when the system has no such form."""
+                 inplace: bool, iters: int, warmup: int, check: int) -> dict:
+    """Time (and check) one variant; {'na': reason} when the system has no such form.
+
+    check: how many check iterations (nccl-tests' ``-c``), each on inputs of its own seed; the
+    first that finds wrong elements ends them and gives the count (0: no check)."""
     rank, size = backend.rank, backend.size
     send, recv = _inputs(coll, op, rank, size, total, block, dtype, root)
     try:
@@ -90,21 +96,25 @@ def _one_variant(backend: Backend, coll: str, dtype, op: str, root: int, total: 
     except Unsupported as exc:  # e.g. not capturable in a CUDA graph (GPU --graph)
         return {"na": str(exc)}
     wrong = 0
-    if check:
-        fresh_send, fresh_recv = _unaligned_inputs(coll, op, rank, size, total, block, dtype, root)
+    for seed in range(1, int(check) + 1):  # seed 0 made the timed calls' inputs
+        fresh_send, fresh_recv = _unaligned_inputs(coll, op, rank, size, total, block, dtype,
+                                                   root, seed)
         send[...] = fresh_send
         recv[...] = fresh_recv
-        want = expected(coll, op, rank, size, total, block, dtype, root)
+        want = expected(coll, op, rank, size, total, block, dtype, root, seed)
         if not inplace and want is not None:
             _poison(recv, want)
         if timer is not None:  # device buffers: bind again to upload the fresh inputs
             fn = backend.bind(coll, send, recv, inplace, op, root)
         backend.barrier()
         fn()
+        mine = 0
         if want is not None:
             got = backend.result_view(coll, send, recv, inplace)
-            wrong = common.count_wrong(got, want, op)
-        wrong = backend.sum_over_ranks(wrong)
+            mine = common.count_wrong(got, want, op)
+        wrong = backend.sum_over_ranks(mine)  # the same on every rank: all stop together
+        if wrong:
+            break
     nbytes = total * dtype.itemsize
     algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
     return {"time_us": seconds * 1e6, "algbw": algbw,
@@ -121,7 +131,7 @@ def _poison(out: np.ndarray, want: np.ndarray) -> None:
 
 
 def run_sweep(backend: Backend, coll: str, sizes: list[int], dtypes: list[str], ops: list[str],
-              root: int, iters: int, warmup: int, check: bool,
+              root: int, iters: int, warmup: int, check: int,
               progress: Optional[Callable[[], None]] = None) -> list[dict]:
     """Every (size, type, op) point of the sweep on this backend; rows are valid on rank 0.
 

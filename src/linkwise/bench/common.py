@@ -5,7 +5,8 @@ multiplied by ``-f`` when it is above 1, else stepped by ``-i`` bytes.
 """
 from __future__ import annotations
 
-from typing import Optional
+import itertools
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -80,13 +81,10 @@ def parse_size(text: str, flag: str = "size") -> int:
     return int(number * mult)
 
 
-def sweep(minbytes: int, maxbytes: int, factor: float = 2.0, step: int = 1 << 20) -> list[int]:
-    """Sizes from minbytes to maxbytes inclusive: times factor if factor > 1, else + step."""
-    if maxbytes < minbytes:
-        raise ValueError(f"-e {maxbytes} is smaller than -b {minbytes}")
-    out, size = [], max(0, minbytes)
+def _sizes(minbytes: int, maxbytes: int, factor: float, step: int) -> Iterator[int]:
+    size = max(0, minbytes)
     while size <= maxbytes:
-        out.append(size)
+        yield size
         if factor > 1:
             nxt = int(size * factor) if size > 0 else 1
             size = nxt if nxt > size else size + 1
@@ -94,7 +92,29 @@ def sweep(minbytes: int, maxbytes: int, factor: float = 2.0, step: int = 1 << 20
             if step <= 0:
                 break
             size += step
-    return out
+
+
+def sweep(minbytes: int, maxbytes: int, factor: float = 2.0, step: int = 1 << 20) -> list[int]:
+    """Sizes from minbytes to maxbytes inclusive: times factor if factor > 1, else + step."""
+    if maxbytes < minbytes:
+        raise ValueError(f"-e {maxbytes} is smaller than -b {minbytes}")
+    return list(_sizes(minbytes, maxbytes, factor, step))
+
+
+# Sizes one sweep may have. Each costs a row and at least -w + -n + -c calls of each variant;
+# far more is a typo (-i 1 for -i 1M: a billion sizes, whose list alone filled the memory).
+MAX_SIZES = 100_000
+
+
+def sweep_count(minbytes: int, maxbytes: int, factor: float, step: int,
+                limit: int = MAX_SIZES) -> int:
+    """How many sizes :func:`sweep` gives, without making them; above ``limit`` only some
+    number above it (counting stops there)."""
+    if maxbytes < max(0, minbytes):
+        return 0
+    if factor <= 1:
+        return 1 if step <= 0 else (maxbytes - max(0, minbytes)) // step + 1
+    return sum(1 for _ in itertools.islice(_sizes(minbytes, maxbytes, factor, step), limit + 1))
 
 
 def is_float(dtype: np.dtype) -> bool:
@@ -180,9 +200,11 @@ def page_aligned(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def input_values(coll: str, op: str, rank: int, n: int, dtype: np.dtype) -> np.ndarray:
-    """Rank ``rank``'s deterministic input of n elements: small integers, exact in every dtype."""
-    i = np.arange(n, dtype=np.int64)
+def input_values(coll: str, op: str, rank: int, n: int, dtype: np.dtype, seed: int = 0) -> np.ndarray:
+    """Rank ``rank``'s deterministic input of n elements: small integers, exact in every dtype.
+    ``seed`` shifts the pattern, so that each check iteration (``-c N``) moves other values
+    than the one before (a result left over from it does not pass)."""
+    i = np.arange(n, dtype=np.int64) + seed
     if op == "prod":
         vals = 1 + ((i + rank) % 3 == 0)  # ones and twos: a product of 8 ranks stays <= 256
     else:
