@@ -1,0 +1,90 @@
+"""asyncio and request edges: what a cancel, a closed event loop or a dropped request leaves
+behind (each test says what went wrong before)."""
+import asyncio
+import gc
+import time
+import weakref
+
+import numpy as np
+import pytest
+
+from multirank import run_ranks
+
+
+def _cancelled_as_it_finishes(comm, what):
+    """Two tasks await one request; the first to wake cancels the other, whose wait is then
+    done but whose task has not run yet. The cancelled task must end with CancelledError:
+    through asyncio.wait_for (Python < 3.12) it got the finished wait's result and ran on.
+    The waiting rank (0 in a collective, the receiver 1) is the one looked at: a peer late by
+    0.3 s makes sure that both tasks wait there before the request is done."""
+    async def main():
+        if what == "collective":
+            if comm.rank == 1:
+                await asyncio.sleep(0.3)
+            req = comm.all_reduce(np.ones(4), async_op=True)
+        else:
+            if comm.rank == 0:
+                await asyncio.sleep(0.3)
+                comm.send(np.ones(4), 1, tag=1)
+                return "sender"
+            req = comm._post(np.zeros(4), 0, 1, False, True, None)  # what arecv awaits
+        log = []
+
+        async def consumer():
+            await req
+            log.append("ran on after the cancel")
+
+        async def supervisor():
+            await req
+            victim.cancel()
+
+        first = asyncio.create_task(supervisor())  # its future is the first one woken
+        victim = asyncio.create_task(consumer())
+        await first
+        try:
+            await victim
+            return log
+        except asyncio.CancelledError:
+            return "cancelled"
+    out = asyncio.run(main())
+    comm.barrier()
+    return out
+
+
+@pytest.mark.parametrize("what", ["receive", "collective"])
+def test_a_task_cancelled_as_its_operation_finishes_is_cancelled(what):
+    out = run_ranks(2, _cancelled_as_it_finishes, what, env={"LINKWISE_TIMEOUT": "10"}, timeout=60)
+    assert out[0 if what == "collective" else 1] == "cancelled", out
+
+
+def _receive_left_in_a_closed_loop(comm):
+    """An arecv task left pending in an event loop that is then closed: its receive must be
+    withdrawn once the task is collected, so that the next receive of that tag gets the
+    message. A global table kept the task alive, and its receive posted: it took the message
+    into the abandoned buffer and the new receive timed out."""
+    if comm.rank == 0:
+        comm.barrier()
+        comm.send(np.full(4, 7.0), 1, tag=5)
+        comm.barrier()
+        return None
+    abandoned = np.zeros(4)
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(comm.arecv(abandoned, 0, tag=5, timeout=10))
+    loop.run_until_complete(asyncio.sleep(0.05))  # the task waits in its arecv
+    loop.close()
+    del task, loop
+    gc.collect()
+    comm.barrier()
+    got = np.zeros(4)
+    try:
+        comm.recv(got, 0, tag=5, timeout=3)
+        outcome = got.tolist()
+    except Exception as exc:  # noqa: BLE001 - reported
+        outcome = type(exc).__name__
+    comm.barrier()
+    return outcome, abandoned.tolist()
+
+
+def test_a_receive_left_in_a_closed_loop_is_withdrawn():
+    out = run_ranks(2, _receive_left_in_a_closed_loop, env={"LINKWISE_TIMEOUT": "10"}, timeout=60)
+    assert out[1] == ([7.0] * 4, [0.0] * 4), out
