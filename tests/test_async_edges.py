@@ -88,3 +88,28 @@ def _receive_left_in_a_closed_loop(comm):
 def test_a_receive_left_in_a_closed_loop_is_withdrawn():
     out = run_ranks(2, _receive_left_in_a_closed_loop, env={"LINKWISE_TIMEOUT": "10"}, timeout=60)
     assert out[1] == ([7.0] * 4, [0.0] * 4), out
+
+
+def _dropped_async_requests(comm):
+    """Async collectives whose requests are dropped at once (fire and forget): their arrays
+    must be let go once the collectives are done. They were kept for good (8 MiB each here)."""
+    comm.barrier()
+    if comm.rank == 1:
+        time.sleep(0.3)  # the first ones are still pending when dropped
+    alive = []
+    for _ in range(6):
+        x, part, gathered = np.ones(1 << 17), np.ones(1 << 14), np.empty(2 << 14)
+        alive += [weakref.ref(x), weakref.ref(part), weakref.ref(gathered)]
+        comm.all_reduce(x, async_op=True)
+        comm.all_gather(part, out=gathered, async_op=True)
+        del x, part, gathered
+    comm.barrier()  # after all of them
+    comm.all_reduce(np.ones(4))
+    gc.collect()
+    return sum(ref() is not None for ref in alive)
+
+
+@pytest.mark.parametrize("algo", ["", "ring"])
+def test_dropped_async_collective_requests_let_their_arrays_go(algo):
+    env = {"LINKWISE_TIMEOUT": "10", "LINKWISE_ALGO": algo}
+    assert run_ranks(2, _dropped_async_requests, env=env, timeout=60) == [0, 0]
