@@ -113,3 +113,33 @@ def _dropped_async_requests(comm):
 def test_dropped_async_collective_requests_let_their_arrays_go(algo):
     env = {"LINKWISE_TIMEOUT": "10", "LINKWISE_ALGO": algo}
     assert run_ranks(2, _dropped_async_requests, env=env, timeout=60) == [0, 0]
+
+
+def _coroutine_cancelled_before_it_ran(comm):
+    """Rank 0 cancels an aall_reduce task before it first ran. The collective must still be
+    issued (as on rank 1): it was issued at the task's first step, so rank 0 skipped it, and
+    its next all_reduce paired with rank 1's skipped one (a wrong sum, silently)."""
+    x = np.full(4, 1.0 + comm.rank)
+    y = np.full(4, 10.0 * (1 + comm.rank))
+
+    async def main():
+        task = asyncio.create_task(comm.aall_reduce(x))
+        if comm.rank == 0:
+            task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        comm.all_reduce(y)
+        bad = comm.aall_reduce(np.ones(4), op="nope")  # an argument error: raised where awaited
+        with pytest.raises(ValueError, match="nope"):
+            await bad
+    asyncio.run(main())
+    comm.barrier()
+    return x.tolist(), y.tolist()
+
+
+@pytest.mark.parametrize("env", [{}, {"LINKWISE_ALGO": "ring"}])
+def test_a_coroutine_collective_cancelled_before_it_ran_still_takes_its_turn(env):
+    out = run_ranks(2, _coroutine_cancelled_before_it_ran, env=dict(env, LINKWISE_TIMEOUT="5"), timeout=60)
+    assert out == [([3.0] * 4, [30.0] * 4)] * 2, out
