@@ -82,8 +82,9 @@ class CollectiveRequest(Request):
 class _FdWaiters(list):
     """The futures of one loop's tasks that await one eventfd. The loop's reader callback owns
     it, so those tasks live as long as their loop can wake them: once the loop is closed with
-    them pending they are garbage, and collecting one withdraws its send or receive (a receive
-    kept posted by a global table took a later message meant for a new receive)."""
+    them pending they are garbage, and collecting one drops its request, which withdraws a
+    send or receive (a receive kept posted by a global table took a later message meant for
+    a new receive)."""
 
     __slots__ = ("__weakref__",)
 
@@ -123,13 +124,13 @@ async def _await_native(native_request, timeout: float) -> int:
         timer = loop.call_later(timeout, _time_up, fut)
         try:
             await fut
-        except (asyncio.CancelledError, GeneratorExit):
-            # The task was cancelled (task.cancel(), an outer asyncio.wait_for), or collected
-            # pending (its loop was closed): withdraw the operation too, so that its buffer is
-            # not written or sent later. The cancel is always raised on, even if the operation
-            # finished meanwhile: a task that swallowed it would run on (a receive loop stopped
-            # by cancel() kept receiving, and asyncio.run's shutdown would wait for it). The
-            # README points to timeout=.
+        except asyncio.CancelledError:
+            # The task was cancelled (task.cancel(), an outer asyncio.wait_for): withdraw the
+            # operation too, so that its buffer is not written or sent later. The cancel is
+            # always raised on, even if the operation finished meanwhile: a task that swallowed
+            # it would run on (a receive loop stopped by cancel() kept receiving, and
+            # asyncio.run's shutdown would wait for it). The README points to timeout=. (A task
+            # collected pending, its loop closed, drops the request: withdrawn as a dropped one.)
             _withdraw(native_request)
             raise
         finally:
@@ -173,7 +174,7 @@ async def _poll_native(native_request) -> int:
         while not native_request.test() and time.monotonic() < deadline:
             await asyncio.sleep(nap)
             nap = min(2 * nap, _POLL_MAX_S)
-    except (asyncio.CancelledError, GeneratorExit):
+    except asyncio.CancelledError:
         _withdraw(native_request)  # as _await_native: never written or sent later
         raise
     return _finished(native_request, native_request.timeout)
