@@ -143,3 +143,35 @@ def _coroutine_cancelled_before_it_ran(comm):
 def test_a_coroutine_collective_cancelled_before_it_ran_still_takes_its_turn(env):
     out = run_ranks(2, _coroutine_cancelled_before_it_ran, env=dict(env, LINKWISE_TIMEOUT="5"), timeout=60)
     assert out == [([3.0] * 4, [30.0] * 4)] * 2, out
+
+
+def _send_dropped_while_moving(comm):
+    """Rank 0 drops an isend of 16 MiB once its bytes started moving (too late to withdraw: it
+    finishes in later calls). Its array must be let go once the send is done (at the next
+    send or receive): it was kept for good."""
+    n = 16 << 20
+    if comm.rank == 1:
+        time.sleep(0.3)  # the peer drops its send before this receive starts
+        got = np.zeros(n, np.uint8)
+        comm.recv(got, 0, tag=1)
+        comm.send(np.ones(1), 0, tag=2)
+        comm.recv(np.zeros(1), 0, tag=3)
+        return bool((got == 7).all())
+    x = np.full(n, 7, np.uint8)
+    alive = weakref.ref(x)
+    req = comm.isend(x, 1, tag=1)
+    for _ in range(5):
+        req.test()  # moves what the link takes now (announces it, or fills the socket)
+    done_when_dropped = req.done
+    del req, x
+    comm.recv(np.zeros(1), 1, tag=2)  # its wait moves the rest of the dropped send
+    comm.send(np.ones(1), 1, tag=3)
+    gc.collect()
+    return done_when_dropped, alive() is None
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_send_dropped_while_moving_lets_its_array_go(transport):
+    env = {"LINKWISE_TRANSPORT": transport, "LINKWISE_TIMEOUT": "10"}
+    out = run_ranks(2, _send_dropped_while_moving, env=env, timeout=60)
+    assert out == [(False, True), True], out
