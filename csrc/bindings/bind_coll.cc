@@ -6,7 +6,8 @@
 //       returns a CollRequest (wait(timeout), test(), fileno() -> eventfd, done).
 //
 // Ownership: a CollRequest holds both arrays (buffer acquired, object referenced) until the
-// job is done; dropped early, it leaks them rather than let the worker touch freed memory.
+// job is done; dropped early, it hands them to its worker's Orphans, which lets them go once
+// the job is done (never while the worker may still touch them).
 // Threading: one worker thread per CollWorker runs jobs in submission order (FIFO), so async
 // collectives of one communicator start in the order they were called on this rank. The
 // worker never touches Python objects; buffers are released by wait()/test() under the GIL.
@@ -111,10 +112,52 @@ CollParams make_params(int kind, int dtype, int op, int root, uint64_t seq, int 
   return p;
 }
 
+// The arrays of requests dropped while their job was pending (fire and forget:
+// `comm.all_reduce(x, async_op=True)` with the request unkept), which the worker may still read
+// or write: let go at a reap once their job is done. Before, they were kept for good, so every
+// such call leaked its arrays. Reaped where the worker is used (CollWorker's submit and
+// pending, which every collective after an async one reads) and when the worker ends.
+// Threading: touched under the GIL only, and dropped under it (CollWorker and CollRequest,
+// its holders, are Python objects); the worker thread never sees it.
+struct Orphans {
+  struct Orphan {
+    std::shared_ptr<CollJob> job;
+    nb::object x, out;
+  };
+  std::vector<Orphan> list;
+
+  // Lets go of the arrays of the orphans whose job is done (all: every job is known done).
+  void reap(bool all = false) {
+    if (list.empty()) return;
+    std::vector<Orphan> pending;
+    for (Orphan& o : list) {
+      if (all || o.job->done.load(std::memory_order_acquire)) {
+        // Here, under the GIL, not in ~CollJob, which may run on the worker thread.
+        o.job->x.release();
+        o.job->out.release();
+      } else {
+        pending.push_back(std::move(o));
+      }
+    }
+    list.swap(pending);  // the reaped orphans' objects are dropped with `pending` (GIL held)
+  }
+  ~Orphans() {
+    reap();
+    for (Orphan& o : list) {  // still running (the worker outlived its Python object): keep them for good
+      o.job->x.held = false;
+      o.job->out.held = false;
+      o.x.release();
+      o.out.release();
+    }
+  }
+};
+
 class CollRequest {
  public:
-  CollRequest(std::shared_ptr<NativeComm> comm, std::shared_ptr<CollJob> job, nb::object x, nb::object out)
-      : comm_(std::move(comm)), job_(std::move(job)), x_(std::move(x)), out_(std::move(out)) {}
+  CollRequest(std::shared_ptr<NativeComm> comm, std::shared_ptr<CollJob> job, nb::object x, nb::object out,
+              std::shared_ptr<Orphans> orphans)
+      : comm_(std::move(comm)), job_(std::move(job)), x_(std::move(x)), out_(std::move(out)),
+        orphans_(std::move(orphans)) {}
   ~CollRequest() {  // runs under the GIL (a Python object's destructor)
     if (job_->done.load(std::memory_order_acquire)) {
       // Never waited for: release the buffers here, not in ~CollJob, which may run on the
@@ -122,11 +165,8 @@ class CollRequest {
       job_->x.release();
       job_->out.release();
     } else {
-      // The worker may still read or write these arrays: keep them for good.
-      job_->x.held = false;
-      job_->out.held = false;
-      x_.release();
-      out_.release();
+      // The worker may still read or write these arrays: its orphans keep them until it is done.
+      orphans_->list.push_back({job_, std::move(x_), std::move(out_)});
     }
   }
   void wait(double timeout_s) {
@@ -170,6 +210,7 @@ class CollRequest {
   std::shared_ptr<NativeComm> comm_;
   std::shared_ptr<CollJob> job_;
   nb::object x_, out_;
+  std::shared_ptr<Orphans> orphans_;
 };
 
 void run_shm(CollJob& j);
@@ -185,8 +226,9 @@ class CollWorker {
     cv_.notify_all();
     if (thread_.joinable()) {
       nb::gil_scoped_release nogil;
-      thread_.join();
+      thread_.join();  // after every queued job ran
     }
+    orphans_->reap(true);
   }
   // Jobs submitted and not finished. The submitting thread reads it to keep collectives in
   // issue order: a blocking call runs inline only when no async one is pending.
@@ -199,6 +241,8 @@ class CollWorker {
     cv_.notify_all();
   }
   std::shared_ptr<NativeComm> comm() { return comm_; }
+  // The dropped requests' arrays (see Orphans); under the GIL only.
+  const std::shared_ptr<Orphans>& orphans() { return orphans_; }
 
  private:
   void main() {
@@ -232,6 +276,7 @@ class CollWorker {
   std::thread thread_;
   bool stop_ = false;
   std::atomic<int> pending_{0};
+  std::shared_ptr<Orphans> orphans_ = std::make_shared<Orphans>();
 };
 
 void run_shm(CollJob& j) {
@@ -293,6 +338,7 @@ void bind_coll(nb::module_& m) {
            [](CollWorker& w, int kind, nb::object x, nb::object out, int dtype, int op, int root, uint64_t seq,
               int algo, size_t chunk, std::vector<int> order, int parent, std::vector<int> children, double timeout,
               PyShmColl* shm) {
+             w.orphans()->reap();
              auto job = std::make_shared<CollJob>();
              if (shm) job->shm = shm->shared_from_this();  // C++-owned, not nanobind's py_deleter
              job->p = make_params(kind, dtype, op, root, seq, algo, chunk, std::move(order), parent,
@@ -304,7 +350,7 @@ void bind_coll(nb::module_& m) {
                job->send = unoverlapped_input(
                    job->send, job->send_bytes, job->recv, job->recv_bytes, job->staged,
                    job->p.kind == CollKind::Gather ? static_cast<char*>(job->recv) + root * job->send_bytes : nullptr);
-             auto req = std::make_unique<CollRequest>(w.comm(), job, x, out);
+             auto req = std::make_unique<CollRequest>(w.comm(), job, x, out, w.orphans());
              w.submit(job);
              return req;
            },
@@ -319,7 +365,13 @@ void bind_coll(nb::module_& m) {
              w.submit(job);  // nobody waits for it: it only keeps shm's call numbers in issue order
            },
            nb::arg("shm"), "shm.skip_call() in issue order, behind the pending async collectives")
-      .def_prop_ro("pending", &CollWorker::pending);
+      .def_prop_ro("pending",
+                   [](CollWorker& w) {
+                     w.orphans()->reap();  // read before every collective once async ones exist
+                     return w.pending();
+                   },
+                   "Jobs submitted and not finished (reading it also lets go of the arrays of dropped "
+                   "requests whose job is done).");
 }
 
 }  // namespace linkwise

@@ -22,10 +22,9 @@ namespace linkwise {
 
 PyRequest::~PyRequest() {
   if (!req_->done() && !comm_->engine().cancel(*req_)) {
-    // Still moving bytes into or out of the array: keep the array alive for good rather
-    // than let the engine touch freed memory.
-    buf_.held = false;
-    owner_.release();
+    // Still moving bytes into or out of the array: the communicator keeps the array until
+    // the request is done, rather than let the engine touch freed memory.
+    comm_->keep_dropped(req_, buf_, std::move(owner_));
   }
 }
 
@@ -192,7 +191,12 @@ void bind_p2p(nb::module_& m) {
            "fail every pending request and refuse new ones; with notify, also send the peers an abort notice "
            "(blame: the rank that died or failed, which the peers' PeerError names; -1: none) that stops their "
            "collectives numbered stop_from and up (0: all)")
-      .def("close", [](NativeComm& c, const std::string& why) { c.engine().close(why); }, nb::arg("why"),
+      .def("close",
+           [](NativeComm& c, const std::string& why) {
+             c.engine().close(why);
+             c.reap_dropped();  // every request failed: their arrays may go
+           },
+           nb::arg("why"),
            "abort(why), then close this side of every link: the peers raise PeerError naming this rank once "
            "they have read what it sent before")
       .def("notify_refused", [](NativeComm& c, uint64_t number) { c.engine().notify_refused(number); },

@@ -1,7 +1,8 @@
 // NativeComm: the native side of one Python Communicator (engine + its transports), and
 // PyRequest, a Request that holds its Python array. Shared by the bind_*.cc files.
 //
-// Ownership: a PyRequest keeps its NativeComm alive; the array stays acquired until done.
+// Ownership: a PyRequest keeps its NativeComm alive; the array stays acquired until done (a
+// request dropped before then hands it to the NativeComm's DroppedRequests).
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -14,6 +15,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "bindings/buffer.h"
 #include "core/wait.h"
@@ -58,6 +60,43 @@ class PyRequest {
   HeldBuffer buf_;
 };
 
+// Send / receive requests dropped while their bytes were moving (too late to withdraw: the
+// engine finishes them), with their arrays: let go once the request is done, at the next
+// post, blocking call or close of the communicator. Before, such arrays were kept for good.
+// Threading: touched under the GIL only (PyRequest's destructor, NativeComm's calls from Python).
+struct DroppedRequests {
+  struct Entry {
+    std::shared_ptr<Request> req;
+    std::unique_ptr<HeldBuffer> buf;
+    nb::object owner;
+  };
+  std::vector<Entry> list;
+
+  void reap() {
+    if (list.empty()) return;
+    std::vector<Entry> moving;
+    for (Entry& e : list) {
+      if (e.req->done()) e.buf->release();
+      else moving.push_back(std::move(e));
+    }
+    list.swap(moving);  // the done ones' owners are dropped with `moving` (GIL held)
+  }
+  // Runs after the engine's end (NativeComm declares this member first): requests still not
+  // done are kept for good (a peer may be copying from the array), as are all of them where
+  // the GIL is not held.
+  ~DroppedRequests() {
+    const bool gil = PyGILState_Check();
+    for (Entry& e : list) {
+      if (gil && e.req->done()) {
+        e.buf->release();
+      } else {
+        e.buf->held = false;
+        e.owner.release();
+      }
+    }
+  }
+};
+
 class NativeComm : public std::enable_shared_from_this<NativeComm> {
  public:
   NativeComm(int rank, int size, double spin_us, size_t pull_threshold)
@@ -86,6 +125,7 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
 
   std::unique_ptr<PyRequest> post(nb::handle obj, int peer, uint64_t tag, bool is_send, bool is_async,
                                   double timeout_s) {
+    dropped_.reap();
     check_user_timeout(timeout_s, is_send ? "isend" : "irecv");
     HeldBuffer held;  // moved into the PyRequest below; released here if posting throws
     acquire_buffer(obj, !is_send, is_send ? "send" : "recv", held, true);
@@ -101,6 +141,7 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
 
   // Blocking send/recv: no Request object crosses into Python (the latency path).
   size_t blocking(nb::handle obj, int peer, uint64_t tag, bool is_send, double timeout_s) {
+    dropped_.reap();
     check_user_timeout(timeout_s, is_send ? "send" : "recv");
     HeldBuffer held;
     acquire_buffer(obj, !is_send, is_send ? "send" : "recv", held, true);
@@ -165,6 +206,18 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
 
   Engine& engine() { return engine_; }
 
+  // A PyRequest dropped while req moves bytes (not withdrawable) hands its array here (under
+  // the GIL); see DroppedRequests.
+  void keep_dropped(std::shared_ptr<Request> req, HeldBuffer& buf, nb::object owner) {
+    auto held = std::make_unique<HeldBuffer>();
+    std::swap(held->view, buf.view);
+    held->held = buf.held;
+    buf.held = false;
+    dropped_.list.push_back({std::move(req), std::move(held), std::move(owner)});
+  }
+  // Lets go of the dropped requests' arrays whose request is done (under the GIL).
+  void reap_dropped() { dropped_.reap(); }
+
  private:
   static constexpr size_t kScratchKeep = size_t{16} << 20;  // larger copies: memory of their own each call
   static constexpr size_t kPage = 4096;
@@ -199,6 +252,7 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
     return r->transferred();
   }
 
+  DroppedRequests dropped_;  // before engine_: destroyed after it (nothing moves bytes then)
   Engine engine_;
   std::mutex scratch_mu_;  // held by the sendrecv_replace that copies into scratch_
   PageMemory scratch_;

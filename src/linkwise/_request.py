@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from abc import ABCMeta
 from typing import Any, Optional
 
@@ -78,45 +79,68 @@ class CollectiveRequest(Request):
         return self._native.fileno()
 
 
-# Futures of the tasks awaiting a request's eventfd, by (loop, fd): a loop has one reader per
-# fd (add_reader replaced the first task's, which then slept until its timeout), so one
-# reader wakes them all. Touched from the loop's thread only.
-_fd_waiters: dict = {}
+class _FdWaiters(list):
+    """The futures of one loop's tasks that await one eventfd. The loop's reader callback owns
+    it, so those tasks live as long as their loop can wake them: once the loop is closed with
+    them pending they are garbage, and collecting one drops its request, which withdraws a
+    send or receive (a receive kept posted by a global table took a later message meant for
+    a new receive)."""
+
+    __slots__ = ("__weakref__",)
 
 
-def _wake(key) -> None:
-    for fut in _fd_waiters.get(key, ()):
+# The waiters of each (loop, fd), held weakly (the loop's reader holds them): a loop has one
+# reader per fd (add_reader replaced the first task's, which then slept until its timeout), so
+# one reader wakes them all. Touched from the loop's thread only.
+_fd_waiters: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def _wake(waiters: _FdWaiters) -> None:
+    for fut in waiters:
         if not fut.done():
             fut.set_result(None)
+
+
+def _time_up(fut) -> None:
+    if not fut.done():
+        fut.set_result(None)  # woken as by the eventfd; the operation is then found not done
 
 
 async def _await_native(native_request, timeout: float) -> int:
     if not native_request.done:
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        key = (loop, native_request.fileno())
+        fd = native_request.fileno()
+        key = (loop, fd)
         waiters = _fd_waiters.get(key)
         if waiters is None:
-            loop.add_reader(key[1], _wake, key)  # first: if it raises, no entry is left behind
-            waiters = _fd_waiters[key] = []
+            waiters = _FdWaiters()
+            loop.add_reader(fd, _wake, waiters)  # first: if it raises, no entry is left behind
+            _fd_waiters[key] = waiters
+        fut = loop.create_future()
         waiters.append(fut)
+        # The timeout wakes fut as the eventfd does. Not asyncio.wait_for: before Python 3.12 it
+        # returns the result of a future that is done when a cancel arrives, so a task
+        # cancelled in the loop iteration where its operation finished ran on.
+        timer = loop.call_later(timeout, _time_up, fut)
         try:
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            pass  # the wait below finishes it as a blocking wait's timeout would
+            await fut
         except asyncio.CancelledError:
             # The task was cancelled (task.cancel(), an outer asyncio.wait_for): withdraw the
             # operation too, so that its buffer is not written or sent later. The cancel is
             # always raised on, even if the operation finished meanwhile: a task that swallowed
             # it would run on (a receive loop stopped by cancel() kept receiving, and
-            # asyncio.run's shutdown would wait for it). The README points to timeout=.
+            # asyncio.run's shutdown would wait for it). The README points to timeout=. (A task
+            # collected pending, its loop closed, drops the request: withdrawn as a dropped one.)
             _withdraw(native_request)
             raise
         finally:
+            timer.cancel()
             waiters.remove(fut)
             if not waiters:
-                del _fd_waiters[key]
-                loop.remove_reader(key[1])
+                if _fd_waiters.get(key) is waiters:
+                    del _fd_waiters[key]
+                if not loop.is_closed():  # a closed loop has dropped its readers
+                    loop.remove_reader(fd)
     return _finished(native_request, timeout)
 
 
