@@ -24,6 +24,11 @@ Contract:
     with a launcher that ends normally, signalling nothing.
   * A rank is reaped only after its group has been killed at the end, so its pid, the
     group's id, stays taken: no signal meant for a group reaches another process.
+  * A rank that exits without having called ``init()`` (and whose socket to the launcher no
+    process holds any more) makes the others' ``init()`` raise BootstrapError naming it at once,
+    not at LINKWISE_TIMEOUT; the launcher says so where ranks wait in ``init()`` (exit status
+    0: it reports a non-zero one anyway). A rank that joined and then exits is no news
+    (linkwise._launch_link).
   * Output the launcher cannot write (its reader gone, its terminal hung up, or the
     descriptor closed at start) is read and dropped, so ranks never block on it.
   * A job started from inside a rank (torchrun, mpirun) inherits the rank's LINKWISE_*
@@ -38,8 +43,9 @@ Contract:
     shared memory (CPU transports, executor, GPU host staging) is anonymous memfds and never
     named there; the sweep only guards against a build or extension that names segments.
 
-Threading: the main thread spawns, waits and signals; one daemon thread per child pipe forwards
-output (writes are serialised by a lock); one daemon thread per child waits for its exit.
+Threading: the main thread spawns, waits, signals and reads the ranks' sockets (RankLinks);
+one daemon thread per child pipe forwards output (writes are serialised by a lock); one daemon
+thread per child waits for its exit.
 """
 from __future__ import annotations
 
@@ -60,6 +66,7 @@ import threading
 import time
 from typing import IO, Optional
 
+from ._launch_link import RankLinks
 from ._launch_signals import Relay, rank_preexec, signal_group
 from ._launch_watchdog import Watchdog
 from .bootstrap import SPARE_PORTS, other_launchers
@@ -91,7 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = ("Ctrl-C, Ctrl-\\, SIGTERM and SIGHUP are passed on to every rank (a second one kills "
                 "them); Ctrl-Z stops the ranks with the launcher, and fg or bg resume them; if the "
                 "launcher is killed outright (kill -9), its watchdog ends the ranks and what they "
-                "started. The ranks' stdin is empty (/dev/null).")
+                "started. A rank that ends without calling linkwise.init() makes the others' init() "
+                "raise BootstrapError naming it at once. The ranks' stdin is empty (/dev/null).")
 
 
 def _port(text: str) -> int:
@@ -306,14 +314,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_ranks(cmd, n, base, bind, out: _Output, procs: list, guard: Watchdog) -> int:
     relay = Relay(procs)  # signal handlers: before the first rank starts (see Relay)
+    links = RankLinks(out.say)
     try:
-        code = _spawn(cmd, n, base, bind, out, procs, guard)
+        code = _spawn(cmd, n, base, bind, out, procs, guard, links)
         if code:
             return code
         relay.caught_up()
-        return _supervise(procs, out, relay.seen)
+        return _supervise(procs, out, relay.seen, links)
     finally:
         relay.restore()
+        links.close()
 
 
 @contextlib.contextmanager
@@ -333,7 +343,7 @@ def thread_affinity(cpus):
         os.sched_setaffinity(0, own)
 
 
-def _spawn(cmd, n, base, bind, out: _Output, procs: list, guard: Watchdog) -> int:
+def _spawn(cmd, n, base, bind, out: _Output, procs: list, guard: Watchdog, links: RankLinks) -> int:
     """Start the n ranks into procs; 0, or 2 after a message if one cannot start."""
     bindings = _bindings(bind, n, out.say)
     # A bound rank starts its helpers (the benchmark's mpirun) on the CPUs given to this
@@ -354,10 +364,15 @@ def _spawn(cmd, n, base, bind, out: _Output, procs: list, guard: Watchdog) -> in
                 env["LINKWISE_LAUNCH_CPUS"] = launcher_cpus
             else:  # not an outer launch's, inherited
                 env.pop("LINKWISE_LAUNCH_CPUS", None)
-            with thread_affinity(cpus):
-                procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                              preexec_fn=rank_preexec(guard.fd)))
+            fd, link_env = links.new(k)
+            env.update(link_env)
+            try:
+                with thread_affinity(cpus):
+                    procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                  pass_fds=(fd,), preexec_fn=rank_preexec(guard.fd)))
+            finally:
+                os.close(fd)
     except (OSError, subprocess.SubprocessError) as exc:
         out.say(f"linkwise launch: cannot start {shlex.join(cmd)}: {exc}")
         return 2
@@ -378,7 +393,7 @@ def _exit_status(p: subprocess.Popen) -> int:
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
-def _supervise(procs: list, out: _Output, signals_seen: list) -> int:
+def _supervise(procs: list, out: _Output, signals_seen: list, links: RankLinks) -> int:
     """Forward output, wait for every rank, stop the others after a failure; the exit code."""
     pumps = []
     for k, p in enumerate(procs):
@@ -396,6 +411,7 @@ def _supervise(procs: list, out: _Output, signals_seen: list) -> int:
         try:
             k, status = exits.get(timeout=0.1)
         except queue.Empty:
+            links.poll()
             now = time.monotonic()
             if term_at is not None and now > term_at:
                 out.say(f"linkwise launch: stopping the other {left} rank(s)")
@@ -408,6 +424,7 @@ def _supervise(procs: list, out: _Output, signals_seen: list) -> int:
                 deadline = None
             continue
         left -= 1
+        links.exited(k, status)
         if status != 0 and code == 0 and not signals_seen:
             # The first failure decides the exit code; the ranks we stop are not news, nor
             # are ranks ending on a signal passed on to them (Ctrl-C: 130, as the shell says).
