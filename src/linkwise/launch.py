@@ -31,10 +31,11 @@ Contract:
     (linkwise._launch_link).
   * Output the launcher cannot write (its reader gone, its terminal hung up, or the
     descriptor closed at start) is read and dropped, so ranks never block on it.
-  * A job started from inside a rank (torchrun, mpirun) inherits the rank's LINKWISE_*
-    variables; LINKWISE_LAUNCH_OTHERS records the other launchers' variables as the ranks got
-    them, so that ``init()`` there refuses the mix rather than take the outer rank's place
-    (bootstrap.other_launchers).
+  * A ``linkwise launch`` started from inside a rank gives its ranks their own rank, size,
+    port and job id (a job of its own). Another launcher started there (torchrun, mpirun)
+    passes on the rank's LINKWISE_* variables; LINKWISE_LAUNCH_OTHERS records the other
+    launchers' variables as the ranks got them, so that ``init()`` there refuses the mix rather
+    than take the outer rank's place (bootstrap._refuse_inner_launcher).
   * When the launcher returns, every rank's process group is sent SIGKILL, also the groups of
     ranks that have exited: processes a rank started in its group do not outlive the job.
   * With more than one rank and OMP_NUM_THREADS unset, each rank gets OMP_NUM_THREADS: the
