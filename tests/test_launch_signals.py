@@ -263,6 +263,40 @@ def test_ctrl_z_stops_the_ranks_and_fg_resumes_them(tmp_path):
         _kill_all(pids)
 
 
+def test_ctrl_z_reaches_the_ranks_of_a_launch_nested_in_a_rank(tmp_path):
+    """The inner launcher is a rank of the outer one: it gets the outer's SIGTSTP and stops
+    its own ranks in turn (a SIGSTOP would have stopped it before it could)."""
+    d = tmp_path / "pids"
+    d.mkdir()
+    inner = tmp_path / "inner.py"
+    inner.write_text("import os, time\n"
+                     f"open(os.path.join({str(d)!r}, 'inner'), 'w').write(f'{{os.getpid()}} {{os.getppid()}}')\n"
+                     "print('ready', flush=True)\n"
+                     f"while not os.path.exists({str(d / 'go')!r}):\n    time.sleep(0.02)\n")
+    outer = tmp_path / "outer.py"
+    outer.write_text("import subprocess, sys\n"
+                     f"sys.exit(subprocess.call([sys.executable, '-m', 'linkwise.cli', 'launch', '-n', '1', {str(inner)!r}]))\n")
+    p = subprocess.Popen([sys.executable, "-m", "linkwise.cli", "launch", "-n", "1", str(outer)],
+                         env=dict(os.environ, PYTHONPATH=SRC), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    pids = []
+    try:
+        assert "ready" in p.stdout.readline()
+        rank, inner_launcher = map(int, (d / "inner").read_text().split())
+        pids = [p.pid, inner_launcher, rank]
+        p.send_signal(signal.SIGTSTP)
+        assert _wait_state(pids, ("T",)) == ["T"] * 3
+        p.send_signal(signal.SIGCONT)
+        states = _wait_state(pids, ("R", "S"))
+        assert all(s in ("R", "S") for s in states), states
+        (d / "go").touch()
+        p.communicate(timeout=20)
+        assert p.returncode == 0
+    finally:
+        p.kill()
+        _kill_all(pids[1:])
+
+
 def test_master_port_is_checked_before_ranks_start(tmp_path):
     for bad in ("-5", "70000", "http"):
         p, _ = run_launch(tmp_path, "print('ran', flush=True)\n", "-n", "1", "--master-port", bad)

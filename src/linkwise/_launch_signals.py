@@ -34,10 +34,12 @@ class Relay:
 
     * SIGINT, SIGTERM, SIGHUP, SIGQUIT: passed on to every rank's group; a second one is sent
       as SIGKILL. ``seen`` lists them in order. A SIGHUP ignored at start (nohup) stays ignored.
-    * SIGTSTP (Ctrl-Z), SIGTTIN, SIGTTOU: every rank's group is sent SIGSTOP (which no rank can
-      ignore: the job stops as one, as mpirun does), then the launcher stops itself with
-      SIGSTOP (which the kernel does not drop in an orphaned process group, as it drops a
-      default SIGTSTP: the ranks must never be stopped without it).
+    * SIGTSTP (Ctrl-Z), SIGTTIN, SIGTTOU: every rank's group is sent SIGTSTP, as the terminal
+      sends it to a foreground job (a rank's group is never orphaned while the launcher, its
+      parent in the same session, lives, so the kernel does not drop it); a launcher nested
+      in a rank handles it in turn, which SIGSTOP would not let it do. Then the launcher
+      stops itself with SIGSTOP, which the kernel does not drop where the launcher's own
+      group is orphaned, as it would a default SIGTSTP.
     * SIGCONT (``fg``, ``bg``, ``kill -CONT``): passed on, so the ranks go on with it.
 
     Installed before the ranks start, for two reasons: a signal that comes while they start
@@ -62,7 +64,7 @@ class Relay:
 
     def _stop(self, _signum, _frame) -> None:
         for p in self.procs:
-            signal_group(p, signal.SIGSTOP)
+            signal_group(p, signal.SIGTSTP)
         os.kill(os.getpid(), signal.SIGSTOP)  # returns once continued; _continue runs next
 
     def _continue(self, _signum, _frame) -> None:

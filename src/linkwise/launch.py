@@ -16,8 +16,9 @@ Contract:
     received by the launcher are forwarded to every rank; a second one escalates to SIGKILL.
     The launcher then exits 128 + the signal (130 for Ctrl-C), whatever status the ranks end
     with. A SIGHUP ignored when the launcher starts (``nohup``) stays ignored, in the ranks
-    too. SIGTSTP (Ctrl-Z), SIGTTIN and SIGTTOU stop every rank's group (SIGSTOP) and then the
-    launcher; SIGCONT (``fg``, ``bg``) is passed on, so the ranks resume with it (Relay).
+    too. SIGTSTP (Ctrl-Z), SIGTTIN and SIGTTOU are sent on to every rank's group as SIGTSTP
+    (a rank that ignores it runs on, as in a foreground job), then stop the launcher; SIGCONT
+    (``fg``, ``bg``) is passed on, so the ranks resume with it (_launch_signals.Relay).
   * A launcher that dies without ending its ranks (SIGKILL, a crash) leaves that to its
     watchdog, a small process it starts first: every rank's process group gets SIGTERM, once,
     then SIGKILL after ``TERM_GRACE`` seconds (linkwise._launch_watchdog). The watchdog exits
