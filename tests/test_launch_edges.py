@@ -149,6 +149,37 @@ def test_a_launch_in_a_rank_does_not_take_the_outer_ones_port_settings(tmp_path)
     assert found == ["0 2 0", "1 2 0"], out  # a given port: no spare ports (was the outer's 8)
 
 
+def test_a_launch_in_a_joined_rank_is_a_job_of_its_own(tmp_path):
+    """A `linkwise launch` inside a rank (which has joined its own world) gives its ranks their
+    own rank, size and job id: the inner job forms beside the outer one."""
+    inner = _script(tmp_path, """
+        import os, numpy as np, linkwise
+        comm = linkwise.init()
+        x = np.ones(1, np.float32)
+        comm.all_reduce(x)
+        print("inner", comm.rank, comm.size, int(x[0]), os.environ["LINKWISE_JOB_ID"], flush=True)
+    """)
+    outer = tmp_path / "outer.py"
+    outer.write_text(textwrap.dedent(f"""
+        import os, subprocess, sys, linkwise
+        comm = linkwise.init()
+        if comm.rank == 1:
+            subprocess.check_call([sys.executable, "-m", "linkwise.cli", "launch", "-n", "3", {inner!r}])
+        comm.barrier()
+        print("outer", comm.rank, comm.size, os.environ["LINKWISE_JOB_ID"], flush=True)
+    """))
+    proc = _launcher(["-n", "2", str(outer)])
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err
+    rows = [line.split("] ")[-1].split() for line in out.splitlines()]  # "[rank 1] [rank k] inner ..."
+    inner_rows = sorted(r for r in rows if r[0] == "inner")
+    outer_rows = sorted(r for r in rows if r[0] == "outer")
+    assert [r[:4] for r in inner_rows] == [["inner", str(k), "3", "3"] for k in range(3)], out
+    assert [r[:3] for r in outer_rows] == [["outer", str(k), "2"] for k in range(2)], out
+    inner_jobs, outer_jobs = {r[4] for r in inner_rows}, {r[3] for r in outer_rows}
+    assert len(inner_jobs) == len(outer_jobs) == 1 and inner_jobs != outer_jobs, out
+
+
 def test_another_launcher_inside_a_rank_is_refused(tmp_path):
     """torchrun started from a rank: its processes inherited LINKWISE_RANK / SIZE, which won,
     and each took the outer rank's place (rank 0 of 1) without an error."""
@@ -168,6 +199,34 @@ def test_another_launcher_inside_a_rank_is_refused(tmp_path):
     assert "as started: linkwise 0 1" in out, out
     inner = next(line for line in out.splitlines() if "inner:" in line)
     assert "inner: 1 ValueError" in inner and "torchrun 1/2" in inner and "env -u LINKWISE_RANK" in inner, out
+
+
+def test_an_inner_process_with_the_outer_ranks_own_rank_and_size_is_refused(tmp_path):
+    """torchrun (or mpirun) -n 2 started from rank 1 of 2: its process 1 of 2 read as the outer
+    rank 1 of 2 and was let through (only its sibling was refused), to join the outer job in
+    the place of the rank that started it. torchrun's own TORCHELASTIC_RUN_ID, or another
+    launcher's variables at all, tell it from a script that sets RANK / WORLD_SIZE for torch."""
+    script = _script(tmp_path, """
+        import os, subprocess, sys
+        if os.environ["LINKWISE_RANK"] == "1":
+            probe = "from linkwise import bootstrap; e = bootstrap.detect(); print(e.launcher, e.rank, e.size)"
+            for name, inner in [("torchrun", dict(RANK="{k}", WORLD_SIZE="2", TORCHELASTIC_RUN_ID="none")),
+                                ("mpirun", dict(OMPI_COMM_WORLD_RANK="{k}", OMPI_COMM_WORLD_SIZE="2")),
+                                ("script", dict(RANK="{k}", WORLD_SIZE="2"))]:
+                for k in range(2):
+                    env = dict(os.environ, **{v: x.format(k=k) for v, x in inner.items()})
+                    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+                    said = r.stdout.strip() or r.stderr.strip().splitlines()[-1].split("since ")[-1].split(";")[0]
+                    print("inner", name, k, r.returncode, said, flush=True)
+    """)
+    proc = _launcher(["-n", "2", script])
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    got = sorted(line.split("inner ", 1)[1] for line in out.splitlines() if "inner " in line)
+    assert got == ["mpirun 0 1 (openmpi 0/2)", "mpirun 1 1 (openmpi 1/2)",
+                   "script 0 1 (torchrun 0/2)",  # not the rank's own
+                   "script 1 0 linkwise 1 2",
+                   "torchrun 0 1 (torchrun 0/2)", "torchrun 1 1 (torchrun 1/2)"], out
 
 
 @pytest.mark.parametrize("env,said", [({}, ""), ({"RANK": "3", "WORLD_SIZE": "4"}, "torchrun 3/4"),

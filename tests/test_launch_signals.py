@@ -1,5 +1,5 @@
-"""linkwise launch: what the ranks start dies with the job, SIGHUP and the launcher's own death
-reach the ranks, and the launcher's errors (bad port, a program that cannot start, nobody
+"""linkwise launch: what the ranks start dies with the job, SIGHUP, Ctrl-Z and the launcher's
+own death reach the ranks (and what they started), and the launcher's errors (bad port, a program that cannot start, nobody
 reading stderr) are clear and keep the exit code."""
 from __future__ import annotations
 
@@ -47,12 +47,12 @@ def test_children_of_an_exited_rank_die_with_the_job(tmp_path, how):
         _kill_all(children)
 
 
-def _start(tmp_path, n=2):
+def _start(tmp_path, n=2, extra="", then="time.sleep(60)\n"):
     d = tmp_path / "pids"
     d.mkdir()
     script = tmp_path / "prog.py"
     script.write_text("import os, time\nRANK = int(os.environ['LINKWISE_RANK'])\n"
-                      + PIDS.format(d=str(d)) + "print('ready', flush=True)\ntime.sleep(60)\n")
+                      + PIDS.format(d=str(d)) + extra + "print('ready', flush=True)\n" + then)
     p = subprocess.Popen([sys.executable, "-m", "linkwise.cli", "launch", "-n", str(n), str(script)],
                          env=dict(os.environ, PYTHONPATH=SRC), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True,
@@ -95,6 +95,206 @@ def test_ranks_end_when_the_launcher_is_killed(tmp_path):
         assert _gone_within(pids, 5), [alive(pid) for pid in pids]
     finally:
         _kill_all(pids)
+
+
+def test_what_the_ranks_started_ends_when_the_launcher_is_killed(tmp_path):
+    """The kernel's SIGTERM (PR_SET_PDEATHSIG) reaches the ranks only: what they had started
+    in their process groups lived on after `kill -9` of the launcher. Its watchdog ends the
+    groups now."""
+    p, pids = _start(tmp_path, extra=SLEEPER.format(d=str(tmp_path / "pids")))
+    children = _pids(tmp_path / "pids", ["child0", "child1"])
+    try:
+        p.kill()
+        p.wait(timeout=10)
+        assert _gone_within(pids + children, 8), [alive(pid) for pid in pids + children]
+    finally:
+        _kill_all(pids + children)
+
+
+# Counts the SIGTERMs this process gets in a file of its own, and exits 0.5 s after the first.
+COUNT_TERMS = ("import os, signal, sys, time\n"
+               "def on_term(*_):\n"
+               "    open(os.path.join({d!r}, NAME), 'a').write('x')\n"
+               "    signal.setitimer(signal.ITIMER_REAL, 0.5)\n"
+               "signal.signal(signal.SIGTERM, on_term)\n"
+               "signal.signal(signal.SIGALRM, lambda *_: os._exit(0))\n")
+
+
+def test_each_process_of_a_killed_launchers_job_gets_one_sigterm(tmp_path):
+    """The rank gets its SIGTERM from the kernel (PR_SET_PDEATHSIG); what it started from the
+    watchdog. A second one would mean "now" to many programs (a nested launcher escalates)."""
+    d = tmp_path / "pids"
+    child = COUNT_TERMS.format(d=str(d)).replace("NAME", "'child' + os.environ['LINKWISE_RANK']")
+    extra = ("import subprocess, sys\n" + COUNT_TERMS.format(d=str(d)).replace("NAME", "'rank' + str(RANK)")
+             + f"kid = subprocess.Popen([sys.executable, '-c', {child + 'print(1, flush=True); time.sleep(60)'!r}],"
+               " stdout=subprocess.PIPE)\n"
+             "kid.stdout.readline()\n"
+             f"open(os.path.join({str(d)!r}, 'kid' + str(RANK)), 'w').write(str(kid.pid))\n")
+    p, pids = _start(tmp_path, extra=extra)
+    kids = _pids(d, ["kid0", "kid1"])
+    try:
+        p.kill()
+        p.wait(timeout=10)
+        assert _gone_within(pids + kids, 8), [alive(pid) for pid in pids + kids]
+        got = {name: (d / name).read_text() if (d / name).exists() else "" for name in
+               ("rank0", "rank1", "child0", "child1")}
+        assert got == dict.fromkeys(got, "x"), got
+    finally:
+        _kill_all(pids + kids)
+
+
+def _watchdogs(launcher_pid: int) -> list[int]:
+    """The pids of the watchdogs of the launcher whose pid is given (by their command line)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"_launch_watchdog.py") for a in argv) and str(launcher_pid).encode() in argv:
+            found.append(int(entry))
+    return found
+
+
+def test_the_watchdog_ends_with_a_normal_run_and_leaves_groups_alone(tmp_path):
+    """The watchdog lives in a session of its own while the job runs, and exits with the
+    launcher without signalling anything: a process that a rank left in a session of its
+    own (outside the rank's group) is not touched."""
+    d = tmp_path / "pids"
+    d.mkdir()
+    script = tmp_path / "prog.py"
+    script.write_text("import os, subprocess, sys, time\n"
+                      "if os.environ['LINKWISE_RANK'] == '0':\n"
+                      "    child = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+                      f"    open({str(d / 'away')!r}, 'w').write(str(child.pid))\n"
+                      "print('ready', flush=True)\n"
+                      f"while not os.path.exists({str(d / 'go')!r}):\n    time.sleep(0.02)\n")
+    p = subprocess.Popen([sys.executable, "-m", "linkwise.cli", "launch", "-n", "2", str(script)],
+                         env=dict(os.environ, PYTHONPATH=SRC), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    away = None
+    try:
+        for _ in range(2):
+            assert "ready" in p.stdout.readline()
+        away = int((d / "away").read_text())
+        dogs = _watchdogs(p.pid)
+        assert len(dogs) == 1 and os.getsid(dogs[0]) == dogs[0] != os.getsid(p.pid)
+        (d / "go").touch()
+        p.communicate(timeout=20)
+        assert p.returncode == 0
+        assert not _watchdogs(p.pid) and not alive(dogs[0])
+        time.sleep(0.2)
+        assert alive(away)
+    finally:
+        p.kill()
+        if away is not None:
+            _kill_all([away])
+
+
+def test_a_rank_that_ended_is_reaped_only_once_its_group_is_killed(tmp_path):
+    """The group of a rank that exited keeps its id (the rank's pid) until the launcher has
+    killed it: the rank is left unreaped (a zombie) till then, so neither the launcher's
+    nor the watchdog's signal to the group can reach a process that got the id since."""
+    d = tmp_path / "pids"
+    d.mkdir()
+    script = tmp_path / "prog.py"
+    script.write_text("import os, time\nRANK = int(os.environ['LINKWISE_RANK'])\n" + PIDS.format(d=str(d))
+                      + f"while RANK == 0 and not os.path.exists({str(d / 'go')!r}):\n    time.sleep(0.02)\n")
+    p = subprocess.Popen([sys.executable, "-m", "linkwise.cli", "launch", "-n", "2", str(script)],
+                         env=dict(os.environ, PYTHONPATH=SRC), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        end = time.monotonic() + 20
+        while not (d / "1").exists() or not (d / "0").exists():
+            assert time.monotonic() < end and p.poll() is None
+            time.sleep(0.02)
+        rank1 = int((d / "1").read_text())
+        while _state(rank1) not in ("Z", None) and time.monotonic() < end:
+            time.sleep(0.02)
+        time.sleep(0.3)  # the launcher has seen it exit (it polls every 0.1 s)
+        assert _state(rank1) == "Z"
+        (d / "go").touch()
+        p.communicate(timeout=20)
+        assert p.returncode == 0 and _state(rank1) is None  # reaped at the end
+    finally:
+        p.kill()
+        (d / "go").touch()
+
+
+def _state(pid: int):
+    """The process's state letter (R, S, T, Z...), None once it is gone (reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+def _wait_state(pids, want, seconds=5.0) -> list:
+    """Wait until every pid's state is in ``want``; the states seen last."""
+    end = time.monotonic() + seconds
+    while True:
+        states = [_state(pid) for pid in pids]
+        if all(s in want for s in states) or time.monotonic() > end:
+            return states
+        time.sleep(0.02)
+
+
+def test_ctrl_z_stops_the_ranks_and_fg_resumes_them(tmp_path):
+    """SIGTSTP stopped the launcher only (the ranks, in their own process groups, ran on):
+    now the ranks' groups stop with it, and SIGCONT (`fg`, `bg`) resumes them."""
+    d = tmp_path / "pids"
+    p, pids = _start(tmp_path, then=f"while not os.path.exists({str(d / 'go')!r}):\n    time.sleep(0.02)\n"
+                                    "print('done', flush=True)\n")
+    try:
+        p.send_signal(signal.SIGTSTP)
+        assert _wait_state([p.pid] + pids, ("T",)) == ["T"] * 3
+        time.sleep(0.3)
+        assert [_state(pid) for pid in [p.pid] + pids] == ["T"] * 3  # none was continued
+        p.send_signal(signal.SIGCONT)
+        states = _wait_state([p.pid] + pids, ("R", "S"))
+        assert all(s in ("R", "S") for s in states), states
+        (d / "go").touch()
+        out, err = p.communicate(timeout=20)
+        assert p.returncode == 0 and out.count("done") == 2, (out, err)
+    finally:
+        p.kill()
+        _kill_all(pids)
+
+
+def test_ctrl_z_reaches_the_ranks_of_a_launch_nested_in_a_rank(tmp_path):
+    """The inner launcher is a rank of the outer one: it gets the outer's SIGTSTP and stops
+    its own ranks in turn (a SIGSTOP would have stopped it before it could)."""
+    d = tmp_path / "pids"
+    d.mkdir()
+    inner = tmp_path / "inner.py"
+    inner.write_text("import os, time\n"
+                     f"open(os.path.join({str(d)!r}, 'inner'), 'w').write(f'{{os.getpid()}} {{os.getppid()}}')\n"
+                     "print('ready', flush=True)\n"
+                     f"while not os.path.exists({str(d / 'go')!r}):\n    time.sleep(0.02)\n")
+    outer = tmp_path / "outer.py"
+    outer.write_text("import subprocess, sys\n"
+                     f"sys.exit(subprocess.call([sys.executable, '-m', 'linkwise.cli', 'launch', '-n', '1', {str(inner)!r}]))\n")
+    p = subprocess.Popen([sys.executable, "-m", "linkwise.cli", "launch", "-n", "1", str(outer)],
+                         env=dict(os.environ, PYTHONPATH=SRC), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    pids = []
+    try:
+        assert "ready" in p.stdout.readline()
+        rank, inner_launcher = map(int, (d / "inner").read_text().split())
+        pids = [p.pid, inner_launcher, rank]
+        p.send_signal(signal.SIGTSTP)
+        assert _wait_state(pids, ("T",)) == ["T"] * 3
+        p.send_signal(signal.SIGCONT)
+        states = _wait_state(pids, ("R", "S"))
+        assert all(s in ("R", "S") for s in states), states
+        (d / "go").touch()
+        p.communicate(timeout=20)
+        assert p.returncode == 0
+    finally:
+        p.kill()
+        _kill_all(pids[1:])
 
 
 def test_master_port_is_checked_before_ranks_start(tmp_path):

@@ -2,12 +2,13 @@
 a process makes, which goes into the rendezvous store's token (see _worlds_made)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import socket
 from typing import Optional
 
-from . import bootstrap, config
+from . import _launch_link, bootstrap, config
 from ._setup import new_job_id
 from .comm import Communicator, _live
 from .errors import BootstrapError
@@ -34,13 +35,19 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, addr: Optional[
         _refuse_second_world(rendezvous)
     store = None
     job_id = env.job_id
+    check = None
+    if env.launcher == "linkwise" and env.size > 1:
+        # Under `linkwise launch`: a rank that ends without joining is told here, and the
+        # waits below give up on it (_launch_link).
+        _launch_link.joining(env.rank)
+        check = functools.partial(_launch_link.check, env.rank)
     try:
         if env.size > 1:
             world = _worlds_made.get(rendezvous, 0) + 1
             store = bootstrap.Store(env.master_addr, env.master_port, is_server=env.rank == 0,
                                     timeout=setup_timeout, spare_ports=env.spare_ports,
                                     token=f"{_token_job_id(env.job_id)}|{env.size}|{env.master_port}|{world}",
-                                    port_source=env.port_source)
+                                    port_source=env.port_source, check=check)
             store.join(env.rank, f"pid {os.getpid()} on {socket.gethostname()}")
             # Counted once joined, as the world joined (a later one where rank 0 retried), so
             # an attempt that never reached rank 0's store leaves the count as it was.
@@ -56,6 +63,7 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, addr: Optional[
         comm._rendezvous = rendezvous if env.size > 1 else None
         if store is not None:
             store.settled()  # from now on this rank closing its store is not leaving setup
+            store.check = None  # every rank joined: later waits (splits) are not init's
         return comm
     except BaseException:
         if store is not None:  # a failed init leaves no listener behind: a retry may bind the port again

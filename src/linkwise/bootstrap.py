@@ -221,25 +221,37 @@ def other_launchers(env: Mapping[str, str]) -> str:
 
 def _refuse_inner_launcher(env: Mapping[str, str], rank: int, size: int) -> None:
     """A process with a `linkwise launch` rank's variables, where another launcher's say
-    something else than when that rank was started (LINKWISE_LAUNCH_OTHERS) and than the
-    rank's own rank/size: torchrun or mpirun started from inside the rank, whose LINKWISE_*
-    variables came along and would win, each process of the inner job taking the outer
-    rank's place without an error. A reading the rank was started with, or equal to its own
-    (a script that sets RANK / WORLD_SIZE for torch), is fine; so an inner process whose rank
-    and size equal the outer rank's is not caught (its siblings are)."""
+    something else than when that rank was started (LINKWISE_LAUNCH_OTHERS): torchrun, mpirun
+    or srun started from inside the rank, whose LINKWISE_* variables came along and would win,
+    each process of the inner job taking the outer rank's place without an error. A reading
+    the rank was started with is fine, and so is torchrun's RANK / WORLD_SIZE equal to the
+    rank's own where torchrun's own TORCHELASTIC_RUN_ID is not there (a script that sets them
+    for torch). The inner process whose rank and size equal the outer rank's is refused too:
+    it would join the outer job as that rank (where the outer rank has not joined)."""
     recorded = env.get("LINKWISE_LAUNCH_OTHERS")
     if recorded is None:
         return
     known = set(recorded.split(", "))
     for name, rank_size in _other_readings(env):
-        if f"{name} {rank_size}" not in known and rank_size != f"{rank}/{size}":
-            raise ValueError(
-                f"this process has the LINKWISE_RANK / LINKWISE_SIZE of a rank of an outer `linkwise "
-                f"launch` (rank {rank} of {size}) and was started by another launcher since "
-                f"({name} {rank_size}); unset the outer job's variables for the inner one: env -u "
-                f"LINKWISE_RANK -u LINKWISE_SIZE -u LINKWISE_LOCAL_RANK -u LINKWISE_LOCAL_SIZE -u "
-                f"LINKWISE_MASTER_ADDR -u LINKWISE_MASTER_PORT -u LINKWISE_JOB_ID -u "
-                f"LINKWISE_LAUNCH_OTHERS <launcher> ...")
+        if f"{name} {rank_size}" in known:
+            continue
+        if rank_size == f"{rank}/{size}" and _set_for_torch(name, env, known):
+            continue
+        raise ValueError(
+            f"this process has the LINKWISE_RANK / LINKWISE_SIZE of a rank of an outer `linkwise "
+            f"launch` (rank {rank} of {size}) and was started by another launcher since "
+            f"({name} {rank_size}); unset the outer job's variables for the inner one: env -u "
+            f"LINKWISE_RANK -u LINKWISE_SIZE -u LINKWISE_LOCAL_RANK -u LINKWISE_LOCAL_SIZE -u "
+            f"LINKWISE_MASTER_ADDR -u LINKWISE_MASTER_PORT -u LINKWISE_JOB_ID -u "
+            f"LINKWISE_LAUNCH_OTHERS <launcher> ...")
+
+
+def _set_for_torch(name: str, env: Mapping[str, str], known: set) -> bool:
+    """Whether a reading equal to the rank's own is RANK / WORLD_SIZE that the rank's script
+    set for torch: torchrun's, without the TORCHELASTIC_RUN_ID that torchrun itself sets (one
+    an outer torchrun left, whose reading was recorded, says nothing)."""
+    return name == "torchrun" and not ("TORCHELASTIC_RUN_ID" in env
+                                       and not any(k.startswith("torchrun ") for k in known))
 
 
 def _linkwise(env: Mapping[str, str]) -> Optional[_Found]:

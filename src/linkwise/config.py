@@ -174,8 +174,14 @@ declare("LINKWISE_LAUNCH_CPUS", "", str,
         "rank starts helper processes such as the benchmark's mpirun")
 declare("LINKWISE_LAUNCH_OTHERS", None, str,
         "set by `linkwise launch`: what other launchers' variables said when it started the rank; "
-        "init() refuses a process another launcher started inside the rank since, where that "
-        "launcher's rank or size differ from the rank's")
+        "init() refuses a process another launcher started inside the rank since (RANK / "
+        "WORLD_SIZE equal to the rank's own, without torchrun's TORCHELASTIC_RUN_ID, are the "
+        "script's and fine)")
+declare("LINKWISE_LAUNCH_FD", None, int,
+        "set by `linkwise launch`: the rank's socket to the launcher, through which init() learns "
+        "that a rank ended without calling init() (it then raises instead of waiting)")
+declare("LINKWISE_LAUNCH_PID", None, int,
+        "set by `linkwise launch`: its pid; LINKWISE_LAUNCH_FD is used only where that is its peer")
 declare("LINKWISE_DEVICE", None, int, "CUDA ordinal (after CUDA_VISIBLE_DEVICES) this rank uses (set by `linkwise launch --bind auto`)")
 declare("LINKWISE_TOPO_FILE", "", str,
         "a topology JSON (linkwise topo --save) used instead of discovering this machine")

@@ -16,14 +16,27 @@ Contract:
     received by the launcher are forwarded to every rank; a second one escalates to SIGKILL.
     The launcher then exits 128 + the signal (130 for Ctrl-C), whatever status the ranks end
     with. A SIGHUP ignored when the launcher starts (``nohup``) stays ignored, in the ranks
-    too. A rank whose launcher dies without forwarding (SIGKILL) gets SIGTERM from the kernel
-    (``PR_SET_PDEATHSIG``, Linux); what that rank started is not signalled then.
+    too. SIGTSTP (Ctrl-Z), SIGTTIN and SIGTTOU are sent on to every rank's group as SIGTSTP
+    (a rank that ignores it runs on, as in a foreground job), then stop the launcher; SIGCONT
+    (``fg``, ``bg``) is passed on, so the ranks resume with it (_launch_signals.Relay).
+  * A launcher that dies without ending its ranks (SIGKILL, a crash) leaves that to its
+    watchdog, a small process it starts first: every rank's process group gets SIGTERM, once,
+    then SIGKILL after ``TERM_GRACE`` seconds (linkwise._launch_watchdog). The watchdog exits
+    with a launcher that ends normally, signalling nothing.
+  * A rank is reaped only after its group has been killed at the end, so its pid, the
+    group's id, stays taken: no signal meant for a group reaches another process.
+  * A rank that exits without having called ``init()`` (and whose socket to the launcher no
+    process holds any more) makes the others' ``init()`` raise BootstrapError naming it at once,
+    not at LINKWISE_TIMEOUT; the launcher says so where ranks wait in ``init()`` (exit status
+    0: it reports a non-zero one anyway). A rank that joined and then exits is no news
+    (linkwise._launch_link).
   * Output the launcher cannot write (its reader gone, its terminal hung up, or the
     descriptor closed at start) is read and dropped, so ranks never block on it.
-  * A job started from inside a rank (torchrun, mpirun) inherits the rank's LINKWISE_*
-    variables; LINKWISE_LAUNCH_OTHERS records the other launchers' variables as the ranks got
-    them, so that ``init()`` there refuses the mix rather than take the outer rank's place
-    (bootstrap.other_launchers).
+  * A ``linkwise launch`` started from inside a rank gives its ranks their own rank, size,
+    port and job id (a job of its own). Another launcher started there (torchrun, mpirun)
+    passes on the rank's LINKWISE_* variables; LINKWISE_LAUNCH_OTHERS records the other
+    launchers' variables as the ranks got them, so that ``init()`` there refuses the mix rather
+    than take the outer rank's place (bootstrap._refuse_inner_launcher).
   * When the launcher returns, every rank's process group is sent SIGKILL, also the groups of
     ranks that have exited: processes a rank started in its group do not outlive the job.
   * With more than one rank and OMP_NUM_THREADS unset, each rank gets OMP_NUM_THREADS: the
@@ -32,14 +45,14 @@ Contract:
     shared memory (CPU transports, executor, GPU host staging) is anonymous memfds and never
     named there; the sweep only guards against a build or extension that names segments.
 
-Threading: the main thread spawns, waits and signals; one daemon thread per child pipe forwards
-output (writes are serialised by a lock); one daemon thread per child waits for its exit.
+Threading: the main thread spawns, waits, signals and reads the ranks' sockets (RankLinks);
+one daemon thread per child pipe forwards output (writes are serialised by a lock); one daemon
+thread per child waits for its exit.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import glob
 import os
 import queue
@@ -55,11 +68,13 @@ import threading
 import time
 from typing import IO, Optional
 
+from ._launch_link import RankLinks
+from ._launch_signals import Relay, rank_preexec, signal_group
+from ._launch_watchdog import Watchdog
 from .bootstrap import SPARE_PORTS, other_launchers
 
 __all__ = ["add_arguments", "run", "main", "cpu_slices", "SHM_DIR"]
 
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 PUMP_GRACE = 1.0  # after the last rank: how long its output threads get, all together
 PEER_GRACE = 1.0  # a shared-memory wait notices a dead peer within ~0.1 s, a socket at once
 TERM_GRACE = 3.0
@@ -82,6 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "python3 (mpirun's form: linkwise launch -n 2 python3 script.py)")
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="script.py|module|program args...",
                    help="the program and its arguments")
+    p.epilog = ("Ctrl-C, Ctrl-\\, SIGTERM and SIGHUP are passed on to every rank (a second one kills "
+                "them); Ctrl-Z stops the ranks with the launcher, and fg or bg resume them; if the "
+                "launcher is killed outright (kill -9), its watchdog ends the ranks and what they "
+                "started. A rank that ends without calling linkwise.init() makes the others' init() "
+                "raise BootstrapError naming it at once. The ranks' stdin is empty (/dev/null).")
 
 
 def _port(text: str) -> int:
@@ -235,18 +255,6 @@ def _describe(rank: int, status: int) -> str:
     return f"linkwise launch: rank {rank} exited with status {status}"
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """Signal the rank's process group, also once the rank itself has exited: the group's id
-    stays taken (no new process gets it) while any process it started is still in it. A
-    group found empty once is never signalled again (its id may go to another process)."""
-    if getattr(proc, "group_gone", False):
-        return
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        proc.group_gone = True
-
-
 def cleanup_shm(job_id: str) -> list[str]:
     """Remove /dev/shm/linkwise-<job_id>-*; return what was removed."""
     removed = []
@@ -291,41 +299,33 @@ def run(args: argparse.Namespace) -> int:
         # by then (the ranks find it by the job id).
         base.setdefault("LINKWISE_MASTER_PORT_SPARE", str(SPARE_PORTS))
     procs: list[subprocess.Popen] = []
+    guard = Watchdog(out.say)  # before the first rank: it ends their groups if we are killed
     try:
-        return _run_ranks(cmd, n, base, args.bind, out, procs)
+        return _run_ranks(cmd, n, base, args.bind, out, procs, guard)
     finally:
         for p in procs:  # normally all gone already; never leave a rank behind
-            _signal_group(p, signal.SIGKILL)
+            signal_group(p, signal.SIGKILL)
+        for p in procs:  # only now reaped (_exit_status): their groups' ids were kept till here
+            with contextlib.suppress(OSError):
+                p.kill()  # a rank that left its group
+            with contextlib.suppress(subprocess.TimeoutExpired):  # one stuck in the kernel: init reaps it
+                p.wait(timeout=TERM_GRACE)
+        guard.close()
         cleanup_shm(job_id)
 
 
-def _run_ranks(cmd, n, base, bind, out: _Output, procs: list) -> int:
-    signals_seen: list[int] = []
-
-    def forward(signum, _frame):
-        signals_seen.append(signum)
-        sig = signum if len(signals_seen) == 1 else signal.SIGKILL
-        for p in procs:
-            _signal_group(p, sig)
-
-    # Installed before the ranks start, for two reasons: a signal that comes while they start
-    # is not lost, and a rank must not inherit an *ignored* SIGINT (a launcher started as a
-    # background job of a non-interactive shell has one): exec resets handled signals to the
-    # default, so the ranks' Python turns a forwarded SIGINT into KeyboardInterrupt. An ignored
-    # SIGHUP is kept (nohup): the ranks inherit it, and a hangup stops nothing.
-    nohup = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
-    old = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS if not (nohup and s == signal.SIGHUP)}
+def _run_ranks(cmd, n, base, bind, out: _Output, procs: list, guard: Watchdog) -> int:
+    relay = Relay(procs)  # signal handlers: before the first rank starts (see Relay)
+    links = RankLinks(out.say)
     try:
-        code = _spawn(cmd, n, base, bind, out, procs)
+        code = _spawn(cmd, n, base, bind, out, procs, guard, links)
         if code:
             return code
-        if signals_seen:  # came while spawning: the ranks started after it have not had it
-            for p in procs:
-                _signal_group(p, signals_seen[0])
-        return _supervise(procs, out, signals_seen)
+        relay.caught_up()
+        return _supervise(procs, out, relay.seen, links)
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        relay.restore()
+        links.close()
 
 
 @contextlib.contextmanager
@@ -345,7 +345,7 @@ def thread_affinity(cpus):
         os.sched_setaffinity(0, own)
 
 
-def _spawn(cmd, n, base, bind, out: _Output, procs: list) -> int:
+def _spawn(cmd, n, base, bind, out: _Output, procs: list, guard: Watchdog, links: RankLinks) -> int:
     """Start the n ranks into procs; 0, or 2 after a message if one cannot start."""
     bindings = _bindings(bind, n, out.say)
     # A bound rank starts its helpers (the benchmark's mpirun) on the CPUs given to this
@@ -366,48 +366,36 @@ def _spawn(cmd, n, base, bind, out: _Output, procs: list) -> int:
                 env["LINKWISE_LAUNCH_CPUS"] = launcher_cpus
             else:  # not an outer launch's, inherited
                 env.pop("LINKWISE_LAUNCH_CPUS", None)
-            with thread_affinity(cpus):
-                procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                              preexec_fn=_rank_preexec(os.getpid())))
+            fd, link_env = links.new(k)
+            env.update(link_env)
+            try:
+                with thread_affinity(cpus):
+                    procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                  pass_fds=(fd,), preexec_fn=rank_preexec(guard.fd)))
+            finally:
+                os.close(fd)
     except (OSError, subprocess.SubprocessError) as exc:
         out.say(f"linkwise launch: cannot start {shlex.join(cmd)}: {exc}")
         return 2
     return 0
 
 
-def _rank_preexec(launcher_pid: int):
-    """What a rank's child process does before exec: its own process group (so that a
-    signal reaches whatever the rank starts), and SIGTERM when the launcher dies unforwarded
-    (Linux; the setting survives exec). Popen's process_group= would do the first from
-    Python 3.11 on; this works on 3.10 too. It runs between fork and exec, while the
-    launcher has no other thread (the output threads start after the last rank), and makes
-    two system calls and a check."""
-    prctl = _libc_prctl()
-
-    def preexec() -> None:
-        os.setpgid(0, 0)
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-            if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
-                os.kill(os.getpid(), signal.SIGTERM)
-    return preexec
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _libc_prctl():
-    """libc's prctl, loaded in the launcher (not between fork and exec); None off Linux."""
-    if not sys.platform.startswith("linux"):
-        return None
+def _exit_status(p: subprocess.Popen) -> int:
+    """The rank's exit status once it has exited (as Popen.returncode: -N for signal N),
+    without reaping it: its pid, which is its process group's id, stays taken until run()
+    has killed the group, so no signal to the group (nor the watchdog's) can reach another
+    process. Where waitid is missing, the rank is reaped here."""
+    if not hasattr(os, "waitid"):
+        return p.wait()
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
+        info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:  # reaped elsewhere
+        return p.wait()
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
-def _supervise(procs: list, out: _Output, signals_seen: list) -> int:
+def _supervise(procs: list, out: _Output, signals_seen: list, links: RankLinks) -> int:
     """Forward output, wait for every rank, stop the others after a failure; the exit code."""
     pumps = []
     for k, p in enumerate(procs):
@@ -418,26 +406,27 @@ def _supervise(procs: list, out: _Output, signals_seen: list) -> int:
             pumps.append(t)
     exits: "queue.Queue[tuple[int, int]]" = queue.Queue()
     for k, p in enumerate(procs):
-        threading.Thread(target=lambda k=k, p=p: exits.put((k, p.wait())), daemon=True).start()
+        threading.Thread(target=lambda k=k, p=p: exits.put((k, _exit_status(p))), daemon=True).start()
 
     code, left, term_at, deadline = 0, len(procs), None, None
     while left:
         try:
             k, status = exits.get(timeout=0.1)
         except queue.Empty:
+            links.poll()
             now = time.monotonic()
             if term_at is not None and now > term_at:
                 out.say(f"linkwise launch: stopping the other {left} rank(s)")
                 for p in procs:
-                    _signal_group(p, signal.SIGTERM)
+                    signal_group(p, signal.SIGTERM)
                 term_at, deadline = None, now + TERM_GRACE
             elif deadline is not None and now > deadline:
                 for p in procs:
-                    _signal_group(p, signal.SIGKILL)
+                    signal_group(p, signal.SIGKILL)
                 deadline = None
             continue
         left -= 1
-        _signal_group(procs[k], 0)  # notes whether the reaped rank left anything in its group
+        links.exited(k, status)
         if status != 0 and code == 0 and not signals_seen:
             # The first failure decides the exit code; the ranks we stop are not news, nor
             # are ranks ending on a signal passed on to them (Ctrl-C: 130, as the shell says).

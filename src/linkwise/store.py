@@ -100,12 +100,16 @@ class Store:
     as ``store.port``. Any number of threads may call one object at once (see the module docstring)."""
 
     def __init__(self, host: str, port: int, *, is_server: bool, timeout: float,
-                 token: str = "", spare_ports: int = 0, port_source: str = "LINKWISE_MASTER_PORT"):
+                 token: str = "", spare_ports: int = 0, port_source: str = "LINKWISE_MASTER_PORT",
+                 check: Optional[Callable[[], None]] = None):
         # token: the same on every rank of one job and different between jobs (_world.init uses
         # the job id, size, base port and world number). A client skips a store whose token
         # differs: another job's (an error where no spare port is left) or this job's earlier
         # world, still open (it waits for the next one; _world_gap).
+        # check: called every ~0.25 s while connecting and while all_gather waits for a value;
+        # it raises to give up (init() under `linkwise launch`: a rank that left without joining).
         self.host, self.timeout, self.is_server = host, clamp_wait(float(timeout)), is_server
+        self.check = check
         self._server: Optional[Server] = None
         self._lock = threading.Lock()  # guards the connection pool below
         self._idle: list[socket.socket] = []  # connections no call is using
@@ -168,6 +172,8 @@ class Store:
                             "check that every rank has the same size and LINKWISE_JOB_ID")
                     if len(candidates) == 1:  # the port is taken for good: this job's rank 0 cannot listen there
                         raise BootstrapError(f"could not join the rendezvous store at {host}:{port}: {last}")
+            if self.check is not None:
+                self.check()
             if time.monotonic() + delay > deadline:
                 ports = f"{candidates[0]}" + (f"..{candidates[-1]}" if len(candidates) > 1 else "")
                 raise BootstrapError(
@@ -378,10 +384,13 @@ class Store:
                    alive: Optional[Callable[[int], bool]] = None) -> list[bytes]:
         """Every rank contributes ``value``; returns all ``size`` values in rank order.
         ``alive(r)`` (a communicator's peer check): a rank whose value is missing and whose
-        process is gone raises PeerError within ~0.25 s instead of the timeout."""
+        process is gone raises PeerError within ~0.25 s instead of the timeout. The store's
+        ``check`` too is called while a value is missing, and before a StoreClosedError is
+        raised (rank 0 may have closed the store for the reason that check gives)."""
         if not 0 <= rank < size:
             raise ValueError(f"all_gather {name!r}: rank {rank} is not in 0..{size - 1}")
         deadline = time.monotonic() + (self.timeout if timeout is None else float(timeout))
+        polled = alive is not None or self.check is not None
         self.set(f"__ag/{name}/{rank}", value)
         out = []
         for r in range(size):
@@ -389,13 +398,19 @@ class Store:
             while True:
                 left = max(0.0, deadline - time.monotonic())
                 try:
-                    out.append(self.get(key, timeout=left if alive is None else min(left, 0.25)))
+                    out.append(self.get(key, timeout=min(left, 0.25) if polled else left))
                     break
+                except StoreClosedError:
+                    if self.check is not None:
+                        self.check()
+                    raise
                 except TimeoutError:
                     if alive is not None and not alive(r):
                         raise PeerError(f"rank {rank}: rank {r} exited before it joined {name!r}",
                                         rank=rank, peer=r, op=name) from None
-                    if alive is None or time.monotonic() >= deadline:
+                    if self.check is not None:
+                        self.check()
+                    if not polled or time.monotonic() >= deadline:
                         raise
         return out
 
