@@ -1,17 +1,22 @@
 # RANKS: 2
-"""Suspected bug: the registered-buffer cache (reg_engine.cu reg_map, EngineImpl::reg_cache) is
-keyed by (peer, peer's allocation base) and never evicts; an entry is closed only when the SAME
-base reappears with a new handle. A peer that frees an allocation (torch.cuda.empty_cache(),
-cupy without a pool, dynamic shapes) and allocates elsewhere leaves the old cudaIpcOpenMemHandle
-mapping open for the communicator's life, which keeps the freed physical memory allocated on
-the exporting GPU (a device-memory leak that grows with each new base). Measured here:
-g._engine.reg_cached() and device free memory after both ranks freed everything.
+"""Was a bug (fixed on branch gpufix, tests/test_gpu_open_fixes.py): the registered-buffer
+cache (reg_engine.cu reg_map, now csrc/cuda/reg_cache.h) is keyed by (peer, peer's allocation
+base) and never evicted; an entry was closed only when the SAME base reappeared with a new
+handle. A peer that frees an allocation (torch.cuda.empty_cache(), cupy without a pool, dynamic
+shapes) and allocates elsewhere left the old cudaIpcOpenMemHandle mapping open for the
+communicator's life, which kept the freed physical memory allocated on the exporting GPU.
+Now the cache is bounded (LINKWISE_GPU_REG_CACHE_ENTRIES / _BYTES, least recently used closed
+first, each only once the work that used it is done) and closes a mapping as soon as its peer
+describes an allocation overlapping it. The default bound (128 entries, 4 GiB) is larger than
+this probe's 16 buffers, so it sets 1 entry and checks that the bound holds (the peer's
+last buffer stays mapped: the slot of the last call references it).
+Measured here: g._engine.reg_cached() and device free memory after both ranks freed everything.
 Expected: cache bounded and free memory back to the baseline (within 128 MiB)."""
 import os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pu import *  # noqa: E402,F403
 
-setenv(LINKWISE_TIMEOUT=10)
+setenv(LINKWISE_TIMEOUT=10, LINKWISE_GPU_REG_CACHE_ENTRIES=1)
 MiB = 1 << 20
 
 

@@ -1,11 +1,13 @@
 # RANKS: 2
-"""Bug: an argument refused on ONE rank of a GPU collective (here: the root's out= of the wrong
-size, checked on the root only, cuda/gpu_comm.py broadcast) raises there at once, but the other ranks have
-already enqueued their kernels, which spin until LINKWISE_TIMEOUT and then mark the GPU plane
-timed out for good (every later GPU call raises). The host path tells waiting peers within
-~0.1 s (README "Mismatched calls"); the GPU plane has no refusal notice (e.g. through the abort
-word / a store key), so one typo costs the full timeout (300 s by default) and the communicator.
-Expected: the non-root learns within a few seconds."""
+"""Was a bug (fixed on branch gpufix, tests/test_gpu_open_fixes.py): an argument refused on ONE
+rank of a GPU collective (here: the root's out= of the wrong size, checked on the root only,
+cuda/gpu_comm.py broadcast) raised there at once, but the other ranks had already enqueued their
+kernels, which spun until LINKWISE_TIMEOUT and then marked the GPU plane timed out for good.
+Now the root enqueues its refusal in the call's place (GpuEngine::refuse: a refusal code in
+every rank's Control.error): the others' kernels give up at once, and every rank's GPU plane
+raises CommAbortedError naming the root from then on (it cannot go on: the refused call's
+counters no longer agree). Expected: the non-root learns within a few seconds; "GPU plane dead
+afterwards" is the expected INFO line."""
 import os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _pu import *  # noqa: E402,F403

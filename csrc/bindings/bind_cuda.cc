@@ -103,6 +103,8 @@ void bind_cuda(nb::module_& m) {
              e.reg_map(v, slot);
            })
       .def("reg_cached", &GpuEngine::reg_cached)
+      .def("reg_cache_stats", &GpuEngine::reg_cache_stats)
+      .def("reg_cache_limits", &GpuEngine::reg_cache_limits)
       .def("all_gather_reg", &GpuEngine::all_gather_reg, rel())
       .def("broadcast_reg", &GpuEngine::broadcast_reg, rel())
       .def("send_reg", &GpuEngine::send_reg, rel())
@@ -123,6 +125,7 @@ void bind_cuda(nb::module_& m) {
       .def("synchronize", &GpuEngine::synchronize, rel())
       .def("error_code", &GpuEngine::error_code)
       .def("check", &GpuEngine::check)
+      .def("refuse", &GpuEngine::refuse, rel())
       .def("watch_peers", &GpuEngine::watch_peers, rel())
       .def("abort", &GpuEngine::abort, nb::arg("peer") = -1)
       .def("event_query", &GpuEngine::event_query, rel())

@@ -13,4 +13,5 @@ void bind_cuda(nanobind::module_& m);
 void bind_shm_coll(nanobind::module_& m);
 void bind_coll(nanobind::module_& m);
 void bind_cma(nanobind::module_& m);
+void bind_reg_cache(nanobind::module_& m);  // _RegCacheModel, for tests (bind_reg_cache.cc)
 }  // namespace linkwise

@@ -101,6 +101,7 @@ NB_MODULE(_native, m) {
   linkwise::bind_shm_coll(m);  // before bind_coll: CollWorker.submit takes a ShmColl
   linkwise::bind_coll(m);
   linkwise::bind_cma(m);
+  linkwise::bind_reg_cache(m);
   m.def("copy_detours", []() {
     const auto c = linkwise::copy_detours();
     return std::make_pair(c.vector_copies, c.cma_bounces);

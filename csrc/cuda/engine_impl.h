@@ -5,20 +5,12 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <map>
-#include <string>
-#include <utility>
 
 #include "cuda/gpu_device.cuh"
 #include "cuda/peer_watch.h"
+#include "cuda/reg_cache.h"
 
 namespace linkwise::cuda {
-
-// A peer allocation mapped into this process with cudaIpcOpenMemHandle.
-struct RegMapping {
-  std::string handle;  // the cudaIpcMemHandle bytes it was opened from
-  char* mapped = nullptr;
-};
 
 struct EngineImpl {
   DevComm dev{};
@@ -30,9 +22,9 @@ struct EngineImpl {
   // cumulative total after each of the last two pieces sent (indexed by piece parity).
   uint64_t send_pieces[kMaxRanks] = {}, send_cum[kMaxRanks] = {}, send_ring[kMaxRanks][2] = {};
   uint64_t recv_pieces[kMaxRanks] = {}, recv_cum[kMaxRanks] = {};
-  // Registered user buffers: (peer, peer's allocation base) -> mapping. A new handle for the
-  // same (peer, base) means the peer freed and reallocated: the old mapping is closed.
-  std::map<std::pair<int, uint64_t>, RegMapping> reg_cache;
+  // Registered user buffers: peers' allocations mapped through CUDA IPC, per (peer, base),
+  // bounded, each closed only once the work that used it is done (contract in reg_cache.h).
+  RegCache reg_cache;
   // per call: buffer `slot` of every rank, as mapped here; slot 2 is every rank's prs scratch
   // (reg_prs.cu), mapped once and kept
   char* reg[3][kMaxRanks] = {};
@@ -52,6 +44,19 @@ struct EngineImpl {
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
 };
+
+// RegCache's safety rule (reg_cache.h): declared by every registered operation after its
+// DeviceGuard; when its enqueuing ends (returned or threw) it records one event on s, after all
+// its work (the two-stream pipelines join their side stream back into s first), and hands it
+// to every cache entry the slots reference. An event rather than synchronising the streams
+// later: the caller may destroy its stream meanwhile, and the host must not wait (reg_cache.h).
+// reg_engine.cu.
+struct RegUse {
+  EngineImpl& im;
+  cudaStream_t s;
+  ~RegUse();
+};
+void init_reg_cache(EngineImpl& im, int rank);  // the CUDA hooks of im.reg_cache
 
 // Registered-path synchronisation (reg_engine.cu, sig_kernel): one launch posts
 // sig[pk[i]][rank] += pa[i] on peer pp[i] (after a system fence: every earlier write of the

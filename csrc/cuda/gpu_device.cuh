@@ -22,7 +22,10 @@
 //
 // Failure contract (wait_ge): every device-side wait is bounded. It gives up when
 //  * our Control.error is nonzero (latched: once a wait of this engine failed, every later
-//    wait gives up within ~kLocalPollTicks, so a queue of kernels drains fast),
+//    wait gives up within ~kLocalPollTicks, so a queue of kernels drains fast; a rank that
+//    refused a collective only it could check writes kErrRefusedBase + its rank there, in
+//    every rank's Control, and a wait that sees such a value records it in
+//    HostFlags::refused: GpuEngine::refuse),
 //  * the host set HostFlags::abort (a peer process died: GpuEngine's watchdog, gpu_engine.h),
 //    polled every ~kHostPollTicks since the host word is a PCIe read, or
 //  * it spun spin_limit ticks (the communicator's timeout): then it also sets
@@ -56,7 +59,8 @@ struct Control {
   uint64_t ready[kPhases][kMaxBlocks][kMaxRanks];
   uint64_t p2p_data[kMaxRanks];
   uint64_t p2p_ack[kMaxRanks];
-  uint64_t error;  // kErrTimeout / kErrAborted once a wait of this engine gave up (latched)
+  uint64_t error;  // kErrTimeout / kErrAborted once a wait of this engine gave up, or
+                   // kErrRefusedBase + rank from a refusing rank (latched; GpuEngine::refuse)
   // Registered-buffer paths (reg_engine.cu): sig[kind][src] is a counter that rank src bumps
   // (red.release.sys.add, after __threadfence_system) and we wait on (ld.acquire.sys). Both
   // sides know the cumulative totals on the host (issue order), as with p2p_data / p2p_ack.
@@ -100,15 +104,23 @@ constexpr int kMaxPieces = 64;  // piece_arrive's length
 enum SigKind : int { kSigChain = 0, kSigChainDone = 1, kSigP2pReady = 2, kSigP2pDone = 3,
                      kSigRendezvous = 4, kSigPiece = 5 };
 static_assert(sizeof(Control) <= kControlStructBytes, "Control must fit its reserved bytes");
-constexpr uint64_t kErrTimeout = 1, kErrAborted = 2;
+// Error codes: Control.error holds kErrTimeout, kErrAborted or kErrRefusedBase + the refusing
+// rank; GpuEngine::error_code reports kErrTimeout, kErrAborted or kErrRefused.
+constexpr uint64_t kErrTimeout = 1, kErrAborted = 2, kErrRefused = 3, kErrRefusedBase = 256;
 
 // Pinned host memory mapped into the device (cudaHostAllocMapped), one per engine. `abort` is
 // written only by the host (watchdog thread or GpuEngine::abort; a release store after the
 // reason is recorded), read by waits with volatile loads. `timed_out` is written only by
 // device waits (volatile store + __threadfence_system), read by the host without a sync.
+// `refused` (the refusing rank + 1) by a device wait that saw a refusal in Control.error, or
+// by the host of the refusing rank itself; `refusal` is that rank's host-written source of the
+// copies into every Control.error (GpuEngine::refuse).
 struct HostFlags {
   uint32_t abort;
   uint32_t timed_out;
+  uint32_t refused;
+  uint32_t pad;
+  uint64_t refusal;
 };
 
 // What a kernel needs: every rank's scratch base (ours included) and the geometry.
@@ -172,7 +184,15 @@ struct WaitGuard {
     if (dt <= local_at) return false;
     local_at = dt + kLocalPollTicks;
     auto* err = reinterpret_cast<unsigned long long*>(&c.ctrl(c.rank)->error);
-    if (*reinterpret_cast<volatile unsigned long long*>(err)) return true;
+    const unsigned long long code = *reinterpret_cast<volatile unsigned long long*>(err);
+    if (code) {
+      if (code >= kErrRefusedBase) {  // a peer refused (GpuEngine::refuse): tell our host
+        *reinterpret_cast<volatile uint32_t*>(&c.host->refused) =
+            static_cast<uint32_t>(code - kErrRefusedBase) + 1;
+        __threadfence_system();
+      }
+      return true;
+    }
     if (dt > host_at) {
       host_at = dt + kHostPollTicks;
       if (*reinterpret_cast<volatile uint32_t*>(&c.host->abort)) {

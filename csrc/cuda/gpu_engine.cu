@@ -5,6 +5,7 @@
 #include <time.h>
 
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <string>
 
@@ -55,6 +56,7 @@ GpuEngine::GpuEngine(int rank, int nranks, int device, size_t slot_bytes, double
     fail("scratch allocation", e);
   }
   impl_->own = static_cast<char*>(p);
+  init_reg_cache(*impl_, rank);
   void* hf = nullptr;
   e = cudaHostAlloc(&hf, sizeof(HostFlags), cudaHostAllocMapped | cudaHostAllocPortable);
   if (e != cudaSuccess) {
@@ -328,7 +330,33 @@ uint64_t GpuEngine::error_code() const {
   if (!impl_) return 0;
   if (impl_->watch.tripped() || __atomic_load_n(&impl_->flags->abort, __ATOMIC_ACQUIRE))
     return kErrAborted;
+  if (__atomic_load_n(&impl_->flags->refused, __ATOMIC_ACQUIRE)) return kErrRefused;
   return __atomic_load_n(&impl_->flags->timed_out, __ATOMIC_ACQUIRE) ? kErrTimeout : 0;
+}
+
+// Contract in gpu_engine.h. Ordered on the caller's stream, where the refused call would have
+// run: the operations this rank enqueued before it still complete (their peers' halves are
+// ahead of the refused call in every peer's stream), and only what comes after is stopped. The
+// copy engines write the word, not a kernel: peers' kernels spinning on a shared GPU cannot
+// hold it back.
+bool GpuEngine::refuse(uintptr_t stream) {
+  if (!impl_) return false;
+  DeviceGuard g(device_);
+  EngineImpl& im = *impl_;
+  HostFlags* f = im.flags;
+  f->refusal = kErrRefusedBase + static_cast<uint64_t>(rank_);  // pinned: the copies' source
+  __atomic_store_n(&f->refused, static_cast<uint32_t>(rank_ + 1), __ATOMIC_RELEASE);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  bool told = true;
+  for (int r = 0; r < nranks_; ++r) {
+    if (r != rank_ && !im.opened[r]) continue;  // host-staged: no mapping of that peer
+    char* word = im.dev.base[r] + offsetof(Control, error);
+    if (cudaMemcpyAsync(word, &f->refusal, sizeof(uint64_t), cudaMemcpyDefault, s) != cudaSuccess) {
+      cudaGetLastError();  // handled: reported as false
+      told = told && r == rank_;
+    }
+  }
+  return told;
 }
 
 void GpuEngine::check() const {
@@ -343,6 +371,21 @@ void GpuEngine::check() const {
                     " died or failed; GPU operations of this communicator were aborted (data of "
                     "operations in flight is undefined; make a new communicator)",
                 peer);
+  }
+  if (code == kErrRefused) {
+    const int who = static_cast<int>(__atomic_load_n(&impl_->flags->refused, __ATOMIC_ACQUIRE)) - 1;
+    if (who == rank_)
+      throw Error(ErrorKind::Aborted,
+                  "rank " + std::to_string(rank_) + ": this rank refused the arguments of a GPU "
+                  "collective that only it could check (the ValueError raised then says why); the "
+                  "other ranks may have enqueued it, so GPU operations of this communicator were "
+                  "stopped on every rank (make a new communicator)");
+    throw Error(ErrorKind::Aborted,
+                "rank " + std::to_string(rank_) + ": rank " + std::to_string(who) + " refused its "
+                "arguments of a GPU collective that this rank had enqueued (its ValueError says "
+                "why); GPU operations of this communicator were stopped (data of operations in "
+                "flight is undefined; make a new communicator)",
+                who);
   }
   if (code == kErrTimeout)
     throw Error(ErrorKind::Timeout,

@@ -55,13 +55,23 @@ class GpuEngine {
   // Failures (contracts: gpu_device.cuh "Failure contract", peer_watch.h). watch_peers: the
   // pid of every rank (0 = do not watch; ours is ignored); a watched peer's death aborts every
   // device wait of this engine. abort(peer): the same by hand (peer = the rank to blame).
-  // error_code: 0, kErrTimeout (a device wait timed out) or kErrAborted; no synchronisation,
-  // so it reports what the device or the watchdog recorded so far. check: throws PeerError
-  // (aborted) or TimeoutError (timed out) once either happened, for good.
+  // error_code: 0, kErrTimeout (a device wait timed out), kErrAborted or kErrRefused (refuse
+  // below, here or on a peer); no synchronisation, so it reports what the device or the
+  // watchdog recorded so far. check: throws PeerError (aborted), TimeoutError (timed out) or
+  // CommAbortedError (refused) once one happened, for good.
   void watch_peers(const std::vector<int64_t>& pids);
   void abort(int peer);
   uint64_t error_code() const;
   void check() const;
+  // refuse: this rank refused the arguments of a collective that only it could check (a role's
+  // check, e.g. the root's out), after its peers may have enqueued their kernels for it, which
+  // would wait for it until the timeout. Enqueued on `stream` in the call's place: copies
+  // kErrRefusedBase + rank into every rank's Control.error (peers' through their mapped
+  // scratch, ours too), so their device waits give up at once and record the refusal in their
+  // HostFlags::refused (gpu_device.cuh); this rank's own check() raises from now on. Final, like
+  // a dead peer: every rank's check() then raises CommAbortedError naming this rank. False
+  // when a copy could not be enqueued (the peers then wait until the timeout).
+  bool refuse(uintptr_t stream);
 
   // Events of async requests: event_record (below) makes one; event_query: done? (throws the
   // CUDA error, or PeerError when a dead peer caused it); event_wait: polls until done (true)
@@ -74,8 +84,11 @@ class GpuEngine {
   // allocation holding ptr (IPC handle of its base, base, offset, allocation size), as bytes.
   // reg_map: every rank's description (rank order) -> buffer `slot` (0, 1; 2 = prs scratch) of every rank
   // for the next *_reg call; peer allocations are opened once and cached per (peer, base),
-  // reopened when the handle changes. The *_reg calls copy with the copy engines
-  // (cudaMemcpyAsync between IPC-mapped pointers) and synchronise with sig counters.
+  // reopened when the handle changes; the cache is bounded (reg_cache_limits: entries, bytes
+  // of peers' allocations) and closes a peer's mapping once that peer describes an allocation
+  // overlapping it, each only after the work that used it completed (reg_cache.h). The *_reg
+  // calls copy with the copy engines (cudaMemcpyAsync between IPC-mapped pointers) and
+  // synchronise with sig counters.
   std::string reg_describe(uintptr_t ptr) const;
   void reg_map(const std::vector<std::string>& descs, int slot);
   void all_gather_reg(uintptr_t out, size_t nbytes, uintptr_t stream);  // slot 0 = x
@@ -97,7 +110,9 @@ class GpuEngine {
   // first use, freed by close.
   void all_reduce_prs_reg(uintptr_t x, size_t count, int dtype, int op, uintptr_t stream);
   uintptr_t prs_scratch();
-  size_t reg_cached() const;
+  void reg_cache_limits(size_t entries, uint64_t bytes);
+  size_t reg_cached() const;                     // peers' allocations mapped now
+  std::vector<uint64_t> reg_cache_stats() const;  // entries, their bytes, retired not closed yet
   // Diagnostics: the push chain's per-block timestamps of the last call traced with
   // LINKWISE_GPU_PCHAIN_TRACE=1 (bcast_chain.cu), kChainBlocks x 4 ns values; synchronises.
   std::vector<uint64_t> pchain_trace();

@@ -114,6 +114,41 @@ std::string GpuEngine::reg_describe(uintptr_t ptr) const {
   return out;
 }
 
+void init_reg_cache(EngineImpl& im, int rank) {
+  RegCache::Hooks h;
+  h.open = [rank](const std::string& handle, int peer) -> void* {
+    cudaIpcMemHandle_t ih;
+    std::memcpy(&ih, handle.data(), sizeof(ih));
+    void* p = nullptr;
+    cudaError_t e = cudaIpcOpenMemHandle(&p, ih, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+      cudaGetLastError();  // not sticky: clear it, or the next launch check would report it
+      throw Error(ErrorKind::Peer, "rank " + std::to_string(rank) + ": cannot map rank " +
+                                       std::to_string(peer) + "'s buffer (cudaIpcOpenMemHandle: " +
+                                       cudaGetErrorString(e) + ")", peer);
+    }
+    return p;
+  };
+  h.close = [](void* p) { cudaIpcCloseMemHandle(p); };
+  h.done = [](const RegCache::Token& t) {
+    return cudaEventQuery(static_cast<cudaEvent_t>(t.get())) != cudaErrorNotReady;
+  };
+  im.reg_cache.set_hooks(std::move(h));
+}
+
+RegUse::~RegUse() {
+  cudaEvent_t ev = nullptr;
+  if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess &&
+      cudaEventRecord(ev, s) == cudaSuccess) {
+    im.reg_cache.note_use(reinterpret_cast<uintptr_t>(s),
+                          RegCache::Token(ev, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); }));
+    return;
+  }
+  cudaGetLastError();  // handled here: an empty token keeps the entries mapped until close()
+  if (ev) cudaEventDestroy(ev);
+  im.reg_cache.note_use(reinterpret_cast<uintptr_t>(s), RegCache::Token());
+}
+
 void GpuEngine::reg_map(const std::vector<std::string>& descs, int slot) {
   if (slot < 0 || slot > 2 || static_cast<int>(descs.size()) != nranks_)
     throw Error(ErrorKind::Invalid, "reg_map: one description per rank, slot 0, 1 or 2");
@@ -121,44 +156,43 @@ void GpuEngine::reg_map(const std::vector<std::string>& descs, int slot) {
   EngineImpl& im = *impl_;
   for (int r = 0; r < nranks_; ++r) {
     im.reg[slot][r] = nullptr;
+    im.reg_cache.unset(slot, r);
     if (descs[r].empty()) continue;
     if (descs[r].size() != kDescBytes)
       throw Error(ErrorKind::Invalid, "reg_map: malformed description from rank " + std::to_string(r));
-    uint64_t meta[3];
+    uint64_t meta[3];  // base, offset, allocation size (reg_describe)
     std::memcpy(meta, descs[r].data() + sizeof(cudaIpcMemHandle_t), sizeof(meta));
     if (r == rank_) {
       im.reg[slot][r] = reinterpret_cast<char*>(meta[0] + meta[1]);
       continue;
     }
     std::string handle = descs[r].substr(0, sizeof(cudaIpcMemHandle_t));
-    auto key = std::make_pair(r, meta[0]);
-    auto it = im.reg_cache.find(key);
-    if (it != im.reg_cache.end() && it->second.handle != handle) {  // reallocated: remap
-      cudaIpcCloseMemHandle(it->second.mapped);
-      im.reg_cache.erase(it);
-      it = im.reg_cache.end();
-    }
-    if (it == im.reg_cache.end()) {
-      cudaIpcMemHandle_t h;
-      std::memcpy(&h, handle.data(), sizeof(h));
-      void* p = nullptr;
-      cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
-      if (e != cudaSuccess)
-        throw Error(ErrorKind::Peer, "rank " + std::to_string(rank_) + ": cannot map rank " +
-                                         std::to_string(r) + "'s buffer (cudaIpcOpenMemHandle: " +
-                                         cudaGetErrorString(e) + ")", r);
-      it = im.reg_cache.emplace(key, RegMapping{handle, static_cast<char*>(p)}).first;
-    }
-    im.reg[slot][r] = it->second.mapped + meta[1];
+    char* mapped = static_cast<char*>(im.reg_cache.map(slot, r, meta[0], meta[2], handle));
+    im.reg[slot][r] = mapped + meta[1];
   }
+  im.reg_cache.trim();
+  // A peer's new allocation retires its old entries that it overlaps (they were freed): a
+  // slot that still pointed into one forgets it (reg_cache.h).
+  for (int s = 0; s < RegCache::kSlots; ++s)
+    for (int r = 0; r < nranks_; ++r)
+      if (r != rank_ && im.reg[s][r] && !im.reg_cache.is_set(s, r)) im.reg[s][r] = nullptr;
 }
 
-size_t GpuEngine::reg_cached() const { return impl_ ? impl_->reg_cache.size() : 0; }
-
-void GpuEngine::reg_release() {
-  for (auto& kv : impl_->reg_cache) cudaIpcCloseMemHandle(kv.second.mapped);
-  impl_->reg_cache.clear();
+void GpuEngine::reg_cache_limits(size_t entries, uint64_t bytes) {
+  if (!impl_) return;
+  impl_->reg_cache.max_entries = entries;
+  impl_->reg_cache.max_bytes = bytes;
 }
+
+size_t GpuEngine::reg_cached() const { return impl_ ? impl_->reg_cache.entries() : 0; }
+
+std::vector<uint64_t> GpuEngine::reg_cache_stats() const {
+  if (!impl_) return {0, 0, 0};
+  const RegCache& c = impl_->reg_cache;
+  return {c.entries(), c.bytes(), c.retired()};
+}
+
+void GpuEngine::reg_release() { impl_->reg_cache.close_all(); }  // close(): after a device sync
 
 void launch_sig(const DevComm& c, const SigArgs& a, cudaStream_t s) {
   sig_kernel<<<1, 32, 0, s>>>(c, a);
@@ -176,6 +210,7 @@ void GpuEngine::all_gather_reg(uintptr_t out, size_t nbytes, uintptr_t stream) {
   DeviceGuard g(device_);
   EngineImpl& im = *impl_;
   auto s = reinterpret_cast<cudaStream_t>(stream);
+  RegUse use{im, s};
   char* o = reinterpret_cast<char*>(out);
   for (int r = 0; r < nranks_; ++r)
     if (!im.reg[0][r]) throw Error(ErrorKind::Invalid, "all_gather_reg: buffers not mapped");
@@ -250,6 +285,8 @@ void GpuEngine::all_reduce_reg(size_t count, int dtype, int op, uintptr_t stream
   const size_t es = dtype_size(dtype);
   if (es == 0) throw Error(ErrorKind::Type, "all_reduce: unsupported dtype code");
   if (count == 0 || nranks_ == 1) throw Error(ErrorKind::Invalid, "all_reduce_reg: needs count > 0 and 2+ ranks");
+  DeviceGuard g(device_);
+  RegUse use{*impl_, reinterpret_cast<cudaStream_t>(stream)};
   const size_t V = 16 / es;
   size_t chunk = ((count + nranks_ - 1) / nranks_ + V - 1) / V * V;  // chunk r starts 16-byte aligned
   size_t lo = chunk * rank_ < count ? chunk * rank_ : count;
@@ -263,6 +300,8 @@ void GpuEngine::reduce_scatter_reg(uintptr_t out, size_t m, int dtype, int op, u
   const size_t es = dtype_size(dtype);
   if (es == 0) throw Error(ErrorKind::Type, "reduce_scatter: unsupported dtype code");
   if (m == 0 || nranks_ == 1) throw Error(ErrorKind::Invalid, "reduce_scatter_reg: needs count > 0 and 2+ ranks");
+  DeviceGuard g(device_);
+  RegUse use{*impl_, reinterpret_cast<cudaStream_t>(stream)};
   // Sources: block `rank` of every rank's x; the one destination is out itself.
   reduce_reg(out, rank_ * m, m, false, dtype, op, stream, "reduce_scatter");
 }
@@ -285,9 +324,10 @@ void GpuEngine::all_reduce_rsag_reg(size_t m, int dtype, int op, uintptr_t strea
   if (m == 0 || nranks_ == 1) throw Error(ErrorKind::Invalid, "all_reduce_rsag_reg: needs count > 0 and 2+ ranks");
   DeviceGuard g(device_);
   EngineImpl& im = *impl_;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  RegUse use{im, s};
   for (int r = 0; r < nranks_; ++r)
     if (!im.reg[1][r]) throw Error(ErrorKind::Invalid, "all_reduce: buffers not mapped");
-  auto s = reinterpret_cast<cudaStream_t>(stream);
   const size_t part = m * es;
   char* own = im.reg[1][rank_];
   char* o = own - rank_ * part;
@@ -306,6 +346,7 @@ void GpuEngine::broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece
   DeviceGuard g(device_);
   EngineImpl& im = *impl_;
   auto s = reinterpret_cast<cudaStream_t>(stream);
+  RegUse use{im, s};  // every form below, the two-stream one joined back into s
   char* xp = reinterpret_cast<char*>(x);
   const char* root_x =
       rank_ == root && root_src != 0 && root_src != x ? reinterpret_cast<const char*>(root_src) : nullptr;
@@ -383,6 +424,7 @@ void GpuEngine::recv_reg(uintptr_t x, size_t nbytes, int src, uintptr_t stream) 
   DeviceGuard g(device_);
   EngineImpl& im = *impl_;
   auto s = reinterpret_cast<cudaStream_t>(stream);
+  RegUse use{im, s};
   if (!im.reg[0][src]) throw Error(ErrorKind::Invalid, "recv_reg: sender's buffer not mapped");
   SigArgs a;
   a.wait(kSigP2pReady, src, ++im.seen[kSigP2pReady][src]);

@@ -315,6 +315,7 @@ void GpuEngine::all_reduce_prs_reg(uintptr_t x, size_t count, int dtype, int op,
   if (count == 0 || nranks_ == 1) throw Error(ErrorKind::Invalid, "all_reduce_prs_reg: needs count > 0 and 2+ ranks");
   DeviceGuard g(device_);
   EngineImpl& im = *impl_;
+  RegUse use{im, reinterpret_cast<cudaStream_t>(stream)};  // the cache's safety rule (reg_cache.h)
   for (int r = 0; r < nranks_; ++r)
     if (!im.reg[0][r] || !im.reg[2][r]) throw Error(ErrorKind::Invalid, "all_reduce_prs_reg: buffers not mapped");
   // Tuning knobs (read per call; every rank must see the same values).

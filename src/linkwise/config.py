@@ -46,6 +46,14 @@ def _size(text: str) -> int:
     return int(value)
 
 
+def _count(text: str) -> int:
+    """A whole number of 0 or more."""
+    value = int(text)
+    if value < 0:
+        raise ValueError("expected a whole number of 0 or more")
+    return value
+
+
 def _bool(text: str) -> bool:
     t = text.strip().lower()
     if t in ("1", "true", "yes", "on"):
@@ -236,6 +244,13 @@ declare("LINKWISE_GPU_REG_REDUCE_MIN", 64 << 20, _size,
         "GPU all_reduce/reduce_scatter this large read peers' registered buffers directly")
 declare("LINKWISE_GPU_REG_REDUCE_BLOCKS", 0, int,
         "blocks of that kernel; 0 = a quarter of the SMs (all_reduce), half (reduce_scatter)")
+declare("LINKWISE_GPU_REG_CACHE_ENTRIES", 128, _count,
+        "peers' registered allocations a GPU communicator keeps mapped (CUDA IPC) after the call "
+        "that used them, least recently used closed first (a mapping keeps memory the peer "
+        "freed allocated on its GPU); 0 = none")
+declare("LINKWISE_GPU_REG_CACHE_BYTES", 4 << 30, _size,
+        "bytes of peers' registered allocations a GPU communicator keeps mapped after the call "
+        "that used them (as LINKWISE_GPU_REG_CACHE_ENTRIES); 0 = none")
 # Read by the C++ engine itself (getenv), declared here for linkwise info.
 declare("LINKWISE_GPU_LL_MAX", 256 << 10, int,
         "GPU all_reduce/broadcast up to this many bytes (at most 262144) use the LL kernels; 0 = off")

@@ -9,7 +9,9 @@ turns it off): all_gather, broadcast and send/recv register the user buffers ins
 copying through the scratch area: each rank describes the allocation holding its buffer
 (IPC handle of its base, offset), the descriptions go over the CPU engine (collectives: a
 host all_gather; send/recv: a host message to the receiver), each peer allocation is mapped
-once and cached per (peer, base) (remapped when the handle changes), and the copy engines
+once and cached per (peer, base) (remapped when the handle changes; bounded by
+``LINKWISE_GPU_REG_CACHE_ENTRIES`` / ``_BYTES``, and closed once the peer describes an
+allocation overlapping it: csrc/cuda/reg_cache.h), and the copy engines
 move the data between user buffers (reg_engine.cu); memory CUDA IPC cannot export (torch's
 expandable_segments, cudaMallocAsync pools) takes the scratch path instead, agreed by every
 rank (registered.py); broadcast (from
@@ -60,7 +62,10 @@ peer_watch.h) aborts every device wait of this communicator within a millisecond
 drain, and the next call on it, ``synchronize()``, ``check()`` or a request's ``wait()``
 raises PeerError naming the peer. A device wait longer than the communicator's timeout raises
 TimeoutError the same way. Either is final: the data of operations in flight is undefined and
-the communicator cannot be used any more (make a new one). Plain stream synchronisation
+the communicator cannot be used any more (make a new one). So is an argument only one rank can
+check that it refuses (the root's ``out`` of a broadcast): it raises ValueError there and stops
+every rank's GPU plane at once (``_refused_alone``; the others' kernels were waiting for it),
+after which every call raises CommAbortedError naming that rank. Plain stream synchronisation
 (``torch.cuda.synchronize()``, ``tensor.cpu()``) returns once kernels drained and raises
 nothing: call ``check()`` after it when a peer may have failed. After ``close()`` every
 method (``check()`` and ``synchronize()`` too) raises CommAbortedError; ``comm.cuda()`` keeps
@@ -76,6 +81,7 @@ from . import registered as reg
 from .arrays import DTYPES, OPS, DevArray, check_out, stream_handle, view
 
 _DEFAULT_SLOT = 16 << 20
+_REFUSED = 3  # GpuEngine::error_code after a refusal (gpu_device.cuh kErrRefused)
 _counter: dict = {}
 
 
@@ -155,6 +161,8 @@ class GpuComm:
         # Registered-buffer all_reduce / reduce_scatter from this many bytes (whole buffer).
         self._red_reg_min = config.get("LINKWISE_GPU_REG_REDUCE_MIN") if self._reg_on else 1 << 62
         self._engine.reg_blocks = config.get("LINKWISE_GPU_REG_REDUCE_BLOCKS")  # 0: engine default
+        self._engine.reg_cache_limits(config.get("LINKWISE_GPU_REG_CACHE_ENTRIES"),
+                                      config.get("LINKWISE_GPU_REG_CACHE_BYTES"))
         # The push chains beat the scratch broadcast kernel at 64 MiB (docs/benchmarks.md).
         self._bcast_reg_min = max(self._reg_min, config.get("LINKWISE_GPU_BCAST_REG_MIN"))
         self._prs_mapped = None  # set once every rank's prs scratch is mapped (slot 2)
@@ -267,6 +275,33 @@ class GpuComm:
                 "reduce_scatter, all_to_all, broadcast, and all_gather below "
                 "LINKWISE_GPU_REG_MIN, without LINKWISE_P2P_DISABLE")
 
+    def _refused_alone(self, s: int, message: str) -> ValueError:
+        """The ValueError of an argument check that only this rank makes (its role's: the root's
+        out of a broadcast), so the others may be in the call already, waiting for this rank
+        until the timeout. Two places they can wait, and both are told:
+         * on the GPU (kernels enqueued): on the NVLink path the refusal is enqueued on stream s
+           in the call's place (GpuEngine::refuse): every rank's device waits give up, and every
+           rank's GPU plane raises CommAbortedError naming this rank from then on (the counters
+           the refused call would have advanced no longer agree, so it cannot go on);
+         * on the host, in an exchange of the call (the registered path's descriptions,
+           registered.reg_many; host-staged messages): this rank refuses the communicator's
+           next host collective number (_skip_call), whose notice makes them raise at once, and
+           its host collectives stop, as after any collective refused on one rank. The error is
+           marked so that comm.broadcast's wrapper does not number a second call.
+        Host-staged within a host (a StageChannel read) the others are not told: they wait
+        until the timeout."""
+        if self.size > 1 and self._staged is None and self._engine.refuse(s):
+            message += ("; the other ranks may be waiting in this call, so GPU operations of this "
+                        "communicator were stopped on every rank (CommAbortedError from now on; "
+                        "make a new communicator)")
+        exc = ValueError(message)
+        skip = getattr(self.comm, "_skip_call", None)
+        if self.size > 1 and skip is not None:
+            from .._coll_args import REFUSED_UNDER_NUMBER
+            skip()
+            setattr(exc, REFUSED_UNDER_NUMBER, True)
+        return exc
+
     def _reduce_args(self, v: DevArray, op: str, what: str) -> tuple[int, int]:
         if v.dtype not in DTYPES:
             raise TypeError(f"{what}: dtype {v.dtype} is not supported on GPU "
@@ -328,11 +363,12 @@ class GpuComm:
         o = v if out is None or out is x else self._view(out, "broadcast")
         if not 0 <= root < self.size:
             raise ValueError(f"broadcast: root {root} is out of range 0..{self.size - 1}")
-        if o is not v and self.rank == root and (o.nbytes != v.nbytes or o.dtype != v.dtype):
-            raise ValueError(f"broadcast: out is {o.dtype} with {o.nbytes} bytes, x is {v.dtype} "
-                             f"with {v.nbytes}; they must have the same dtype and the same size on "
-                             "the root (the bytes are copied, not converted)")
         s = stream_handle(stream, v)
+        if o is not v and self.rank == root and (o.nbytes != v.nbytes or o.dtype != v.dtype):
+            raise self._refused_alone(s, f"broadcast: out is {o.dtype} with {o.nbytes} bytes, x is "
+                                      f"{v.dtype} with {v.nbytes}; they must have the same dtype "
+                                      "and the same size on the root (the bytes are copied, not "
+                                      "converted)")
         staged = self._staged is not None
         # Registered-buffer path from LINKWISE_GPU_BCAST_REG_MIN, except while the stream is
         # being captured into a CUDA graph: then the scratch kernel below (capturable).
@@ -440,7 +476,7 @@ class GpuComm:
         # Collective close on both paths: no rank tears down (or exits, taking the rendezvous
         # store with it) while a peer is still inside a call that needs it.
         # Not after a failure: a dead or hung peer would hold everyone up until the timeout.
-        failed = self._engine.error_code() != 0
+        failed = self._engine.error_code() not in (0, _REFUSED)  # a refusal leaves every rank alive
         if self.size > 1 and not failed and getattr(self.comm, "_store", None) is not None:
             self.comm._store.barrier(f"{self._key}/close", self.size)
         self._engine.close()
