@@ -106,8 +106,9 @@ class Store:
         # the job id, size, base port and world number). A client skips a store whose token
         # differs: another job's (an error where no spare port is left) or this job's earlier
         # world, still open (it waits for the next one; _world_gap).
-        # check: called every ~0.25 s while connecting and while all_gather waits for a value;
-        # it raises to give up (init() under `linkwise launch`: a rank that left without joining).
+        # check: called every ~0.25 s while connecting and while all_gather waits for a value,
+        # and before a request raises StoreClosedError or RankLeftError (_cause); it raises to
+        # give up (init() under `linkwise launch`: a rank that left without joining).
         self.host, self.timeout, self.is_server = host, clamp_wait(float(timeout)), is_server
         self.check = check
         self._server: Optional[Server] = None
@@ -226,10 +227,10 @@ class Store:
                                f"within {wait:g} s") from None
         except OSError as exc:
             self._drop(sock)
-            raise self._gone(what, key, exc) from None
+            raise self._cause(self._gone(what, key, exc)) from None
         if reply is None:
             self._drop(sock)
-            raise self._gone(what, key, None)
+            raise self._cause(self._gone(what, key, None))
         with self._lock:
             if self._closed:
                 self._drop_locked(sock)
@@ -238,12 +239,21 @@ class Store:
             else:
                 self._idle.append(sock)
         if reply[0] == _LEFT:
-            raise self._left_error(reply[1:], what, key)
+            raise self._cause(self._left_error(reply[1:], what, key))
         if reply[0] == _FAIL:
             raise BootstrapError(f"store {what} {key!r}: {reply[1:].decode()}")
         if reply[0] == _MISSING:
             raise _Missing(reply[1:])
         return reply[1:]
+
+    def _cause(self, err: PeerError) -> PeerError:
+        """``err`` (the store gone, or a rank that left setup), unless ``check`` raises its own
+        error first: under `linkwise launch` a rank that ended without calling init() makes
+        the others' checks raise, and the first of them to close its store left setup, so the
+        rest were told of that rank (or of rank 0) instead of the one that never came."""
+        if self.check is not None:
+            self.check()
+        return err
 
     def _gone(self, what: str, key: str, exc: Optional[BaseException]) -> StoreClosedError:
         why = f" ({exc})" if exc else ""
@@ -385,8 +395,9 @@ class Store:
         """Every rank contributes ``value``; returns all ``size`` values in rank order.
         ``alive(r)`` (a communicator's peer check): a rank whose value is missing and whose
         process is gone raises PeerError within ~0.25 s instead of the timeout. The store's
-        ``check`` too is called while a value is missing, and before a StoreClosedError is
-        raised (rank 0 may have closed the store for the reason that check gives)."""
+        ``check`` too is called while a value is missing (and, as for every request, before a
+        StoreClosedError or RankLeftError is raised: the rank that closed its store may have
+        done so for the reason that check gives)."""
         if not 0 <= rank < size:
             raise ValueError(f"all_gather {name!r}: rank {rank} is not in 0..{size - 1}")
         deadline = time.monotonic() + (self.timeout if timeout is None else float(timeout))
@@ -400,10 +411,6 @@ class Store:
                 try:
                     out.append(self.get(key, timeout=min(left, 0.25) if polled else left))
                     break
-                except StoreClosedError:
-                    if self.check is not None:
-                        self.check()
-                    raise
                 except TimeoutError:
                     if alive is not None and not alive(r):
                         raise PeerError(f"rank {rank}: rank {r} exited before it joined {name!r}",
