@@ -24,12 +24,13 @@ a rank silently taking another's place. The same process may join again, and onc
 has died (its connection closed) a process started in its place joins.
 
 Leaving during setup: the connection a rank joined on is kept for joins and ``settled()``
-only, open as long as its process and this object are. ``settled()`` (init() calls it once
-its world communicator is made) says the rank's setup is done. A joined rank whose
-connection closes before that (it died, or its init() failed and closed the store) makes
-every store wait that is not yet satisfied, on every rank, raise :class:`RankLeftError`
-naming it at once, and so does :meth:`raise_if_left`, which waits that are not store waits
-(accepting TCP links) call between slices. After ``settled()``, closing is not leaving.
+only, open as long as its process and this object are, until ``settled()`` (init() calls it
+once its world communicator is made) says the rank's setup is done (it then joins the pool).
+A joined rank whose connection closes before that (it died, or its init() failed and closed
+the store) makes every store wait that is not yet satisfied, on every rank, raise
+:class:`RankLeftError` naming it at once, and so does :meth:`raise_if_left`, which waits that
+are not store waits (accepting TCP links) call between slices. After ``settled()``, closing is
+not leaving.
 
 Threading: the server runs one daemon thread per client connection; all of them share one
 dict guarded by one Condition, so any number of blocking GETs wait concurrently and a SET wakes
@@ -117,7 +118,7 @@ class Store:
         self._open: set[socket.socket] = set()  # every connection (close() shuts them all)
         self._closed = False
         # The connection this process joined on (see "Leaving during setup"): used by join()
-        # and settled() only, never in _idle; guarded by _lock like the pool.
+        # and settled() only, never in _idle until settled() puts it there; guarded by _lock.
         self._held: Optional[socket.socket] = None
         self._rank = -1  # the rank joined as (-1: none)
         self._settled = False  # settled() was called: closing no longer means leaving setup
@@ -374,14 +375,25 @@ class Store:
         """Tell the store that this rank's setup is done: from now on its connection closing
         is not a rank leaving setup (see the module docstring). Sent on the joined connection,
         so the server reads it before that connection's end. A store already gone is not an
-        error here: the setup is done, and nobody is left to tell."""
+        error here: the setup is done, and nobody is left to tell. The joined connection then
+        serves as the pool's, and the pool's idle ones close: a settled rank keeps one
+        connection to rank 0, as before joins were held (held and pooled, every rank kept two
+        for the job's life, and rank 0's store a thread and a descriptor more per rank)."""
         self._settled = True
         if self._rank < 0:
             return
         try:
             self._request(_SETTLED, str(self._rank), b"", self.timeout + _GRACE, "settled", held=True)
         except BootstrapError:  # StoreClosedError, or this object closed meanwhile
-            pass
+            return
+        with self._lock:
+            if self._closed or self._held is None:
+                return
+            spare, self._idle = self._idle, [self._held]
+            self._held = None
+            for sock in spare:  # idle: no call uses them (calls in progress hold theirs)
+                self._open.discard(sock)
+                sock.close()
 
     def raise_if_left(self, wait: float = 0.0) -> None:
         """RankLeftError if a joined rank left during setup (waiting up to ``wait`` seconds for
