@@ -174,3 +174,16 @@ def test_the_launchers_notice_wins_over_a_rank_that_left_because_of_it():
         with pytest.raises(BootstrapError, match="rank 2 of this `linkwise launch` ended"):
             host.get("__ag/world/setup/cards/2", timeout=5)
         assert time.monotonic() - t0 < 2.0
+
+
+def test_a_polled_all_gather_that_times_out_says_its_whole_timeout():
+    """Under `linkwise launch` init()'s card exchange waits in 0.25 s slices (to read the
+    launcher's notices); when the rank never came, its TimeoutError named the last slice
+    ("nobody set it within 0.248 s" after LINKWISE_TIMEOUT), as a split's did."""
+    from multirank import free_port
+    from linkwise.bootstrap import Store
+    from linkwise.errors import TimeoutError
+    with Store("127.0.0.1", free_port(), is_server=True, timeout=10, check=lambda: None) as host:
+        for kwargs in ({}, {"alive": lambda r: True}):
+            with pytest.raises(TimeoutError, match=r"'__ag/cards\d/1': nobody set it within 0.7 s$"):
+                host.all_gather(f"cards{len(kwargs)}", 0, 2, b"card", timeout=0.7, **kwargs)

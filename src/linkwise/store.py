@@ -412,7 +412,8 @@ class Store:
         done so for the reason that check gives)."""
         if not 0 <= rank < size:
             raise ValueError(f"all_gather {name!r}: rank {rank} is not in 0..{size - 1}")
-        deadline = time.monotonic() + (self.timeout if timeout is None else float(timeout))
+        limit = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + limit
         polled = alive is not None or self.check is not None
         self.set(f"__ag/{name}/{rank}", value)
         out = []
@@ -429,8 +430,10 @@ class Store:
                                         rank=rank, peer=r, op=name) from None
                     if self.check is not None:
                         self.check()
-                    if not polled or time.monotonic() >= deadline:
+                    if not polled:
                         raise
+                    if time.monotonic() >= deadline:  # the whole wait, not its last slice
+                        raise TimeoutError(f"store get {key!r}: nobody set it within {limit:g} s") from None
         return out
 
     def close(self) -> None:
