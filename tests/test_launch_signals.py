@@ -355,3 +355,26 @@ def test_ctrl_c_exits_130_without_blaming_a_rank(tmp_path):
     finally:
         p.kill()
         _kill_all(pids)
+
+
+def test_ranks_start_when_the_watchdog_is_gone(tmp_path):
+    """The watchdog was killed (or its interpreter could not run the script) before the ranks
+    started: each rank's process, between fork and exec, got SIGPIPE writing its group to the
+    watchdog's pipe (Popen had set SIGPIPE back to the default there) and died before its
+    program ran. Now it runs without the watchdog, with SIGPIPE at its default as before."""
+    (tmp_path / "drive.py").write_text(
+        "import sys\n"
+        "from linkwise import launch\n"
+        "plain = launch.Watchdog.__init__\n"
+        "def gone(self, say):\n"
+        "    plain(self, say)\n"
+        "    self.proc.kill()\n"
+        "    self.proc.wait()\n"
+        "launch.Watchdog.__init__ = gone\n"
+        "sys.exit(launch.main(['-n', '2', 'sh', '-c', 'echo ran $(grep SigIgn /proc/self/status)']))\n")
+    p = subprocess.run([sys.executable, str(tmp_path / "drive.py")],
+                       env=dict(os.environ, PYTHONPATH=SRC), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    ran = sorted(line.split() for line in p.stdout.splitlines())
+    assert [r[:3] for r in ran] == [["[rank", "0]", "ran"], ["[rank", "1]", "ran"]], p.stdout
+    assert all(not int(r[4], 16) & (1 << (signal.SIGPIPE - 1)) for r in ran), p.stdout  # not ignored

@@ -89,12 +89,17 @@ def rank_preexec(watchdog_fd):
     linkwise._launch_watchdog). Popen's process_group= would do the first from Python 3.11
     on; this works on 3.10 too. It runs between fork and exec (before Popen's close_fds, so
     the descriptor is still open), while the launcher has no other thread (the output threads
-    start after the last rank), and makes two system calls."""
+    start after the last rank), and makes four system calls. SIGPIPE is ignored around the
+    write: Popen has set it to the default action by then (restore_signals), which killed
+    every rank started once the watchdog was gone (killed, or its interpreter could not run
+    the script) instead of raising EPIPE here; it is the default again before exec."""
     def preexec() -> None:
         os.setpgid(0, 0)
         if watchdog_fd is not None:
+            signal.signal(signal.SIGPIPE, signal.SIG_IGN)
             try:
                 os.write(watchdog_fd, b"%d\n" % os.getpid())
             except OSError:  # the watchdog died: the rank runs without it
                 pass
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as Popen left it, not Python's SIG_IGN
     return preexec
