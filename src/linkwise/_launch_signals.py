@@ -39,7 +39,9 @@ class Relay:
       parent in the same session, lives, so the kernel does not drop it); a launcher nested
       in a rank handles it in turn, which SIGSTOP would not let it do. Then the launcher
       stops itself with SIGSTOP, which the kernel does not drop where the launcher's own
-      group is orphaned, as it would a default SIGTSTP.
+      group is orphaned, as it would a default SIGTSTP. One of them ignored at start (``trap
+      '' TSTP``, a runner that lets background jobs write to the terminal) stays ignored, in
+      the ranks too, as a SIGHUP under nohup does: handled, it stopped a job meant to run on.
     * SIGCONT (``fg``, ``bg``, ``kill -CONT``): passed on, so the ranks go on with it.
 
     Installed before the ranks start, for two reasons: a signal that comes while they start
@@ -50,9 +52,9 @@ class Relay:
     def __init__(self, procs: list) -> None:
         self.procs = procs
         self.seen: list[int] = []
-        nohup = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
-        handlers = {s: self._forward for s in FORWARDED_SIGNALS if not (nohup and s == signal.SIGHUP)}
-        handlers.update({s: self._stop for s in STOP_SIGNALS})
+        kept = {s for s in (signal.SIGHUP,) + STOP_SIGNALS if signal.getsignal(s) == signal.SIG_IGN}
+        handlers = {s: self._forward for s in FORWARDED_SIGNALS if s not in kept}
+        handlers.update({s: self._stop for s in STOP_SIGNALS if s not in kept})
         handlers[signal.SIGCONT] = self._continue
         self._old = {s: signal.signal(s, h) for s, h in handlers.items()}
 

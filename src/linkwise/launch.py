@@ -18,7 +18,8 @@ Contract:
     with. A SIGHUP ignored when the launcher starts (``nohup``) stays ignored, in the ranks
     too. SIGTSTP (Ctrl-Z), SIGTTIN and SIGTTOU are sent on to every rank's group as SIGTSTP
     (a rank that ignores it runs on, as in a foreground job), then stop the launcher; SIGCONT
-    (``fg``, ``bg``) is passed on, so the ranks resume with it (_launch_signals.Relay).
+    (``fg``, ``bg``) is passed on, so the ranks resume with it (_launch_signals.Relay). One
+    of the three ignored when the launcher starts stays ignored, as SIGHUP does.
     Timeouts count wall time: a rank's wait in progress that the pause outlasted raises
     TimeoutError once resumed.
   * A launcher that dies without ending its ranks (SIGKILL, a crash) leaves that to its
