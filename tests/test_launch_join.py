@@ -148,3 +148,42 @@ def test_a_descriptor_that_is_not_the_launchers_is_left_alone(monkeypatch):
             _launch_link._link.close()
         a.close()
         b.close()
+
+
+def test_the_launchers_notice_wins_over_a_rank_that_left_because_of_it():
+    """All the ranks in init() are told that rank 2 never came; the first to raise closes its
+    store and so leaves setup, and the store told the others that rank (or rank 0) left: with
+    3 ranks, most runs of test_a_rank_that_never_joins_is_named_at_once[2] named rank 1 or 0
+    on a survivor. Whatever a store request would raise, the launcher's notice goes first."""
+    from multirank import free_port
+    from linkwise.bootstrap import Store
+    told = []
+
+    def check():
+        if told:
+            raise BootstrapError("rank 0: rank 2 of this `linkwise launch` ended (exit status 0) without calling "
+                                 "linkwise.init()")
+    port = free_port()
+    with Store("127.0.0.1", port, is_server=True, timeout=10, check=check) as host:
+        host.join(0, "rank 0")
+        peer = Store("127.0.0.1", port, is_server=False, timeout=10)
+        peer.join(1, "rank 1")
+        told.append(True)  # both were told; rank 1 raised first and closed its store
+        peer.close()
+        t0 = time.monotonic()
+        with pytest.raises(BootstrapError, match="rank 2 of this `linkwise launch` ended"):
+            host.get("__ag/world/setup/cards/2", timeout=5)
+        assert time.monotonic() - t0 < 2.0
+
+
+def test_a_polled_all_gather_that_times_out_says_its_whole_timeout():
+    """Under `linkwise launch` init()'s card exchange waits in 0.25 s slices (to read the
+    launcher's notices); when the rank never came, its TimeoutError named the last slice
+    ("nobody set it within 0.248 s" after LINKWISE_TIMEOUT), as a split's did."""
+    from multirank import free_port
+    from linkwise.bootstrap import Store
+    from linkwise.errors import TimeoutError
+    with Store("127.0.0.1", free_port(), is_server=True, timeout=10, check=lambda: None) as host:
+        for kwargs in ({}, {"alive": lambda r: True}):
+            with pytest.raises(TimeoutError, match=r"'__ag/cards\d/1': nobody set it within 0.7 s$"):
+                host.all_gather(f"cards{len(kwargs)}", 0, 2, b"card", timeout=0.7, **kwargs)

@@ -355,3 +355,60 @@ def test_ctrl_c_exits_130_without_blaming_a_rank(tmp_path):
     finally:
         p.kill()
         _kill_all(pids)
+
+
+def test_ranks_start_when_the_watchdog_is_gone(tmp_path):
+    """The watchdog was killed (or its interpreter could not run the script) before the ranks
+    started: each rank's process, between fork and exec, got SIGPIPE writing its group to the
+    watchdog's pipe (Popen had set SIGPIPE back to the default there) and died before its
+    program ran. Now it runs without the watchdog, with SIGPIPE at its default as before."""
+    (tmp_path / "drive.py").write_text(
+        "import sys\n"
+        "from linkwise import launch\n"
+        "plain = launch.Watchdog.__init__\n"
+        "def gone(self, say):\n"
+        "    plain(self, say)\n"
+        "    self.proc.kill()\n"
+        "    self.proc.wait()\n"
+        "launch.Watchdog.__init__ = gone\n"
+        "sys.exit(launch.main(['-n', '2', 'sh', '-c', 'echo ran $(grep SigIgn /proc/self/status)']))\n")
+    p = subprocess.run([sys.executable, str(tmp_path / "drive.py")],
+                       env=dict(os.environ, PYTHONPATH=SRC), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    ran = sorted(line.split() for line in p.stdout.splitlines())
+    assert [r[:3] for r in ran] == [["[rank", "0]", "ran"], ["[rank", "1]", "ran"]], p.stdout
+    assert all(not int(r[4], 16) & (1 << (signal.SIGPIPE - 1)) for r in ran), p.stdout  # not ignored
+
+
+def test_a_ctrl_z_ignored_at_start_stays_ignored(tmp_path):
+    """A launcher started with SIGTSTP ignored (`trap '' TSTP`, as nohup ignores SIGHUP) ran on
+    with its ranks; the Ctrl-Z relay handled it anyway and stopped the job. The ranks inherit
+    the ignored signal, as before."""
+    d = tmp_path / "pids"
+    d.mkdir()
+    script = tmp_path / "prog.py"
+    script.write_text(
+        "import os, signal, time\n"
+        f"open(os.path.join({str(d)!r}, 'rank'), 'w').write(str(os.getpid()))\n"
+        f"while not os.path.exists({str(d / 'go')!r}):\n    time.sleep(0.02)\n"
+        "print('tstp', 'ignored' if signal.getsignal(signal.SIGTSTP) == signal.SIG_IGN else 'default', flush=True)\n")
+    launch = f"exec {sys.executable} -m linkwise.cli launch -n 1 {script}"
+    p = subprocess.Popen(["sh", "-c", f"trap '' TSTP TTIN TTOU; {launch}"], env=dict(os.environ, PYTHONPATH=SRC),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 20
+        while not (d / "rank").exists():
+            assert time.monotonic() < end and p.poll() is None
+            time.sleep(0.02)
+        rank = int((d / "rank").read_text())
+        p.send_signal(signal.SIGTSTP)
+        time.sleep(0.3)
+        assert _state(p.pid) in ("S", "R") and _state(rank) in ("S", "R")  # neither stopped
+        (d / "go").touch()
+        out, err = p.communicate(timeout=20)
+        assert p.returncode == 0 and out == "[rank 0] tstp ignored\n", (out, err)
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        (d / "go").touch()

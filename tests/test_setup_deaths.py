@@ -205,3 +205,35 @@ def test_a_closing_host_with_ranks_still_setting_up_names_itself_to_them():
     assert not closer.is_alive() and time.monotonic() - t0 < 1.5
     with pytest.raises(BootstrapError):
         Store("127.0.0.1", server.port, is_server=False, timeout=0.3, token="t")
+
+
+def _store_connections(comm):
+    """This rank's store connections once every rank's init() returned, and on rank 0 how
+    many its store serves; then a split, which still goes through the store."""
+    comm.barrier()  # every rank has settled
+    server = comm._store._server
+    deadline = time.monotonic() + 3.0
+    while server is not None and len(server._conns) > comm.size and time.monotonic() < deadline:
+        time.sleep(0.02)  # the server's threads see the closed ones end
+    counts = (len(comm._store._open), None if server is None else len(server._conns))
+    sub = comm.split(0)
+    sub.barrier()
+    sub.close()
+    return counts
+
+
+def test_a_settled_rank_keeps_one_store_connection():
+    """The joined connection is held apart during setup; once settled it is the pool's, and the
+    pool's others close. Before, every rank kept two connections for the job's life and rank
+    0's store a connection thread and a descriptor more per rank (1000 ranks: 1000 more)."""
+    out = run_ranks(3, _store_connections, timeout=30, env={"LINKWISE_TRANSPORT": "tcp"})
+    assert out == [(1, 3), (1, None), (1, None)], out
+    server, (one, two) = _three()
+    try:
+        one.set("k", b"v")  # the pool has a connection of its own besides the joined one
+        before = len(one._open)
+        one.settled()
+        assert (before, len(one._open)) == (2, 1) and one.get("k") == b"v"
+    finally:
+        for store in (two, one, server):
+            store.close()

@@ -20,6 +20,7 @@
 #include "algo/shm_coll_slot.h"
 #include "algo/shm_kernels.h"
 #include "core/copy.h"
+#include "core/process.h"
 #include "core/status.h"
 #include "core/wait.h"
 #include "transport/shm/cma.h"
@@ -140,7 +141,7 @@ bool ShmColl::peer_gone(int peer) {
     struct pollfd p = {fd, POLLIN, 0};
     return poll(&p, 1, 0) > 0;  // a pidfd turns readable when the process terminates (zombie or not)
   }
-  return kill(static_cast<pid_t>(slot(peer)->h().pid), 0) != 0 && errno == ESRCH;
+  return process_gone_without_pidfd(static_cast<pid_t>(slot(peer)->h().pid));  // zombies too
 }
 
 void ShmColl::publish(std::atomic<uint32_t>& word, uint32_t value) {

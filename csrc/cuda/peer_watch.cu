@@ -1,6 +1,8 @@
 // PeerWatch (peer_watch.h): the watcher thread of a GPU communicator.
 #include "cuda/peer_watch.h"
 
+#include "core/process.h"
+
 #include <errno.h>
 #include <poll.h>
 #include <signal.h>
@@ -65,7 +67,7 @@ void PeerWatch::loop() {
     if (p.back().revents) return;  // stop()
     for (size_t i = 0; i < fds_.size(); ++i) {
       bool gone = fds_[i] >= 0 ? p[i].revents != 0
-                               : kill(static_cast<pid_t>(pids_[i]), 0) != 0 && errno == ESRCH;
+                               : process_gone_without_pidfd(static_cast<pid_t>(pids_[i]));  // zombies too
       if (gone) {
         dead_pid_.store(pids_[i], std::memory_order_release);
         trip(ranks_[i]);

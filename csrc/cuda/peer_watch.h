@@ -9,8 +9,9 @@
 // Threading: start() and stop() from the owning thread; one watcher thread per engine blocks
 // in poll() on the peers' pidfds (readable once a process has terminated, zombie or not) and
 // an eventfd for stop(): no periodic wake-ups. Kernels without pidfd_open fall back to
-// kill(pid, 0) every 100 ms. The first death it sees is recorded (dead_peer, then a release
-// store of flags->abort = 1) and the thread ends: an abort is permanent for the engine.
+// core/process.h's check every 100 ms (a zombie counts as dead). The first death it sees is
+// recorded (dead_peer, then a release store of flags->abort = 1) and the thread ends: an
+// abort is permanent for the engine.
 // dead_peer() may be called from any thread (acquire load).
 #pragma once
 

@@ -39,7 +39,9 @@ class Relay:
       parent in the same session, lives, so the kernel does not drop it); a launcher nested
       in a rank handles it in turn, which SIGSTOP would not let it do. Then the launcher
       stops itself with SIGSTOP, which the kernel does not drop where the launcher's own
-      group is orphaned, as it would a default SIGTSTP.
+      group is orphaned, as it would a default SIGTSTP. One of them ignored at start (``trap
+      '' TSTP``, a runner that lets background jobs write to the terminal) stays ignored, in
+      the ranks too, as a SIGHUP under nohup does: handled, it stopped a job meant to run on.
     * SIGCONT (``fg``, ``bg``, ``kill -CONT``): passed on, so the ranks go on with it.
 
     Installed before the ranks start, for two reasons: a signal that comes while they start
@@ -50,9 +52,9 @@ class Relay:
     def __init__(self, procs: list) -> None:
         self.procs = procs
         self.seen: list[int] = []
-        nohup = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
-        handlers = {s: self._forward for s in FORWARDED_SIGNALS if not (nohup and s == signal.SIGHUP)}
-        handlers.update({s: self._stop for s in STOP_SIGNALS})
+        kept = {s for s in (signal.SIGHUP,) + STOP_SIGNALS if signal.getsignal(s) == signal.SIG_IGN}
+        handlers = {s: self._forward for s in FORWARDED_SIGNALS if s not in kept}
+        handlers.update({s: self._stop for s in STOP_SIGNALS if s not in kept})
         handlers[signal.SIGCONT] = self._continue
         self._old = {s: signal.signal(s, h) for s, h in handlers.items()}
 
@@ -89,12 +91,17 @@ def rank_preexec(watchdog_fd):
     linkwise._launch_watchdog). Popen's process_group= would do the first from Python 3.11
     on; this works on 3.10 too. It runs between fork and exec (before Popen's close_fds, so
     the descriptor is still open), while the launcher has no other thread (the output threads
-    start after the last rank), and makes two system calls."""
+    start after the last rank), and makes four system calls. SIGPIPE is ignored around the
+    write: Popen has set it to the default action by then (restore_signals), which killed
+    every rank started once the watchdog was gone (killed, or its interpreter could not run
+    the script) instead of raising EPIPE here; it is the default again before exec."""
     def preexec() -> None:
         os.setpgid(0, 0)
         if watchdog_fd is not None:
+            signal.signal(signal.SIGPIPE, signal.SIG_IGN)
             try:
                 os.write(watchdog_fd, b"%d\n" % os.getpid())
             except OSError:  # the watchdog died: the rank runs without it
                 pass
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as Popen left it, not Python's SIG_IGN
     return preexec

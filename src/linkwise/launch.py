@@ -18,7 +18,10 @@ Contract:
     with. A SIGHUP ignored when the launcher starts (``nohup``) stays ignored, in the ranks
     too. SIGTSTP (Ctrl-Z), SIGTTIN and SIGTTOU are sent on to every rank's group as SIGTSTP
     (a rank that ignores it runs on, as in a foreground job), then stop the launcher; SIGCONT
-    (``fg``, ``bg``) is passed on, so the ranks resume with it (_launch_signals.Relay).
+    (``fg``, ``bg``) is passed on, so the ranks resume with it (_launch_signals.Relay). One
+    of the three ignored when the launcher starts stays ignored, as SIGHUP does.
+    Timeouts count wall time: a rank's wait in progress that the pause outlasted raises
+    TimeoutError once resumed.
   * A launcher that dies without ending its ranks (SIGKILL, a crash) leaves that to its
     watchdog, a small process it starts first: every rank's process group gets SIGTERM, once,
     then SIGKILL after ``TERM_GRACE`` seconds (linkwise._launch_watchdog). The watchdog exits
@@ -98,7 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="script.py|module|program args...",
                    help="the program and its arguments")
     p.epilog = ("Ctrl-C, Ctrl-\\, SIGTERM and SIGHUP are passed on to every rank (a second one kills "
-                "them); Ctrl-Z stops the ranks with the launcher, and fg or bg resume them; if the "
+                "them); Ctrl-Z stops the ranks with the launcher, and fg or bg resume them (a wait "
+                "that the pause outlasted, as LINKWISE_TIMEOUT counts, then raises TimeoutError); if the "
                 "launcher is killed outright (kill -9), its watchdog ends the ranks and what they "
                 "started. A rank that ends without calling linkwise.init() makes the others' init() "
                 "raise BootstrapError naming it at once. The ranks' stdin is empty (/dev/null).")

@@ -24,12 +24,13 @@ a rank silently taking another's place. The same process may join again, and onc
 has died (its connection closed) a process started in its place joins.
 
 Leaving during setup: the connection a rank joined on is kept for joins and ``settled()``
-only, open as long as its process and this object are. ``settled()`` (init() calls it once
-its world communicator is made) says the rank's setup is done. A joined rank whose
-connection closes before that (it died, or its init() failed and closed the store) makes
-every store wait that is not yet satisfied, on every rank, raise :class:`RankLeftError`
-naming it at once, and so does :meth:`raise_if_left`, which waits that are not store waits
-(accepting TCP links) call between slices. After ``settled()``, closing is not leaving.
+only, open as long as its process and this object are, until ``settled()`` (init() calls it
+once its world communicator is made) says the rank's setup is done (it then joins the pool).
+A joined rank whose connection closes before that (it died, or its init() failed and closed
+the store) makes every store wait that is not yet satisfied, on every rank, raise
+:class:`RankLeftError` naming it at once, and so does :meth:`raise_if_left`, which waits that
+are not store waits (accepting TCP links) call between slices. After ``settled()``, closing is
+not leaving.
 
 Threading: the server runs one daemon thread per client connection; all of them share one
 dict guarded by one Condition, so any number of blocking GETs wait concurrently and a SET wakes
@@ -106,8 +107,9 @@ class Store:
         # the job id, size, base port and world number). A client skips a store whose token
         # differs: another job's (an error where no spare port is left) or this job's earlier
         # world, still open (it waits for the next one; _world_gap).
-        # check: called every ~0.25 s while connecting and while all_gather waits for a value;
-        # it raises to give up (init() under `linkwise launch`: a rank that left without joining).
+        # check: called every ~0.25 s while connecting and while all_gather waits for a value,
+        # and before a request raises StoreClosedError or RankLeftError (_cause); it raises to
+        # give up (init() under `linkwise launch`: a rank that left without joining).
         self.host, self.timeout, self.is_server = host, clamp_wait(float(timeout)), is_server
         self.check = check
         self._server: Optional[Server] = None
@@ -116,7 +118,7 @@ class Store:
         self._open: set[socket.socket] = set()  # every connection (close() shuts them all)
         self._closed = False
         # The connection this process joined on (see "Leaving during setup"): used by join()
-        # and settled() only, never in _idle; guarded by _lock like the pool.
+        # and settled() only, never in _idle until settled() puts it there; guarded by _lock.
         self._held: Optional[socket.socket] = None
         self._rank = -1  # the rank joined as (-1: none)
         self._settled = False  # settled() was called: closing no longer means leaving setup
@@ -226,10 +228,10 @@ class Store:
                                f"within {wait:g} s") from None
         except OSError as exc:
             self._drop(sock)
-            raise self._gone(what, key, exc) from None
+            raise self._cause(self._gone(what, key, exc)) from None
         if reply is None:
             self._drop(sock)
-            raise self._gone(what, key, None)
+            raise self._cause(self._gone(what, key, None))
         with self._lock:
             if self._closed:
                 self._drop_locked(sock)
@@ -238,12 +240,21 @@ class Store:
             else:
                 self._idle.append(sock)
         if reply[0] == _LEFT:
-            raise self._left_error(reply[1:], what, key)
+            raise self._cause(self._left_error(reply[1:], what, key))
         if reply[0] == _FAIL:
             raise BootstrapError(f"store {what} {key!r}: {reply[1:].decode()}")
         if reply[0] == _MISSING:
             raise _Missing(reply[1:])
         return reply[1:]
+
+    def _cause(self, err: PeerError) -> PeerError:
+        """``err`` (the store gone, or a rank that left setup), unless ``check`` raises its own
+        error first: under `linkwise launch` a rank that ended without calling init() makes
+        the others' checks raise, and the first of them to close its store left setup, so the
+        rest were told of that rank (or of rank 0) instead of the one that never came."""
+        if self.check is not None:
+            self.check()
+        return err
 
     def _gone(self, what: str, key: str, exc: Optional[BaseException]) -> StoreClosedError:
         why = f" ({exc})" if exc else ""
@@ -364,14 +375,25 @@ class Store:
         """Tell the store that this rank's setup is done: from now on its connection closing
         is not a rank leaving setup (see the module docstring). Sent on the joined connection,
         so the server reads it before that connection's end. A store already gone is not an
-        error here: the setup is done, and nobody is left to tell."""
+        error here: the setup is done, and nobody is left to tell. The joined connection then
+        serves as the pool's, and the pool's idle ones close: a settled rank keeps one
+        connection to rank 0, as before joins were held (held and pooled, every rank kept two
+        for the job's life, and rank 0's store a thread and a descriptor more per rank)."""
         self._settled = True
         if self._rank < 0:
             return
         try:
             self._request(_SETTLED, str(self._rank), b"", self.timeout + _GRACE, "settled", held=True)
         except BootstrapError:  # StoreClosedError, or this object closed meanwhile
-            pass
+            return
+        with self._lock:
+            if self._closed or self._held is None:
+                return
+            spare, self._idle = self._idle, [self._held]
+            self._held = None
+            for sock in spare:  # idle: no call uses them (calls in progress hold theirs)
+                self._open.discard(sock)
+                sock.close()
 
     def raise_if_left(self, wait: float = 0.0) -> None:
         """RankLeftError if a joined rank left during setup (waiting up to ``wait`` seconds for
@@ -385,11 +407,13 @@ class Store:
         """Every rank contributes ``value``; returns all ``size`` values in rank order.
         ``alive(r)`` (a communicator's peer check): a rank whose value is missing and whose
         process is gone raises PeerError within ~0.25 s instead of the timeout. The store's
-        ``check`` too is called while a value is missing, and before a StoreClosedError is
-        raised (rank 0 may have closed the store for the reason that check gives)."""
+        ``check`` too is called while a value is missing (and, as for every request, before a
+        StoreClosedError or RankLeftError is raised: the rank that closed its store may have
+        done so for the reason that check gives)."""
         if not 0 <= rank < size:
             raise ValueError(f"all_gather {name!r}: rank {rank} is not in 0..{size - 1}")
-        deadline = time.monotonic() + (self.timeout if timeout is None else float(timeout))
+        limit = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + limit
         polled = alive is not None or self.check is not None
         self.set(f"__ag/{name}/{rank}", value)
         out = []
@@ -400,18 +424,16 @@ class Store:
                 try:
                     out.append(self.get(key, timeout=min(left, 0.25) if polled else left))
                     break
-                except StoreClosedError:
-                    if self.check is not None:
-                        self.check()
-                    raise
                 except TimeoutError:
                     if alive is not None and not alive(r):
                         raise PeerError(f"rank {rank}: rank {r} exited before it joined {name!r}",
                                         rank=rank, peer=r, op=name) from None
                     if self.check is not None:
                         self.check()
-                    if not polled or time.monotonic() >= deadline:
+                    if not polled:
                         raise
+                    if time.monotonic() >= deadline:  # the whole wait, not its last slice
+                        raise TimeoutError(f"store get {key!r}: nobody set it within {limit:g} s") from None
         return out
 
     def close(self) -> None:

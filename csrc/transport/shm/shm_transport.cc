@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "core/copy.h"
+#include "core/process.h"
 #include "core/status.h"
 #include "core/wait.h"
 #include "transport/shm/cma.h"
@@ -108,7 +109,8 @@ void ring_doorbell(InboxHeader* h) {
 }
 
 // Reports whether a process has exited, without being fooled by a zombie: a pidfd polls
-// readable once its process has terminated. Falls back to kill(pid, 0) on old kernels.
+// readable once its process has terminated. Falls back to process_gone_without_pidfd (a
+// zombie counts as gone there too) where pidfd_open is missing or refused.
 class ProcessWatch {
  public:
   explicit ProcessWatch(int64_t pid) : pid_(pid) {
@@ -124,7 +126,7 @@ class ProcessWatch {
       struct pollfd p = {fd_, POLLIN, 0};
       return poll(&p, 1, 0) > 0;
     }
-    return kill(static_cast<pid_t>(pid_), 0) != 0 && errno == ESRCH;
+    return process_gone_without_pidfd(static_cast<pid_t>(pid_));
   }
 
  private:
