@@ -5,7 +5,10 @@
 # in 260 s (~6.7 s a test, against ~15 s one at a time), so the whole GPU suite (~60 tests)
 # still needs ~400 s: give TEST_T that much or split the files over two calls. Usage, repo
 # root on the device:
-#   [SKIP_BUILD=1] [TEST_T=300] [BENCH_T=90] [GROUP_A|B|C="<test files>"] bash bench/gpu_verify_run.sh "<bench cmd>"...
+#   [SKIP_BUILD=1] [TEST_T=300] [BENCH_T=90] [GROUP_A|B|C|SOLO="<test files>"] bash bench/gpu_verify_run.sh "<bench cmd>"...
+# GROUP_SOLO runs after the three groups, alone on the GPU: tests that measure the device's free
+# memory or the GPU falling behind the host (tests/test_gpu_open_fixes.py) read other
+# processes' work as theirs when they share it.
 # LINKWISE_TEST_GPU_RANKS=n runs n ranks on the GPUs there are (they share one on a 1-GPU kind).
 # Logs go to $OUT (tests-<group>.txt, bench.txt, log.txt). SKIP_BUILD=1 uses the extension
 # already in src/linkwise (built elsewhere for the device's Python and carried).
@@ -30,7 +33,12 @@ for g in A B C; do
       > $OUT/tests-$g.txt 2>&1; echo "exit $?" >> $OUT/tests-$g.txt ) &
 done
 wait
-for g in A B C; do
+GROUP_SOLO=${GROUP_SOLO-tests/test_gpu_open_fixes.py}
+if [ -n "$GROUP_SOLO" ]; then
+  timeout ${SOLO_T:-200} python3 -m pytest $GROUP_SOLO -q -rs -p no:cacheprovider --durations=5 \
+      > $OUT/tests-SOLO.txt 2>&1; echo "exit $?" >> $OUT/tests-SOLO.txt
+fi
+for g in A B C SOLO; do
   [ -f $OUT/tests-$g.txt ] && { echo "## tests $g"; grep -E "passed|failed|error|exit|FAILED|ERROR|s call" $OUT/tests-$g.txt | tail -14; }
 done
 stamp tests
