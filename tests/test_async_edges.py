@@ -175,3 +175,25 @@ def test_a_send_dropped_while_moving_lets_its_array_go(transport):
     env = {"LINKWISE_TRANSPORT": transport, "LINKWISE_TIMEOUT": "10"}
     out = run_ranks(2, _send_dropped_while_moving, env=env, timeout=60)
     assert out == [(False, True), True], out
+
+
+def _never_awaited_warning(comm):
+    import warnings
+    x = np.arange(4, dtype=np.float32)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        coro = comm.aall_reduce(x)  # issued now; never awaited
+        name = coro.__qualname__
+        del coro
+        gc.collect()
+    comm.barrier()
+    return name, [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)], x.tolist()
+
+
+def test_a_never_awaited_coroutine_collective_is_named_in_the_warning():
+    """The a* methods return a coroutine of a shared helper; Python's "never awaited" warning
+    named `_await_request`, not the method the user called. The collective itself still ran."""
+    for name, warned, x in run_ranks(2, _never_awaited_warning, timeout=60):
+        assert name == "Communicator.aall_reduce"
+        assert any("Communicator.aall_reduce" in w for w in warned), warned
+        assert x == [0.0, 2.0, 4.0, 6.0]  # in place, summed over 2 ranks: it ran
