@@ -15,14 +15,8 @@ from test_bench import bench
 from test_bench_flags import FAST
 
 
-class _SkipsWrites(Backend):
-    """One rank, one process: the collective writes nothing at all, or only what the rank
-    gets from others (its own block, or the broadcast root's data, is left as it was)."""
-
-    name = "skips"
-
-    def __init__(self, size_seen: int = 1):
-        self.rank, self.size = 0, size_seen
+class _OneProcess(Backend):
+    """A fake backend of one process: nothing to wait for or to combine over ranks."""
 
     def barrier(self) -> None:
         pass
@@ -32,6 +26,16 @@ class _SkipsWrites(Backend):
 
     def sum_over_ranks(self, value: int) -> int:
         return value
+
+
+class _SkipsWrites(_OneProcess):
+    """One rank, one process: the collective writes nothing at all, or only what the rank
+    gets from others (its own block, or the broadcast root's data, is left as it was)."""
+
+    name = "skips"
+
+    def __init__(self, size_seen: int = 1):
+        self.rank, self.size = 0, size_seen
 
     def bind(self, coll, send, recv, inplace, op, root):
         return lambda: None
@@ -125,7 +129,7 @@ def test_graph_both_prints_two_tables_and_one_json(capsys, tmp_path):
     assert set(json.loads(out.read_text())["systems"]) == {"linkwise", "linkwise [graph]"}
 
 
-class _FaultyFrom(Backend):
+class _FaultyFrom(_OneProcess):
     """One rank: all_reduce out of place done right (a copy) until call ``bad_from``, which and
     every later call leaves the output unwritten. Records each call's input."""
 
@@ -134,15 +138,6 @@ class _FaultyFrom(Backend):
     def __init__(self, bad_from: int):
         self.rank, self.size = 0, 1
         self.bad_from, self.inputs = bad_from, []
-
-    def barrier(self) -> None:
-        pass
-
-    def max_over_ranks(self, value: float) -> float:
-        return value
-
-    def sum_over_ranks(self, value: int) -> int:
-        return value
 
     def bind(self, coll, send, recv, inplace, op, root):
         def fn():

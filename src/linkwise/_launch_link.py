@@ -61,12 +61,9 @@ class RankLinks:
         """Read what the ranks sent; tell the others of each rank that left without joining."""
         for k, sock in self._socks.items():
             while k not in self._eof:
-                try:
-                    data = sock.recv(4096)
-                except BlockingIOError:
+                data = _read_ready(sock)
+                if data is None:
                     break
-                except OSError:
-                    data = b""
                 if not data:
                     self._eof.add(k)
                 elif b"I" in data:
@@ -148,13 +145,8 @@ def check(rank: int) -> None:
     global _partial
     sock = _link
     while sock is not None:
-        try:
-            data = sock.recv(4096)
-        except BlockingIOError:
-            break
-        except OSError:
-            data = b""
-        if not data:  # the launcher is gone: it says nothing more
+        data = _read_ready(sock)
+        if not data:  # None: nothing more for now; b"": the launcher is gone, it says nothing more
             break
         *lines, _partial = (_partial + data).split(b"\n")
         for line in lines:
@@ -168,6 +160,17 @@ def check(rank: int) -> None:
         raise BootstrapError(
             f"rank {rank}: rank {k}{more} of this `linkwise launch` ended ({_describe(_left[k])}) without "
             f"calling linkwise.init(), so the job cannot form: every rank must call init()")
+
+
+def _read_ready(sock: socket.socket) -> Optional[bytes]:
+    """What a non-blocking socket has now: None if nothing yet, b"" at its end (or on an error,
+    taken as the end), else the bytes."""
+    try:
+        return sock.recv(4096)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
 
 
 def _describe(status: int) -> str:
