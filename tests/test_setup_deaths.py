@@ -45,8 +45,8 @@ def _die_at(point: str) -> None:
     elif point == "shm-created":  # published its inbox and passed the first barrier
         plain = store_module.Store.barrier
 
-        def barrier(self, name, size, timeout=None):
-            plain(self, name, size, timeout)
+        def barrier(self, name, *args, **kwargs):
+            plain(self, name, *args, **kwargs)
             if name.endswith("/shm-created"):
                 _die()
         store_module.Store.barrier = barrier

@@ -25,6 +25,11 @@ from . import config, netif
 from .errors import BootstrapError, PeerError
 
 SHM_PREFIX = "linkwise-"
+# A split's setup passes every function here a watch (_split_watch.MemberWatch): called between
+# short slices of each wait, it raises PeerError when a member of the communicator being made
+# died, since after init() the store no longer says so. None (init()): the store's own
+# RankLeftError does.
+Watch = Callable[[], None]
 
 
 def shm_name(job_id: str, rank: int, comm_id: str = "") -> str:
@@ -107,17 +112,19 @@ def interface_error() -> str:
     return ""
 
 
-def exchange_host_cards(store, tag: str, rank: int, size: int) -> list[PeerCard]:
-    """Every rank's card, in rank order."""
-    return exchange_cards(store, f"{tag}/cards", rank, size, own_card(rank))
+def exchange_host_cards(store, tag: str, rank: int, size: int, watch: Optional[Watch] = None) -> list[PeerCard]:
+    """Every rank's card, in rank order. ``watch``: see the module docstring."""
+    return exchange_cards(store, f"{tag}/cards", rank, size, own_card(rank), watch)
 
 
-def exchange_cards(store, tag: str, rank: int, size: int, card: PeerCard) -> list[PeerCard]:
-    raw = store.all_gather(tag, rank, size, json.dumps(card.__dict__).encode())
+def exchange_cards(store, tag: str, rank: int, size: int, card: PeerCard,
+                   watch: Optional[Watch] = None) -> list[PeerCard]:
+    raw = store.all_gather(tag, rank, size, json.dumps(card.__dict__).encode(), watch=watch)
     return [PeerCard(**json.loads(r)) for r in raw]
 
 
-def refuse_bad_cards(store, tag: str, rank: int, size: int, cards: list[PeerCard], timeout: float) -> None:
+def refuse_bad_cards(store, tag: str, rank: int, size: int, cards: list[PeerCard], timeout: float,
+                     watch: Optional[Watch] = None) -> None:
     """Raises on every rank when a card shows an invalid setting (ValueError on that rank,
     BootstrapError naming it on the others), a rank with peers on other hosts but no interface
     to reach them (BootstrapError everywhere, naming it), or ranks of one host that disagree on
@@ -130,7 +137,7 @@ def refuse_bad_cards(store, tag: str, rank: int, size: int, cards: list[PeerCard
     if not any(errors) and not any(net) and disagreement is None:
         return
     if size > 1:
-        store.barrier(f"{tag}/refused-cards", size, timeout)
+        store.barrier(f"{tag}/refused-cards", size, timeout, watch)
     raise_for_refused_setting(rank, errors, "join")
     bad = next((r for r, e in enumerate(net) if e), None)
     if bad is not None:
@@ -197,8 +204,8 @@ def accept_peers(listener: socket.socket, job_id: str, expected: list[int], dead
     """Accept on ``listener`` until each rank of ``expected`` has connected and sent its
     handshake (job id and rank), or until ``deadline`` (time.monotonic()); returns
     {rank: socket} for those that did (a short result: the caller names the missing ranks).
-    ``check`` (Store.raise_if_left) is called every CHECK_EVERY seconds of waiting; what it
-    raises ends the wait (a rank that died during setup never connects).
+    ``check`` (Store.raise_if_left; in a split, its watch) is called every CHECK_EVERY seconds
+    of waiting; what it raises ends the wait (a rank that died during setup never connects).
 
     Contract: anything else that connects to the port (a port scanner, a health check, a
     process of another job) is closed and never stops or delays the peers: handshakes are read
@@ -273,8 +280,25 @@ def _connect_peer(rank: int, peer: int, host: str, port: int, timeout: float) ->
             f"firewall blocks TCP between the hosts") from None
 
 
+def name_who_left(store, watch: Optional[Watch], wait: float = LEFT_WAIT) -> None:
+    """After a failure that a peer's death explains (a refused connect, an inbox gone with its
+    process): raises the error naming that peer if one is known to have died within ``wait``
+    seconds, else returns (the caller raises its own). In init() the store knows
+    (RankLeftError); in a split ``watch`` asks the parent's engine."""
+    if watch is None:
+        store.raise_if_left(wait)
+        return
+    deadline = time.monotonic() + wait
+    while True:
+        watch()
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
+
+
 def connect_tcp(native, store, tag: str, rank: int, size: int, job_id: str,
-                tcp_peers: list[int], cards_host: list[PeerCard], timeout: float) -> None:
+                tcp_peers: list[int], cards_host: list[PeerCard], timeout: float,
+                watch: Optional[Watch] = None) -> None:
     """Full mesh among tcp_peers: a rank accepts from higher ranks and connects to lower ones."""
     all_remote_same_host = all(cards_host[p].host == cards_host[rank].host for p in tcp_peers)
     if all_remote_same_host:
@@ -296,7 +320,7 @@ def connect_tcp(native, store, tag: str, rank: int, size: int, job_id: str,
 
     def accept_all() -> None:
         try:
-            accepted.update(accept_peers(listener, job_id, higher, deadline, check=store.raise_if_left))
+            accepted.update(accept_peers(listener, job_id, higher, deadline, check=watch or store.raise_if_left))
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread
             errors.append(exc)
 
@@ -304,17 +328,17 @@ def connect_tcp(native, store, tag: str, rank: int, size: int, job_id: str,
     thread.start()
     try:
         for peer in lower:
-            host, _, p = store.get(f"{tag}/tcp/{peer}").decode().rpartition(":")
+            host, _, p = store.get(f"{tag}/tcp/{peer}", watch=watch).decode().rpartition(":")
             try:
                 sock = _connect_peer(rank, peer, host, int(p), timeout)
             except BootstrapError:
-                store.raise_if_left(LEFT_WAIT)  # refused since the peer died: name it
+                name_who_left(store, watch)  # refused since the peer died: name it
                 raise
             sock.sendall(_handshake_bytes(job_id, rank))
             sock.setblocking(False)
             native.adopt_tcp(peer, sock.detach())
         thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
-        if errors and isinstance(errors[0], PeerError):  # a rank left setup (RankLeftError, StoreClosedError)
+        if errors and isinstance(errors[0], PeerError):  # a rank left setup (RankLeftError, StoreClosedError, watch)
             raise errors[0]
         if errors or thread.is_alive() or len(accepted) < len(higher):
             raise BootstrapError(f"rank {rank}: TCP links from ranks {sorted(set(higher) - set(accepted))} "
@@ -328,9 +352,10 @@ def connect_tcp(native, store, tag: str, rank: int, size: int, job_id: str,
 
 
 def setup_links(native, store, tag: str, rank: int, size: int, job_id: str, timeout: float,
-                cards: list[PeerCard], comm_id: str = "") -> dict[int, str]:
+                cards: list[PeerCard], comm_id: str = "", watch: Optional[Watch] = None) -> dict[int, str]:
     """Connects every peer (``cards`` from :func:`exchange_host_cards` with the same tag, passed
-    by :func:`refuse_bad_cards`); returns {peer: 'shm' | 'tcp'}."""
+    by :func:`refuse_bad_cards`); returns {peer: 'shm' | 'tcp'}. ``watch``: see the module
+    docstring."""
     forced = config.get("LINKWISE_TRANSPORT")
     kinds = choose_transports(cards, rank, forced)
     shm_peers = [p for p, k in kinds.items() if k == "shm"]
@@ -341,24 +366,24 @@ def setup_links(native, store, tag: str, rank: int, size: int, job_id: str, time
         native.create_shm_inbox(shm_name(job_id, rank, comm_id), config.get("LINKWISE_SHM_RING_SIZE"))
         try:
             store.set(f"{tag}/shm-name/{rank}", native.shm_inbox_name().encode())
-            store.barrier(f"{tag}/shm-created", size, timeout)
+            store.barrier(f"{tag}/shm-created", size, timeout, watch)
             for p in shm_peers:
-                inbox = store.get(f"{tag}/shm-name/{p}", timeout).decode()
+                inbox = store.get(f"{tag}/shm-name/{p}", timeout, watch).decode()
                 try:
                     native.connect_shm(p, inbox, cards[p].pid)
                 except Exception:
-                    store.raise_if_left(LEFT_WAIT)  # its inbox went with a peer that died: name it
+                    name_who_left(store, watch)  # its inbox went with a peer that died: name it
                     raise
-            store.barrier(f"{tag}/shm-connected", size, timeout)
+            store.barrier(f"{tag}/shm-connected", size, timeout, watch)
         finally:
             native.unlink_shm()
     else:
         # Every rank takes part in the barriers, with or without shared-memory peers.
-        store.barrier(f"{tag}/shm-created", size, timeout)
-        store.barrier(f"{tag}/shm-connected", size, timeout)
+        store.barrier(f"{tag}/shm-created", size, timeout, watch)
+        store.barrier(f"{tag}/shm-connected", size, timeout, watch)
     if tcp_peers:
-        connect_tcp(native, store, tag, rank, size, job_id, tcp_peers, cards, timeout)
-    store.barrier(f"{tag}/ready", size, timeout)
+        connect_tcp(native, store, tag, rank, size, job_id, tcp_peers, cards, timeout, watch)
+    store.barrier(f"{tag}/ready", size, timeout, watch)
     if config.get("LINKWISE_DEBUG"):
         import sys
         shown = ", ".join(f"{p}:{k}" for p, k in sorted(kinds.items())) or "none"

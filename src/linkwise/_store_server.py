@@ -4,7 +4,8 @@ The client, and the protocol as a whole, are described in :mod:`linkwise.store`.
 Wire format (both ways): ``u32 length`` + payload, big-endian. A request payload is
 ``op:u8  key_len:u32  key  body`` where body is the value (SET), an f64 timeout in seconds,
 negative for none (GET), an i64 amount (ADD), an i64 size and an f64 timeout (BARRIER: count
-one arrival and wait for ``size``), a description of the caller (JOIN: the key is the rank),
+one arrival and wait for ``size``; BARRIER_WAIT: the same wait, without an arrival, for a
+caller that waits in slices), a description of the caller (JOIN: the key is the rank),
 nothing (SETTLED: the key is the rank; HELLO: the reply body is the server's token), or an
 f64 wait in seconds (CHECK). A reply payload is ``status:u8  body``; status LEFT's body is
 ``rank|description`` of a rank that left during setup.
@@ -12,7 +13,7 @@ f64 wait in seconds (CHECK). A reply payload is ``status:u8  body``; status LEFT
 Ranks that leave during setup: a JOIN's connection is its process's (the client keeps it for
 joins and SETTLED only), so it closes when that process dies or closes its store. If that
 happens before the rank sent SETTLED (its init() done), the rank is recorded as left, and
-every wait (GET, BARRIER, CHECK) that is not satisfied answers LEFT at once, naming the
+every wait (GET, BARRIER, BARRIER_WAIT, CHECK) that is not satisfied answers LEFT at once, naming the
 first rank that left: the ranks still setting up raise instead of waiting for the timeout.
 A rank that settled and closes later is not a death (the engine watches peers from then
 on). A later JOIN of the rank (a process started in its place) clears the record. A closing
@@ -37,6 +38,8 @@ from .config import MAX_TIMEOUT
 from .errors import BootstrapError
 
 _SET, _GET, _ADD, _BARRIER, _HELLO, _JOIN, _SETTLED, _CHECK = 1, 2, 3, 4, 5, 6, 7, 8
+# A barrier's wait continued (Store.barrier waiting in slices): as _BARRIER, without arriving.
+_BARRIER_WAIT = 9
 _OK, _MISSING, _FAIL, _LEFT = 0, 1, 2, 3
 _LEN = struct.Struct("!I")
 _KEY = struct.Struct("!BI")
@@ -275,25 +278,28 @@ class Server:
                 if ready:  # woken by close()
                     raise OSError("store closing")
                 return bytes([_MISSING])
-            if op == _BARRIER:
+            if op in (_BARRIER, _BARRIER_WAIT):
                 size, timeout = _BAR.unpack(body)
-                arrived = int(self._data.get(key, b"0")) + 1
-                self._data[key] = str(arrived).encode()
-                self._cond.notify_all()
-                if arrived > size:
-                    return bytes([_FAIL]) + (f"{arrived} callers for size {size}; barrier names "
-                                             f"are single-use and size must match on every rank"
-                                             ).encode()
-                done = self._cond.wait_for(
-                    lambda: int(self._data[key]) >= size or self._closed or self._left,
-                    None if timeout < 0 else clamp_wait(timeout))
-                if int(self._data[key]) >= size:
+                if op == _BARRIER:
+                    arrived = int(self._data.get(key, b"0")) + 1
+                    self._data[key] = str(arrived).encode()
+                    self._cond.notify_all()
+                    if arrived > size:
+                        return bytes([_FAIL]) + (f"{arrived} callers for size {size}; barrier names "
+                                                 f"are single-use and size must match on every rank"
+                                                 ).encode()
+
+                def count() -> int:
+                    return int(self._data.get(key, b"0"))
+                done = self._cond.wait_for(lambda: count() >= size or self._closed or self._left,
+                                           None if timeout < 0 else clamp_wait(timeout))
+                if count() >= size:
                     return bytes([_OK])
                 if self._left:
                     return self._left_reply()
                 if done:
                     raise OSError("store closing")
-                return bytes([_MISSING]) + _I64.pack(int(self._data[key]))
+                return bytes([_MISSING]) + _I64.pack(count())
         return bytes([_FAIL]) + f"unknown store op {op}".encode()
 
     def close(self) -> None:

@@ -28,8 +28,9 @@ from ._request import Request, adopt_native  # noqa: F401 - Request is linkwise.
 from ._coll_args import _as_array, _raw
 from ._coll_coroutines import CoroutineCollectivesMixin
 from ._coll_gather import GatherScatterMixin
+from ._split_watch import MemberWatch
 from .collectives import CollectivesMixin
-from .errors import CommAbortedError
+from .errors import BootstrapError, CommAbortedError, PeerError
 
 MAX_TAG = (1 << 62) - 1
 
@@ -106,7 +107,10 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
 
     def __init__(self, rank: int, size: int, *, local_rank: int = 0, local_size: int = 1,
                  launcher: str = "none", store=None, job_id: str = "", comm_id: str = "world",
-                 timeout: Optional[float] = None):
+                 timeout: Optional[float] = None, _watch=None):
+        # _watch (split only): a _split_watch.MemberWatch that every wait of this setup calls
+        # between short slices, raising PeerError when a member died (the store no longer
+        # watches ranks once init() is done).
         self.rank = rank
         self.size = size
         self.local_rank = local_rank
@@ -122,8 +126,8 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
             self._unclosed = weakref.finalize(self, _release_unclosed, store, os.getpid())
             self._unclosed.atexit = False  # at exit, _close_all (or the process's end) decides
         tag = f"{comm_id}/setup"
-        cards = _setup.exchange_host_cards(store, tag, rank, size) if size > 1 else [_setup.own_card(0)]
-        _setup.refuse_bad_cards(store, tag, rank, size, cards, self.timeout)
+        cards = _setup.exchange_host_cards(store, tag, rank, size, _watch) if size > 1 else [_setup.own_card(0)]
+        _setup.refuse_bad_cards(store, tag, rank, size, cards, self.timeout, _watch)
         # CPUs this rank may count as its own (spinning, helper threads; see cpus_per_rank).
         self._cpus_per_rank = _setup.cpus_per_rank(
             cards, rank, max(local_size, config.get("LINKWISE_LOCAL_SIZE") or 1))
@@ -134,7 +138,8 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         self.transports: dict[int, str] = {}
         if size > 1:
             self.transports = _setup.setup_links(self._native, store, tag, rank, size, job_id, self.timeout,
-                                                 cards, comm_id="" if comm_id == "world" else comm_id)
+                                                 cards, comm_id="" if comm_id == "world" else comm_id,
+                                                 watch=_watch)
         _live.add(self)
         self._shm = size > 1 and _shm_exec._all_shm(self) and self._attach_shm() or False
 
@@ -322,10 +327,10 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
                         [None if color is None else int(color), key, host_identity()]).encode()
         if self.size == 1:
             cards = [json.loads(me)]
-        else:
-            native = self._native  # a peer that died fails the split at once (PeerError)
-            alive = native.peer_alive if native is not None else None
-            cards = [json.loads(c) for c in self._store.all_gather(tag, self.rank, self.size, me, alive=alive)]
+        else:  # a peer that died fails the split at once (PeerError)
+            everyone = MemberWatch(self._native, self.rank, range(self.size), "split")
+            cards = [json.loads(c) for c in self._store.all_gather(tag, self.rank, self.size, me,
+                                                                     alive=everyone.alive)]
         refused = [(r, c[1]) for r, c in enumerate(cards) if c[0] == "refused"]
         if refused:
             r, reason = refused[0]
@@ -338,9 +343,25 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         new_rank = ranks.index(self.rank)
         host = cards[self.rank][2]
         local = [r for r in ranks if cards[r][2] == host]
-        return type(self)(new_rank, len(ranks), local_rank=local.index(self.rank), local_size=len(local),
-                          launcher=self.launcher, store=self._store, job_id=self.job_id,
-                          comm_id=f"{self.comm_id}-s{n}c{int(color)}", timeout=self.timeout)
+        comm_id = f"{self.comm_id}-s{n}c{int(color)}"
+        # Its setup waits on its members only: a death in another colour does not stop it.
+        members = MemberWatch(self._native, self.rank, ranks, f"split (setting up {comm_id})")
+        try:
+            return type(self)(new_rank, len(ranks), local_rank=local.index(self.rank), local_size=len(local),
+                              launcher=self.launcher, store=self._store, job_id=self.job_id,
+                              comm_id=comm_id, timeout=self.timeout, _watch=members)
+        except Exception as exc:
+            # A failure of the new one's setup while a member is known to have died is that
+            # death, named as this communicator numbers it: the new one's own steps (its
+            # executor's) use its numbers, and opening a dead rank's segment fails as an
+            # OSError. The watch's errors (op "split") and the store's (StoreClosedError:
+            # rank 0) name it so already.
+            if not (isinstance(exc, PeerError) and (exc.op == "split" or isinstance(exc, BootstrapError))):
+                try:
+                    members()
+                except PeerError as named:
+                    raise named from exc
+            raise
 
     # -- information and lifetime ---------------------------------------------------------
     def link(self, peer: int) -> str:

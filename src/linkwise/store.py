@@ -55,7 +55,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from ._store_server import (_ADD, _BARRIER, _BAR, _CHECK, _F64, _FAIL, _GET, _HELLO, _I64, _JOIN, _KEY,
+from ._store_server import (_ADD, _BARRIER, _BARRIER_WAIT, _BAR, _CHECK, _F64, _FAIL, _GET, _HELLO, _I64, _JOIN, _KEY,
                             _LEFT, _LEN, _MISSING, _OK, _SET, _SETTLED, DRAIN, MAX_REQUEST, Server,
                             clamp_wait, recv_exact, recv_frame, send_frame)
 from .errors import BootstrapError, PeerError, TimeoutError
@@ -65,6 +65,7 @@ __all__ = ["Store", "StoreClosedError", "RankLeftError", "DRAIN", "MAX_REQUEST"]
 _GRACE = 10.0  # seconds a client waits beyond a server-side timeout before it gives up
 _HELLO_WAIT = 2.0  # seconds a client waits for a candidate port's HELLO reply
 _MAX_TOKEN = 256  # bytes of a store's token a client reads (job id | size | port | world)
+WATCH_SLICE = 0.25  # seconds a watched wait (get, barrier, all_gather) waits between watch() calls
 
 
 class StoreClosedError(PeerError, BootstrapError):
@@ -325,12 +326,14 @@ class Store:
                              f"({MAX_REQUEST} bytes a request, key included)")
         self._request(_SET, key, bytes(value), self.timeout + _GRACE, "set")
 
-    def get(self, key: str, timeout: Optional[float] = None) -> bytes:
+    def get(self, key: str, timeout: Optional[float] = None,
+            watch: Optional[Callable[[], None]] = None) -> bytes:
         """Block until ``key`` is set and return its value; TimeoutError after ``timeout``
-        seconds (default: the store's timeout)."""
+        seconds (default: the store's timeout). ``watch``: see :meth:`_watched`."""
         t = self.timeout if timeout is None else float(timeout)
         try:
-            return self._request(_GET, key, _F64.pack(t), t + _GRACE, "get")
+            return self._watched(t, watch, lambda wait, first: self._request(
+                _GET, key, _F64.pack(wait), wait + _GRACE, "get"))
         except _Missing:
             raise TimeoutError(f"store get {key!r}: nobody set it within {t:g} s") from None
 
@@ -339,17 +342,41 @@ class Store:
         return _I64.unpack(self._request(_ADD, key, _I64.pack(int(amount)),
                                          self.timeout + _GRACE, "add"))[0]
 
-    def barrier(self, name: str, size: int, timeout: Optional[float] = None) -> None:
+    def barrier(self, name: str, size: int, timeout: Optional[float] = None,
+                watch: Optional[Callable[[], None]] = None) -> None:
         """Return once all ``size`` participants have called ``barrier(name, size)``.
-        Each name is for one use."""
+        Each name is for one use. ``watch``: see :meth:`_watched`."""
         t = self.timeout if timeout is None else float(timeout)
+        key = f"__barrier/{name}"
         try:
-            self._request(_BARRIER, f"__barrier/{name}", _BAR.pack(int(size), t), t + _GRACE,
-                          "barrier")
+            self._watched(t, watch, lambda wait, first: self._request(
+                _BARRIER if first else _BARRIER_WAIT, key, _BAR.pack(int(size), wait), wait + _GRACE, "barrier"))
         except _Missing as m:
             (arrived,) = _I64.unpack(m.args[0])
             raise TimeoutError(f"barrier {name!r}: only {arrived} of {size} ranks arrived within "
                                f"{t:g} s; a rank is missing or stuck") from None
+
+    @staticmethod
+    def _watched(limit: float, watch: Optional[Callable[[], None]],
+                 attempt: Callable[[float, bool], bytes]) -> bytes:
+        """``attempt(wait, first)``, one request that waits up to ``wait`` seconds (_Missing when
+        that ran out): without ``watch`` once, for the whole ``limit`` (one round trip, as
+        before watches); with it, in slices of WATCH_SLICE seconds, calling ``watch()`` after
+        each slice that ran out (it raises to give up: a split's setup, whose members the
+        store no longer watches, asks the parent communicator's engine whether they live).
+        A wait that is satisfied at once costs one round trip either way."""
+        if watch is None:
+            return attempt(limit, True)
+        deadline = time.monotonic() + limit
+        first = True
+        while True:
+            try:
+                return attempt(max(0.0, min(WATCH_SLICE, deadline - time.monotonic())), first)
+            except _Missing:
+                first = False
+                watch()
+                if time.monotonic() >= deadline:  # the last reply's _Missing: the whole limit ran out
+                    raise
 
     def join(self, rank: int, who: str) -> None:
         """Record that this process joined the store as ``rank``; ``who`` describes it (pid,
@@ -403,10 +430,12 @@ class Store:
 
     def all_gather(self, name: str, rank: int, size: int, value: bytes,
                    timeout: Optional[float] = None,
-                   alive: Optional[Callable[[int], bool]] = None) -> list[bytes]:
+                   alive: Optional[Callable[[int], bool]] = None,
+                   watch: Optional[Callable[[], None]] = None) -> list[bytes]:
         """Every rank contributes ``value``; returns all ``size`` values in rank order.
         ``alive(r)`` (a communicator's peer check): a rank whose value is missing and whose
-        process is gone raises PeerError within ~0.25 s instead of the timeout. The store's
+        process is gone raises PeerError within ~0.25 s instead of the timeout; ``watch()`` is
+        called there too (it raises to give up: see :meth:`_watched`). The store's
         ``check`` too is called while a value is missing (and, as for every request, before a
         StoreClosedError or RankLeftError is raised: the rank that closed its store may have
         done so for the reason that check gives)."""
@@ -414,7 +443,7 @@ class Store:
             raise ValueError(f"all_gather {name!r}: rank {rank} is not in 0..{size - 1}")
         limit = self.timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + limit
-        polled = alive is not None or self.check is not None
+        polled = alive is not None or watch is not None or self.check is not None
         self.set(f"__ag/{name}/{rank}", value)
         out = []
         for r in range(size):
@@ -422,12 +451,14 @@ class Store:
             while True:
                 left = max(0.0, deadline - time.monotonic())
                 try:
-                    out.append(self.get(key, timeout=min(left, 0.25) if polled else left))
+                    out.append(self.get(key, timeout=min(left, WATCH_SLICE) if polled else left))
                     break
                 except TimeoutError:
                     if alive is not None and not alive(r):
                         raise PeerError(f"rank {rank}: rank {r} exited before it joined {name!r}",
                                         rank=rank, peer=r, op=name) from None
+                    if watch is not None:
+                        watch()
                     if self.check is not None:
                         self.check()
                     if not polled:
