@@ -197,3 +197,21 @@ def test_a_never_awaited_coroutine_collective_is_named_in_the_warning():
         assert name == "Communicator.aall_reduce"
         assert any("Communicator.aall_reduce" in w for w in warned), warned
         assert x == [0.0, 2.0, 4.0, 6.0]  # in place, summed over 2 ranks: it ran
+
+
+def _async_p2p_errors(comm):
+    async def main():
+        said = []
+        for f in (lambda: comm.asend(np.ones(2), comm.size + 3), lambda: comm.arecv(np.ones(2), 0, timeout=-1)):
+            try:
+                await f()
+            except ValueError as exc:
+                said.append(str(exc))
+        return said
+    return asyncio.run(main())
+
+
+def test_asend_and_arecv_errors_name_the_call_made():
+    """Errors of `await comm.asend(...)` / `arecv(...)` said isend / irecv (the shared post)."""
+    for said in run_ranks(2, _async_p2p_errors, timeout=60):
+        assert len(said) == 2 and said[0].startswith("asend:") and said[1].startswith("arecv:"), said

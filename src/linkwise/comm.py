@@ -259,7 +259,7 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
 
     def _post(self, x: Any, peer: int, tag: int, is_send: bool, is_async: bool,
               timeout: Optional[float], stream: Any = None):
-        op = "isend" if is_send else "irecv"
+        op = ("asend" if is_async else "isend") if is_send else ("arecv" if is_async else "irecv")
         peer, tag = self._check(peer, tag, op)  # the native isend / irecv took the plain calls before this
         post = self._native.isend if is_send else self._native.irecv
         try:
