@@ -12,6 +12,8 @@ import os
 
 import pytest
 
+import linkwise
+
 from multirank import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -172,16 +174,6 @@ def _comm_sendrecv_body(comm):
         nbytes = comm.sendrecv(x, nxt, out, prv, send_tag=3, recv_tag=3)
         want = torch.arange(count, dtype=torch.float32, device="cuda") + 1000 * prv
         got.append((nbytes == 4 * count, bool(torch.equal(out, want))))
-    # A CUDA x with a host out (and the reverse) is refused before anything is sent, on every
-    # rank, so the next exchange still pairs with the right messages.
-    import numpy as np
-    for x, out in ((torch.ones(5, device="cuda"), np.zeros(5, np.float32)),
-                   (np.ones(5, np.float32), torch.zeros(5, device="cuda"))):
-        try:
-            comm.sendrecv(x, nxt, out, prv, send_tag=5, recv_tag=5)
-            got.append(("no error", None))
-        except TypeError:
-            pass
     x = torch.full((9,), float(comm.rank), device="cuda")
     out = torch.zeros(9, device="cuda")
     nbytes = comm.sendrecv(x, nxt, out, prv, send_tag=5, recv_tag=5)
@@ -198,6 +190,18 @@ def _comm_sendrecv_body(comm):
                 nbytes = comm.sendrecv(x, nxt, out, prv, send_tag=4, recv_tag=4)
                 want = cupy.arange(count, dtype=cupy.float32) + 1000 * prv
                 got.append((nbytes == 4 * count, bool((out == want).all())))
+    # A CUDA x with a host out (and the reverse) is refused before anything is sent; a refusal
+    # stops the GPU plane on every rank (the peer's receive may wait for it), so the second
+    # call raises CommAbortedError: last, then.
+    import numpy as np
+    for want, (x, out) in ((TypeError, (torch.ones(5, device="cuda"), np.zeros(5, np.float32))),
+                           (linkwise.CommAbortedError, (np.ones(5, np.float32),
+                                                        torch.zeros(5, device="cuda")))):
+        try:
+            comm.sendrecv(x, nxt, out, prv, send_tag=5, recv_tag=5)
+            got.append(("no error", None))
+        except want:
+            pass
     g.close()
     return got
 
@@ -208,25 +212,35 @@ def test_communicator_sendrecv_cuda():
     assert all(len(r) in (5, 7) and all(ok == (True, True) for ok in r) for r in res), res
 
 
-def _errors_body(comm):
+ERROR_CASES = {  # (the call on GpuComm g, the error it raises)
+    "host array": (lambda g, np, torch: g.all_reduce(np.ones(4, np.float32)), "TypeError"),
+    "uint8": (lambda g, np, torch: g.all_reduce(torch.ones(4, dtype=torch.uint8, device="cuda")),
+              "TypeError"),
+    "all_gather out": (lambda g, np, torch: g.all_gather(torch.ones(4, device="cuda"),
+                                                         torch.ones(5, device="cuda")), "ValueError"),
+}
+
+
+def _errors_body(comm, case):
+    """One refused call per GPU plane: a refusal stops it on every rank (refusal.py), so the
+    next call raises CommAbortedError naming this rank."""
     import numpy as np
     g, torch = _setup(comm)
     msgs = []
-    for call in (lambda: g.all_reduce(np.ones(4, np.float32)),
-                 lambda: g.all_reduce(torch.ones(4, dtype=torch.uint8, device="cuda")),
-                 lambda: g.all_gather(torch.ones(4, device="cuda"), torch.ones(5, device="cuda"))):
+    for call in (ERROR_CASES[case][0], lambda g, np, torch: g.all_reduce(torch.ones(4, device="cuda"))):
         try:
-            call()
+            call(g, np, torch)
             msgs.append("no error")
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001
             msgs.append(type(exc).__name__)
     g.close()
     return msgs
 
 
-def test_errors():
-    res = run_ranks(_nranks(), _errors_body, env=SAFE_ENV, timeout=120)
-    assert res[0] == ["TypeError", "TypeError", "ValueError"], res[0]
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_errors(case):
+    res = run_ranks(_nranks(), _errors_body, case, env=SAFE_ENV, timeout=120)
+    assert res[0] == [ERROR_CASES[case][1], "CommAbortedError"], res[0]
 
 
 # -- registered user buffers (copy engines) and the host-staged path --------------------------

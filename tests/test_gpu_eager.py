@@ -5,8 +5,8 @@
   rank-order NumPy/torch reference bitwise (the general path ``_gpu_coll.dispatch`` is replaced by
   a tripwire while they run, so a call that fell through to it is counted as a failure);
 * what the fast path declines still raises the general path's clear errors (CUDA x with a host
-  out, unsupported dtype or op, bad root, out of another size on the root) and leaves the
-  communicator usable;
+  out, unsupported dtype or op, bad root, out of another size on the root), and the refusal
+  stops the GPU plane on every rank (cuda/refusal.py: a peer may be waiting): one case a run;
 * out-of-place broadcast (root's kernel reads x and writes out itself up to the LL limit, a
   copy on the stream first above it): sizes 0, 1, odd, misaligned, 256 KiB and above the LL
   limit, every root, through the communicator and through GpuComm; the root's x and every
@@ -71,41 +71,62 @@ def _fast_body(comm, counts):
         restore()
     if hits:
         errors.append(f"rank {r}: {len(hits)} eligible calls took the general path: {hits[:5]}")
-    errors += _declined(comm, torch)
     torch.cuda.synchronize()
     return errors
 
 
-def _declined(comm, torch):
-    """What the fast path declines: the general path's errors, the communicator still usable."""
+# What the fast path declines: (the call, the error, words of its message, only the root calls)
+DECLINED = {
+    "host out": (lambda comm, x, torch: comm.all_reduce(x, out=torch.zeros(4)), TypeError,
+                 "CUDA array but out is not", False),
+    "uint8": (lambda comm, x, torch: comm.all_reduce(torch.ones(4, dtype=torch.uint8, device="cuda")),
+              TypeError, "not supported", False),
+    "op": (lambda comm, x, torch: comm.all_reduce(x, op="xor"), ValueError, "op must be", False),
+    "root": (lambda comm, x, torch: comm.broadcast(x, root=comm.size), ValueError, "root", False),
+    "root's out dtype": (lambda comm, x, torch: comm.broadcast(
+        x, root=0, out=torch.empty(x.numel(), dtype=torch.int32, device="cuda")),
+        ValueError, "same dtype", True),  # only the root checks out's dtype and size
+    "root's out size": (lambda comm, x, torch: comm.broadcast(x, root=0, out=torch.empty(5, device="cuda")),
+                        ValueError, "same size", True),
+}
+
+
+def _declined_body(comm, case):
+    """A call the fast path declines, after it served one: the general path's error, and the GPU
+    plane stopped on every rank (the next call raises CommAbortedError)."""
+    import linkwise
+    g, torch = _setup(comm)
+    fn, exc, text, root_only = DECLINED[case]
     errors = []
     x = torch.ones(4, device="cuda")
-    cases = [
-        (lambda: comm.all_reduce(x, out=torch.zeros(4)), TypeError, "CUDA array but out is not"),
-        (lambda: comm.all_reduce(torch.ones(4, dtype=torch.uint8, device="cuda")), TypeError, "not supported"),
-        (lambda: comm.all_reduce(x, op="xor"), ValueError, "op must be"),
-        (lambda: comm.broadcast(x, root=comm.size), ValueError, "root"),
-        (lambda: comm.broadcast(x, root=0, out=torch.empty(x.numel(), dtype=torch.int32, device="cuda")),
-         ValueError, "same dtype"),
-        (lambda: comm.broadcast(x, root=0, out=torch.empty(5, device="cuda")), ValueError, "same size"),
-    ]
-    for k, (fn, exc, text) in enumerate(cases):
-        if k >= len(cases) - 2 and comm.rank != 0:
-            continue  # only the root checks out's dtype and size (non-roots ignore x)
-        try:
-            fn()
-            errors.append(f"rank {comm.rank}: no error for case {k} ({text})")
-        except exc as e:
-            if text not in str(e):
-                errors.append(f"rank {comm.rank}: case {k}: {text!r} not in {e}")
-    comm.all_reduce(x)
+    comm.all_reduce(x)  # the fast path, working
     torch.cuda.synchronize()
-    if not torch.equal(x.cpu(), torch.full((4,), float(comm.size))):
-        errors.append(f"rank {comm.rank}: all_reduce after the declined calls is wrong")
+    if comm._gpu_fast is None or not torch.equal(x.cpu(), torch.full((4,), float(comm.size))):
+        errors.append(f"rank {comm.rank}: the fast path before the declined call")
+    if comm.rank == 0 or not root_only:
+        try:
+            fn(comm, x, torch)
+            errors.append(f"rank {comm.rank}: no error for {case} ({text})")
+        except exc as e:
+            if text not in str(e) or "stopped on every rank" not in str(e):
+                errors.append(f"rank {comm.rank}: {case}: {text!r} (and the stop) not in {e}")
+    try:
+        comm.all_reduce(x)
+        torch.cuda.synchronize()
+        g.check()
+        errors.append(f"rank {comm.rank}: the GPU plane went on after {case}")
+    except linkwise.CommAbortedError:
+        pass
     return errors
 
 
-def test_fast_path_all_dtypes_ops_and_declines():
+@pytest.mark.parametrize("case", list(DECLINED))
+def test_fast_path_declines_raise_the_general_paths_errors(case):
+    env = {**SAFE_ENV, "LINKWISE_TIMEOUT": "30"}
+    _check(run_ranks(_nranks(), _declined_body, case, env=env, timeout=120))
+
+
+def test_fast_path_all_dtypes_and_ops():
     _check(run_ranks(_nranks(), _fast_body, [1, 7, 4097], env=SAFE_ENV, timeout=300))
 
 

@@ -1,8 +1,9 @@
 """GPU plane fixes of the open issues in bench/gpu_open_issues (a sequel to
 test_gpu_review_fixes.py, which holds the review's other fixes): the IPC mapping cache is
 bounded and closes a mapping only once the work that used it is done (probe_06), and an
-argument refused on the root only stops every rank at once instead of leaving the others'
-kernels waiting until the timeout (probe_10).
+argument refused on one rank only (the root's out, which only the root checks, probe_10; an
+out of another size or dtype there) stops every rank at once instead of leaving the others'
+kernels waiting until the timeout.
 
 Multi-rank tests run several ranks on the one GPU where there is only one (_two_or_more).
 The two cache tests need the GPU to themselves: one reads the device's free memory, the other
@@ -162,4 +163,54 @@ def test_a_root_only_refusal_stops_every_rank_at_once(nbytes):
     for first, seconds, later, total in others:
         assert first.startswith(("CommAbortedError", "ValueError")) and "rank 0 refused" in first, res
         assert later.startswith("CommAbortedError") and "rank 0 refused" in later, res
+        assert seconds < 10 and total < 15, res
+
+
+# -- an argument every rank checks alike, wrong on one rank only -------------------------------------
+def _one_rank_refusal_body(comm, kind):
+    g, torch = _setup(comm)
+    last = comm.size - 1  # refuses: out of another size (all_reduce) or dtype (all_gather) there
+    x = torch.ones((64 << 10) // 4, device="cuda")
+    if kind == "all_reduce":
+        out = torch.empty(x.numel() + (1 if comm.rank == last else 0), device="cuda")
+    else:
+        dtype = torch.float64 if comm.rank == last else torch.float32
+        out = torch.empty(comm.size * x.numel(), dtype=dtype, device="cuda")
+    torch.cuda.synchronize()
+    comm._store.barrier("test/one_refusal/start", comm.size, timeout=60)
+    t0 = time.monotonic()
+    first = later = "no error"
+    try:
+        getattr(comm, kind)(x, out=out)
+        torch.cuda.synchronize()
+        g.check()
+    except Exception as exc:  # noqa: BLE001
+        first = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - t0
+    try:  # stopped on every rank: raises, and does not wait for the timeout either
+        comm.all_reduce(torch.ones(4, device="cuda"))
+        torch.cuda.synchronize()
+        g.check()
+    except Exception as exc:  # noqa: BLE001
+        later = f"{type(exc).__name__}: {exc}"
+    comm._store.barrier("test/one_refusal/end", comm.size, timeout=60)
+    return first, seconds, later, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather"])
+def test_an_argument_wrong_on_one_rank_only_stops_every_rank_at_once(kind):
+    """An out of another size (all_reduce) or dtype (all_gather) on the last rank only was
+    refused there alone: the others' kernels had been enqueued and waited until
+    LINKWISE_TIMEOUT. Now every argument refusal goes through the refusal path
+    (cuda/refusal.py): the others' kernels give up at once and they raise CommAbortedError
+    naming the refusing rank, and so does every later call."""
+    env = {**SAFE_ENV, "LINKWISE_TIMEOUT": "30"}
+    res = run_ranks(_two_or_more(), _one_rank_refusal_body, kind, env=env, timeout=180)
+    last = len(res) - 1
+    (mine, _, my_later, _), others = res[last], res[:last]
+    assert mine.startswith("ValueError") and "stopped on every rank" in mine, res
+    assert my_later.startswith("CommAbortedError") and "this rank refused" in my_later, res
+    for first, seconds, later, total in others:
+        assert first.startswith("CommAbortedError") and f"rank {last} refused" in first, res
+        assert later.startswith("CommAbortedError") and f"rank {last} refused" in later, res
         assert seconds < 10 and total < 15, res

@@ -72,32 +72,35 @@ def test_closed_gpu_comm_refuses_every_call():
 
 
 # -- B: sendrecv with overlapping x / out ---------------------------------------------------------
-def _overlap_body(comm):
+OVERLAPS = {"out is x": (0, 1024, 0, 1024), "partial overlap": (0, 1024, 512, 1536),
+            "one element shared": (0, 1024, 1023, 1030)}  # x's and out's slices of one buffer
+
+
+def _overlap_body(comm, what):
     g, torch = _setup(comm)
     peer = (comm.rank + 1) % comm.size
     src = (comm.rank - 1) % comm.size
     buf = torch.full((2048,), float(comm.rank + 1), device="cuda")
     errors = []
-    for what, x, out in (("out is x", buf[:1024], buf[:1024]),
-                         ("partial overlap", buf[:1024], buf[512:1536]),
-                         ("one element shared", buf[:1024], buf[1023:1030])):
-        try:
-            comm.sendrecv(x, peer, out, src)
-            errors.append(f"rank {comm.rank} {what}: accepted")
-        except ValueError as exc:
-            if "share memory" not in str(exc):
-                errors.append(f"rank {comm.rank} {what}: {exc}")
-    # Adjacent, not overlapping: accepted, and nothing was left enqueued by the refusals.
+    # Adjacent, not overlapping: accepted.
     comm.sendrecv(buf[:1024], peer, buf[1024:], src)
     torch.cuda.synchronize()
     g.check()
     if not bool((buf[1024:] == float(src + 1)).all()):
         errors.append(f"rank {comm.rank}: adjacent sendrecv wrong")
+    x0, x1, o0, o1 = OVERLAPS[what]
+    try:  # refused; and a refusal stops the GPU plane on every rank (a peer may wait for it)
+        comm.sendrecv(buf[x0:x1], peer, buf[o0:o1], src)
+        errors.append(f"rank {comm.rank} {what}: accepted")
+    except ValueError as exc:
+        if "share memory" not in str(exc) or "stopped on every rank" not in str(exc):
+            errors.append(f"rank {comm.rank} {what}: {exc}")
     return errors
 
 
-def test_sendrecv_refuses_overlapping_cuda_x_and_out():
-    _errors(run_ranks(_two_or_more(), _overlap_body, env=SAFE_ENV, timeout=120))
+@pytest.mark.parametrize("what", list(OVERLAPS))
+def test_sendrecv_refuses_overlapping_cuda_x_and_out(what):
+    _errors(run_ranks(_two_or_more(), _overlap_body, what, env=SAFE_ENV, timeout=120))
 
 
 # -- C: GpuComm.barrier(stream=<object>) ----------------------------------------------------------
@@ -119,24 +122,22 @@ def test_gpu_barrier_takes_a_stream_object():
 
 
 # -- D: element-wise all_to_all and out's dtype ---------------------------------------------------
-def _split_checks_body(comm):
+SPLIT_REFUSALS = {  # each refused (ValueError) on every rank; one a run: a refusal stops the plane
+    "all_to_all of n+1 float32": lambda comm, g, torch, n: comm.all_to_all(
+        torch.ones(n + 1, device="cuda"), out=torch.zeros(n + 1, device="cuda")),
+    "all_to_all int32 out": lambda comm, g, torch, n: comm.all_to_all(
+        torch.ones(n, device="cuda"), out=torch.zeros(n, dtype=torch.int32, device="cuda")),
+    "all_gather int32 out": lambda comm, g, torch, n: comm.all_gather(
+        torch.ones(4, device="cuda"), out=torch.zeros(4 * n, dtype=torch.int32, device="cuda")),
+    "all_gather float16 out of the same bytes": lambda comm, g, torch, n: g.all_gather(
+        torch.ones(4, device="cuda"), torch.zeros(8 * n, dtype=torch.float16, device="cuda")),
+}
+
+
+def _split_checks_body(comm, what):
     g, torch = _setup(comm)
     n, r = comm.size, comm.rank
     errors = []
-    for what, call in (
-            ("all_to_all of n+1 float32", lambda: comm.all_to_all(
-                torch.ones(n + 1, device="cuda"), out=torch.zeros(n + 1, device="cuda"))),
-            ("all_to_all int32 out", lambda: comm.all_to_all(
-                torch.ones(n, device="cuda"), out=torch.zeros(n, dtype=torch.int32, device="cuda"))),
-            ("all_gather int32 out", lambda: comm.all_gather(
-                torch.ones(4, device="cuda"), out=torch.zeros(4 * n, dtype=torch.int32, device="cuda"))),
-            ("all_gather float16 out of the same bytes", lambda: g.all_gather(
-                torch.ones(4, device="cuda"), torch.zeros(8 * n, dtype=torch.float16, device="cuda")))):
-        try:
-            call()
-            errors.append(f"rank {r} {what}: accepted")
-        except ValueError:
-            pass
     # torch's "uint8" and the CAI typestr "|u1" name one dtype.
     x = torch.full((5,), r + 1, dtype=torch.uint8, device="cuda")
     out = torch.zeros(5 * n, dtype=torch.uint8, device="cuda")
@@ -152,11 +153,18 @@ def _split_checks_body(comm):
     want = torch.tensor([2 * r + k + 10 * q for q in range(n) for k in range(2)], dtype=torch.uint8)
     if not torch.equal(yo.cpu(), want):
         errors.append(f"rank {r}: all_to_all CAI |u1 into torch uint8: {yo.cpu().tolist()}")
+    try:  # last: the refusal stops the GPU plane on every rank
+        SPLIT_REFUSALS[what](comm, g, torch, n)
+        errors.append(f"rank {r} {what}: accepted")
+    except ValueError as exc:
+        if "stopped on every rank" not in str(exc):
+            errors.append(f"rank {r} {what}: the plane was not stopped: {exc}")
     return errors
 
 
-def test_all_to_all_counts_elements_and_out_dtype_is_checked():
-    _errors(run_ranks(_two_or_more(), _split_checks_body, env=SAFE_ENV, timeout=120))
+@pytest.mark.parametrize("what", list(SPLIT_REFUSALS))
+def test_all_to_all_counts_elements_and_out_dtype_is_checked(what):
+    _errors(run_ranks(_two_or_more(), _split_checks_body, what, env=SAFE_ENV, timeout=120))
 
 
 # -- E: LINKWISE_DEVICE out of range --------------------------------------------------------------

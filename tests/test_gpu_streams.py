@@ -59,12 +59,6 @@ def _sendrecv_body(comm, how):
     wrap = WRAP[how] or (lambda t: t)
     replace = how.startswith("replace")
     bad = []
-    if replace:  # an array known only by __cuda_array_interface__ cannot be copied: refused
-        try:  # before anything is sent, on every rank
-            comm.sendrecv_replace(CaiOnly(torch.zeros(4, device="cuda")), nxt, prv)
-            bad.append(f"rank {comm.rank}: sendrecv_replace took a bare __cuda_array_interface__ array")
-        except TypeError:
-            pass
     for count in (0, 1000, (1 << 20) + 3):  # the scratch slot; a registered buffer (4 MiB+)
         for form in FORMS:
             if how == "cai" and form == "user stream":
@@ -101,6 +95,13 @@ def _sendrecv_body(comm, how):
                 want = cupy.arange(count, dtype=cupy.float32) + 1000 * prv
                 if n != 4 * count or not bool((x == want).all()):
                     bad.append(f"rank {comm.rank} cupy replace {count}: {n} bytes, wrong data")
+    if replace:  # an array known only by __cuda_array_interface__ cannot be copied: refused
+        try:  # before anything is sent, on every rank; last: a refusal stops the GPU plane
+            comm.sendrecv_replace(CaiOnly(torch.zeros(4, device="cuda")), nxt, prv)
+            bad.append(f"rank {comm.rank}: sendrecv_replace took a bare __cuda_array_interface__ array")
+        except TypeError as exc:
+            if "stopped on every rank" not in str(exc):
+                bad.append(f"rank {comm.rank}: the refusal did not stop the GPU plane: {exc}")
     g.close()
     return bad
 

@@ -23,8 +23,8 @@
 // Failure contract (wait_ge): every device-side wait is bounded. It gives up when
 //  * our Control.error is nonzero (latched: once a wait of this engine failed, every later
 //    wait gives up within ~kLocalPollTicks, so a queue of kernels drains fast; a rank that
-//    refused a collective only it could check writes kErrRefusedBase + its rank there, in
-//    every rank's Control, and a wait that sees such a value records it in
+//    refused the arguments of a call its peers may be in writes kErrRefusedBase + its rank
+//    there, in every rank's Control, and a wait that sees such a value records it in
 //    HostFlags::refused: GpuEngine::refuse),
 //  * the host set HostFlags::abort (a peer process died: GpuEngine's watchdog, gpu_engine.h),
 //    polled every ~kHostPollTicks since the host word is a PCIe read, or

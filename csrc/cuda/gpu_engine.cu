@@ -377,14 +377,14 @@ void GpuEngine::check() const {
     if (who == rank_)
       throw Error(ErrorKind::Aborted,
                   "rank " + std::to_string(rank_) + ": this rank refused the arguments of a GPU "
-                  "collective that only it could check (the ValueError raised then says why); the "
-                  "other ranks may have enqueued it, so GPU operations of this communicator were "
-                  "stopped on every rank (make a new communicator)");
+                  "call (the ValueError or TypeError raised then says why); the other ranks may "
+                  "have enqueued theirs, so GPU operations of this communicator were stopped on "
+                  "every rank (make a new communicator)");
     throw Error(ErrorKind::Aborted,
                 "rank " + std::to_string(rank_) + ": rank " + std::to_string(who) + " refused its "
-                "arguments of a GPU collective that this rank had enqueued (its ValueError says "
-                "why); GPU operations of this communicator were stopped (data of operations in "
-                "flight is undefined; make a new communicator)",
+                "arguments of a GPU call that this rank may have enqueued (its ValueError or "
+                "TypeError says why); GPU operations of this communicator were stopped (data of "
+                "operations in flight is undefined; make a new communicator)",
                 who);
   }
   if (code == kErrTimeout)

@@ -63,9 +63,9 @@ class GpuEngine {
   void abort(int peer);
   uint64_t error_code() const;
   void check() const;
-  // refuse: this rank refused the arguments of a collective that only it could check (a role's
-  // check, e.g. the root's out), after its peers may have enqueued their kernels for it, which
-  // would wait for it until the timeout. Enqueued on `stream` in the call's place: copies
+  // refuse: this rank refused the arguments of a call (any check: a role's, e.g. the root's
+  // out, or one every rank makes that failed here; src/linkwise/cuda/refusal.py), after its
+  // peers may have enqueued their kernels for it, which would wait for it until the timeout. Enqueued on `stream` in the call's place: copies
   // kErrRefusedBase + rank into every rank's Control.error (peers' through their mapped
   // scratch, ours too), so their device waits give up at once and record the refusal in their
   // HostFlags::refused (gpu_device.cuh); this rank's own check() raises from now on. Final, like

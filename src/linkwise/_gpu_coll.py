@@ -8,6 +8,7 @@ array's current stream) and the call returns before the GPU has finished; with a
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any, Optional
 
@@ -59,27 +60,57 @@ def dispatch(comm, op: str, x: Any, *, out: Any = None, red: str = "sum", root: 
     return comm.cuda().request(result, stream, result)
 
 
-def _run(comm, op: str, x: Any, *, out: Any, red: str, root: int, dtype: Optional[str],
+def _run(comm, op: str, x: Any, *, out: Any, red: str, root: Any, dtype: Optional[str],
          stream: Any) -> Any:
-    if dtype is not None:
-        raise TypeError(f"{op}: dtype= is for host arrays; a CUDA array carries its own dtype")
-    if out is not None and not is_cuda(out):
-        raise host_device_mix(op, True)
+    # A rank's own checks refuse through g._refusing (refusal.py): a peer that got past them may
+    # have enqueued its kernels, which wait for this rank. Before this rank's plane exists no
+    # peer's kernel can wait for it (making the plane is collective), so the first checks then
+    # raise plainly; LINKWISE_CHECK's exchange comes before the plane is made (a rank that
+    # passed a host array meets the others there), and its mismatch raises on every rank
+    # alike: not a refusal of this rank's.
+    g = getattr(comm, "_gpu_comm", None)
+    with g._refusing(x, stream) if g is not None else contextlib.nullcontext():
+        from ._coll_args import _check_tunables  # here: _coll_args imports this module
+        _check_tunables()
+        if dtype is not None:
+            raise TypeError(f"{op}: dtype= is for host arrays; a CUDA array carries its own dtype")
+        if out is not None and not is_cuda(out):
+            raise host_device_mix(op, True)
+        if op == "broadcast":
+            root = comm._root(root, op)
+        if op not in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"):
+            raise unsupported(op, "use all_reduce / all_gather (every rank gets the result) or copy "
+                                  "to the host")
     from ._coll_args import check_on
     if check_on():
         _check_agree(comm, op, x, red, root)
-    g = comm._gpu_comm if getattr(comm, "_gpu_comm", None) is not None else comm.cuda()
+    if g is None:
+        g = comm.cuda()
+    with g._refusing(x, stream):
+        x, out, h = _prepared(comm, g, op, x, out, stream)
     if op == "all_reduce":
         return g.all_reduce(x, op=red, out=out, stream=stream)
     if op == "broadcast":
         return g.broadcast(x, root=root, stream=stream, out=out)
-    shape = tuple(getattr(x, "shape", ()))
     if op == "all_gather":
-        if out is None:
-            lead = shape[0] if shape else 1
-            out = _empty(x, (comm.size * lead,) + shape[1:])
         return g.all_gather(x, out, stream=stream)
     if op == "reduce_scatter":
+        return g.reduce_scatter(x, out, op=red, stream=stream)
+    if h is not None:  # all_to_all in place: from the copy made on the stream into x
+        g.all_to_all(out, x, stream=h)
+        return x
+    return g.all_to_all(x, out, stream=stream)
+
+
+def _prepared(comm, g, op: str, x: Any, out: Any, stream: Any) -> tuple:
+    """(x, out, stream) for the GpuComm call: out allocated where the caller left it out (an
+    all_to_all in place: a copy of x made and allocated on the stream, whose handle comes back;
+    else None). Raises what the caller refuses (inside g._refusing)."""
+    shape = tuple(getattr(x, "shape", ()))
+    if op == "all_gather" and out is None:
+        lead = shape[0] if shape else 1
+        out = _empty(x, (comm.size * lead,) + shape[1:])
+    elif op == "reduce_scatter":
         n = 1
         for d in shape:
             n *= d
@@ -89,16 +120,12 @@ def _run(comm, op: str, x: Any, *, out: Any, red: str, root: int, dtype: Optiona
         if out is None:
             from ._coll_args import block_shape  # here: _coll_args imports this module
             out = _empty(x, block_shape(tuple(shape), comm.size))
-        return g.reduce_scatter(x, out, op=red, stream=stream)
-    if op == "all_to_all":
-        if out is None or out is x:  # in place: from a copy made (and allocated) on the stream
-            from .cuda.arrays import copy_on_stream, stream_handle, view
-            v = view(x, op)
-            h = stream_handle(stream, v)
-            g.all_to_all(copy_on_stream(x, v, h, g.device, op), x, stream=h)
-            return x
-        return g.all_to_all(x, out, stream=stream)
-    raise unsupported(op, "use all_reduce / all_gather (every rank gets the result) or copy to the host")
+    elif op == "all_to_all" and (out is None or out is x):
+        from .cuda.arrays import copy_on_stream, stream_handle, view
+        v = view(x, op)
+        h = stream_handle(stream, v)
+        return x, copy_on_stream(x, v, h, g.device, op), h
+    return x, out, None
 
 
 def _check_agree(comm, op: str, x: Any, red: str, root: int) -> None:
@@ -111,12 +138,3 @@ def _check_agree(comm, op: str, x: Any, red: str, root: int) -> None:
     reducing = op in ("all_reduce", "reduce", "reduce_scatter")
     comm._check_agree(op, count, v.dtype or f"bytes{v.itemsize}", red if reducing else "",
                       root if op in ("broadcast", "reduce", "gather", "scatter") else 0, device="cuda")
-
-
-def stream_int(stream: Any) -> int:
-    """The cudaStream_t integer of a stream object (torch / cupy / int)."""
-    for attr in ("cuda_stream", "ptr", "handle"):
-        h = getattr(stream, attr, None)
-        if isinstance(h, int):
-            return h
-    raise TypeError(f"stream: expected an int cudaStream_t or a stream object, got {type(stream).__name__}")

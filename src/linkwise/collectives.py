@@ -54,8 +54,7 @@ _NEVER, _cma_settings, DEFAULT_MAX_THREADS = _shm_exec.NEVER, _shm_exec.cma_sett
 
 
 def _gpu_dispatch(comm, kind: str, x: Any, **kw):
-    _check_tunables()
-    return _gpu_coll.dispatch(comm, kind, x, **kw)
+    return _gpu_coll.dispatch(comm, kind, x, **kw)  # it checks the tunables (_check_tunables)
 
 
 class CollectivesMixin(_shm_exec.ExecutorMixin):
@@ -300,10 +299,10 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
             r = gf.broadcast(x, root, out, stream)
             if r is not None:
                 return r
-        root = self._root(root, "broadcast")
-        if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
+        if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):  # it checks root (a refusal there)
             return _gpu_dispatch(self, "broadcast", x, out=out, root=root, async_op=async_op,
                                  stream=stream)
+        root = self._root(root, "broadcast")
         result = x if out is None else out
         x = _as_array(x, "broadcast")
         if out is None:
@@ -428,10 +427,11 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         With `stream` (a CUDA stream), a device-side barrier on the GPU data plane: enqueued on
         that stream, and waited for (every rank's stream has reached it when this returns)."""
         if stream is not None:
-            if async_op:
-                raise TypeError("barrier: async_op=True cannot be combined with stream=")
-            return self.cuda().barrier(stream=stream if isinstance(stream, int)
-                                       else _gpu_coll.stream_int(stream))
+            g = self.__dict__.get("_gpu_comm")  # made: the others' barrier kernels may wait
+            with g._refusing(None, stream) if g is not None else contextlib.nullcontext():
+                if async_op:
+                    raise TypeError("barrier: async_op=True cannot be combined with stream=")
+            return self.cuda().barrier(stream=stream)  # an int cudaStream_t or a stream object
         if (self.size > 1 and self._native is not None and not check_on()
                 and self._shm_for("all_reduce", 1) is not None):
             # On one host: a one-byte all_reduce through the shared-memory executor (no rank

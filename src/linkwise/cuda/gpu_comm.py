@@ -62,10 +62,12 @@ peer_watch.h) aborts every device wait of this communicator within a millisecond
 drain, and the next call on it, ``synchronize()``, ``check()`` or a request's ``wait()``
 raises PeerError naming the peer. A device wait longer than the communicator's timeout raises
 TimeoutError the same way. Either is final: the data of operations in flight is undefined and
-the communicator cannot be used any more (make a new one). So is an argument only one rank can
-check that it refuses (the root's ``out`` of a broadcast): it raises ValueError there and stops
-every rank's GPU plane at once (``_refused_alone``; the others' kernels were waiting for it),
-after which every call raises CommAbortedError naming that rank. Plain stream synchronisation
+the communicator cannot be used any more (make a new one). So is an argument a rank refuses
+(ValueError / TypeError of any method's checks: another ``out`` size, dtype or device there,
+the root's ``out`` of a broadcast, which only the root checks, a bad op or stream): it raises
+there and stops every rank's GPU plane at once (refusal.py; the others' kernels may be waiting
+for it), after which every call raises CommAbortedError naming that rank; a call refused on
+every rank alike stops it too (no rank can know the others refused). Plain stream synchronisation
 (``torch.cuda.synchronize()``, ``tensor.cpu()``) returns once kernels drained and raises
 nothing: call ``check()`` after it when a peer may have failed. After ``close()`` every
 method (``check()`` and ``synchronize()`` too) raises CommAbortedError; ``comm.cuda()`` keeps
@@ -79,8 +81,10 @@ from typing import Any, Optional
 from .. import config
 from . import registered as reg
 from .arrays import DTYPES, OPS, DevArray, check_out, stream_handle, view
+from .refusal import RefusalMixin
 
 _DEFAULT_SLOT = 16 << 20
+_ALGOS = {"auto": 0, "oneshot": 1, "twoshot": 2}
 _REFUSED = 3  # GpuEngine::error_code after a refusal (gpu_device.cuh kErrRefused)
 _counter: dict = {}
 
@@ -138,7 +142,7 @@ def gpu_comm(comm) -> "GpuComm":
     return g
 
 
-class GpuComm:
+class GpuComm(RefusalMixin):
     def __init__(self, comm, device: Optional[int] = None, slot_bytes: Optional[int] = None):
         n = _native()
         if not hasattr(n, "_GpuEngine"):
@@ -275,33 +279,6 @@ class GpuComm:
                 "reduce_scatter, all_to_all, broadcast, and all_gather below "
                 "LINKWISE_GPU_REG_MIN, without LINKWISE_P2P_DISABLE")
 
-    def _refused_alone(self, s: int, message: str) -> ValueError:
-        """The ValueError of an argument check that only this rank makes (its role's: the root's
-        out of a broadcast), so the others may be in the call already, waiting for this rank
-        until the timeout. Two places they can wait, and both are told:
-         * on the GPU (kernels enqueued): on the NVLink path the refusal is enqueued on stream s
-           in the call's place (GpuEngine::refuse): every rank's device waits give up, and every
-           rank's GPU plane raises CommAbortedError naming this rank from then on (the counters
-           the refused call would have advanced no longer agree, so it cannot go on);
-         * on the host, in an exchange of the call (the registered path's descriptions,
-           registered.reg_many; host-staged messages): this rank refuses the communicator's
-           next host collective number (_skip_call), whose notice makes them raise at once, and
-           its host collectives stop, as after any collective refused on one rank. The error is
-           marked so that comm.broadcast's wrapper does not number a second call.
-        Host-staged within a host (a StageChannel read) the others are not told: they wait
-        until the timeout."""
-        if self.size > 1 and self._staged is None and self._engine.refuse(s):
-            message += ("; the other ranks may be waiting in this call, so GPU operations of this "
-                        "communicator were stopped on every rank (CommAbortedError from now on; "
-                        "make a new communicator)")
-        exc = ValueError(message)
-        skip = getattr(self.comm, "_skip_call", None)
-        if self.size > 1 and skip is not None:
-            from .._coll_args import REFUSED_UNDER_NUMBER
-            skip()
-            setattr(exc, REFUSED_UNDER_NUMBER, True)
-        return exc
-
     def _reduce_args(self, v: DevArray, op: str, what: str) -> tuple[int, int]:
         if v.dtype not in DTYPES:
             raise TypeError(f"{what}: dtype {v.dtype} is not supported on GPU "
@@ -313,17 +290,21 @@ class GpuComm:
     # -- collectives -----------------------------------------------------------------------
     def all_reduce(self, x: Any, op: str = "sum", out: Any = None, stream: Any = None,
                    algo: str = "auto") -> Any:
-        v = self._view(x, "all_reduce")
-        o = v if out is None else self._view(out, "all_reduce")
-        if o.count != v.count or o.dtype != v.dtype:
-            raise ValueError("all_reduce: out must have the same size and dtype as x")
-        dt, opc = self._reduce_args(v, op, "all_reduce")
+        with self._refusing(x, stream):  # a refusal stops the ranks waiting for this one
+            v = self._view(x, "all_reduce")
+            o = v if out is None else self._view(out, "all_reduce")
+            if o.count != v.count or o.dtype != v.dtype:
+                raise ValueError(f"all_reduce: out must have the same size and dtype as x ({v.count} "
+                                 f"{v.dtype}), got {o.count} {o.dtype}")
+            dt, opc = self._reduce_args(v, op, "all_reduce")
+            if algo not in _ALGOS:
+                raise ValueError(f"all_reduce: algo must be one of {', '.join(_ALGOS)}, not {algo!r}")
+            a = _ALGOS[algo]
+            s = stream_handle(stream, v)
         if self._staged is not None:
-            self._no_capture(stream_handle(stream, v), "host-staged all_reduce")
-            self._staged.all_reduce(v, o, op, stream_handle(stream, v))
+            self._no_capture(s, "host-staged all_reduce")
+            self._staged.all_reduce(v, o, op, s)
             return x if out is None else out
-        a = {"auto": 0, "oneshot": 1, "twoshot": 2}[algo]
-        s = stream_handle(stream, v)
         # LINKWISE_GPU_AR_ALGO=prs / rsag: the registered forms at any size (reg.forced_algo).
         if a == 0 and (reg.reduce_ok(self, v.nbytes, s) or reg.forced_algo(self, s)):
             if reg.prs(self, v, o, dt, opc, s):
@@ -337,16 +318,17 @@ class GpuComm:
         return x if out is None else out
 
     def reduce_scatter(self, x: Any, out: Any, op: str = "sum", stream: Any = None) -> Any:
-        v, o = self._view(x, "reduce_scatter"), self._view(out, "reduce_scatter")
-        if v.count != o.count * self.size or o.dtype != v.dtype:
-            raise ValueError(f"reduce_scatter: x must have size * len(out) elements "
-                             f"({self.size} * {o.count}) of out's dtype, got {v.count} {v.dtype}")
-        dt, opc = self._reduce_args(v, op, "reduce_scatter")
+        with self._refusing(x, stream):
+            v, o = self._view(x, "reduce_scatter"), self._view(out, "reduce_scatter")
+            if v.count != o.count * self.size or o.dtype != v.dtype:
+                raise ValueError(f"reduce_scatter: x must have size * len(out) elements "
+                                 f"({self.size} * {o.count}) of out's dtype, got {v.count} {v.dtype}")
+            dt, opc = self._reduce_args(v, op, "reduce_scatter")
+            s = stream_handle(stream, v)
         if self._staged is not None:
-            self._no_capture(stream_handle(stream, v), "host-staged reduce_scatter")
-            self._staged.reduce_scatter(v, o, op, stream_handle(stream, v))
+            self._no_capture(s, "host-staged reduce_scatter")
+            self._staged.reduce_scatter(v, o, op, s)
             return out
-        s = stream_handle(stream, v)
         if o.count and reg.reduce_ok(self, v.nbytes, s) and reg.reg_many(self, [v.ptr]):
             self._engine.reduce_scatter_reg(o.ptr, o.count, dt, opc, s)
             return out
@@ -359,16 +341,16 @@ class GpuComm:
         overlap). Below the LL size and on the registered path's one-kernel chain the root's
         kernel copies x to out itself; otherwise (host-staged path, the other registered forms)
         a copy on the stream precedes the broadcast."""
-        v = self._view(x, "broadcast")
-        o = v if out is None or out is x else self._view(out, "broadcast")
-        if not 0 <= root < self.size:
-            raise ValueError(f"broadcast: root {root} is out of range 0..{self.size - 1}")
-        s = stream_handle(stream, v)
-        if o is not v and self.rank == root and (o.nbytes != v.nbytes or o.dtype != v.dtype):
-            raise self._refused_alone(s, f"broadcast: out is {o.dtype} with {o.nbytes} bytes, x is "
-                                      f"{v.dtype} with {v.nbytes}; they must have the same dtype "
-                                      "and the same size on the root (the bytes are copied, not "
-                                      "converted)")
+        with self._refusing(x, stream):
+            v = self._view(x, "broadcast")
+            o = v if out is None or out is x else self._view(out, "broadcast")
+            if not 0 <= root < self.size:
+                raise ValueError(f"broadcast: root {root!r} is out of range 0..{self.size - 1}")
+            s = stream_handle(stream, v)
+            if o is not v and self.rank == root and (o.nbytes != v.nbytes or o.dtype != v.dtype):
+                raise ValueError(f"broadcast: out is {o.dtype} with {o.nbytes} bytes, x is "
+                                 f"{v.dtype} with {v.nbytes}; they must have the same dtype and "
+                                 "the same size on the root (the bytes are copied, not converted)")
         staged = self._staged is not None
         # Registered-buffer path from LINKWISE_GPU_BCAST_REG_MIN, except while the stream is
         # being captured into a CUDA graph: then the scratch kernel below (capturable).
@@ -389,9 +371,10 @@ class GpuComm:
         return x if o is v else out
 
     def all_gather(self, x: Any, out: Any, stream: Any = None) -> Any:
-        v, o = self._view(x, "all_gather"), self._view(out, "all_gather")
-        check_out(v, o, self.size, "all_gather")  # as the host path: dtype and element count
-        s = stream_handle(stream, v)
+        with self._refusing(x, stream):
+            v, o = self._view(x, "all_gather"), self._view(out, "all_gather")
+            check_out(v, o, self.size, "all_gather")  # as the host path: dtype and element count
+            s = stream_handle(stream, v)
         if self._staged is not None:
             self._no_capture(s, "host-staged all_gather")
             self._staged.all_gather(v, o, s)
@@ -405,21 +388,24 @@ class GpuComm:
         return out
 
     def all_to_all(self, x: Any, out: Any, stream: Any = None) -> Any:
-        v, o = self._view(x, "all_to_all"), self._view(out, "all_to_all")
-        if v.count % self.size:  # elements, not bytes: blocks never split an element
-            raise ValueError(f"all_to_all: x has {v.count} elements, not a multiple of the "
-                             f"communicator size {self.size}")
-        check_out(v, o, 1, "all_to_all")
+        with self._refusing(x, stream):
+            v, o = self._view(x, "all_to_all"), self._view(out, "all_to_all")
+            if v.count % self.size:  # elements, not bytes: blocks never split an element
+                raise ValueError(f"all_to_all: x has {v.count} elements, not a multiple of the "
+                                 f"communicator size {self.size}")
+            check_out(v, o, 1, "all_to_all")
+            s = stream_handle(stream, v)
         if self._staged is not None:
-            self._no_capture(stream_handle(stream, v), "host-staged all_to_all")
-            self._staged.all_to_all(v, o, stream_handle(stream, v))
+            self._no_capture(s, "host-staged all_to_all")
+            self._staged.all_to_all(v, o, s)
             return out
-        self._engine.all_to_all(v.ptr, o.ptr, v.nbytes // self.size, stream_handle(stream, v))
+        self._engine.all_to_all(v.ptr, o.ptr, v.nbytes // self.size, s)
         return out
 
     def send(self, x: Any, dst: int, tag: int = 0, stream: Any = None) -> None:
-        v = self._view(x, "send")
-        s = stream_handle(stream, v)
+        with self._refusing(x, stream, collective=False):  # the peer's kernel waits for it
+            v = self._view(x, "send")
+            s = stream_handle(stream, v)
         self._no_capture(s, "send")
         if self._staged is not None:
             self._staged.send(v, dst, s)
@@ -429,8 +415,9 @@ class GpuComm:
             self._engine.send(v.ptr, v.nbytes, dst, s)
 
     def recv(self, x: Any, src: int, tag: int = 0, stream: Any = None) -> int:
-        v = self._view(x, "recv")
-        s = stream_handle(stream, v)
+        with self._refusing(x, stream, collective=False):  # the peer's kernel waits for it
+            v = self._view(x, "recv")
+            s = stream_handle(stream, v)
         self._no_capture(s, "recv")
         if self._staged is not None:
             self._staged.recv(v, src, s)
@@ -444,7 +431,8 @@ class GpuComm:
         """Device-side barrier enqueued on `stream` (an int cudaStream_t or a torch / cupy
         stream object; default: the legacy stream), then waits for it."""
         self._open("barrier")
-        h = stream_handle(stream, None)  # None: 0, the legacy stream
+        with self._refusing(None, stream):
+            h = stream_handle(stream, None)  # None: 0, the legacy stream
         self._no_capture(h, "barrier")
         if self._staged is not None:
             self.synchronize(h)

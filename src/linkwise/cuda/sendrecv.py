@@ -30,13 +30,14 @@ def gpu_sendrecv(g, x: Any, dst: int, out: Any, src: int, send_tag: int, recv_ta
     """Sends x to dst while receiving out from src on GpuComm g; returns the bytes received
     (enqueued, as recv: they are in out once the caller's stream gets there)."""
     g._open("sendrecv")  # a closed GpuComm has no engine to fork a stream from
-    v = view(x, "sendrecv")
-    o = view(out, "sendrecv")  # both are CUDA arrays, checked before the send is enqueued
-    if v.nbytes and o.nbytes and v.ptr < o.ptr + o.nbytes and o.ptr < v.ptr + v.nbytes:
-        # as the host path: the send (side stream) and the receive would race on these bytes
-        raise ValueError("sendrecv: x and out share memory; the receive would overwrite x while "
-                         "it is sent (use sendrecv_replace to exchange in place)")
-    s = stream_handle(stream, v)
+    with g._refusing(x, stream, collective=False):  # the peers' kernels may wait for this rank
+        v = view(x, "sendrecv")
+        o = view(out, "sendrecv")  # both are CUDA arrays, checked before the send is enqueued
+        if v.nbytes and o.nbytes and v.ptr < o.ptr + o.nbytes and o.ptr < v.ptr + v.nbytes:
+            # as the host path: the send (side stream) and the receive would race on these bytes
+            raise ValueError("sendrecv: x and out share memory; the receive would overwrite x "
+                             "while it is sent (use sendrecv_replace to exchange in place)")
+        s = stream_handle(stream, v)
     g._no_capture(s, "sendrecv")  # before the fork: a captured stream cannot be forked from here
     side = g._engine.sendrecv_fork(s)
     try:
@@ -72,7 +73,9 @@ def gpu_sendrecv_replace(g, x: Any, dst: int, src: int, send_tag: int, recv_tag:
     """Sends x to dst and receives into x from src on GpuComm g; returns the bytes received
     (enqueued). The copy that is sent is made on the caller's stream and allocated there, so
     its memory is reused only after that stream has waited for the send."""
-    v = view(x, "sendrecv_replace")
-    s = stream_handle(stream, v)
-    copy = copy_on_stream(x, v, s, g.device, "sendrecv_replace")
+    g._open("sendrecv_replace")
+    with g._refusing(x, stream, collective=False):
+        v = view(x, "sendrecv_replace")
+        s = stream_handle(stream, v)
+        copy = copy_on_stream(x, v, s, g.device, "sendrecv_replace")
     return gpu_sendrecv(g, copy, dst, x, src, send_tag, recv_tag, s)
