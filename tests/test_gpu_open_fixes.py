@@ -121,18 +121,14 @@ def test_mappings_still_in_use_are_not_closed_under_a_zero_bound():
     assert any(pending > len(res) - 1 for _, pending in res), res
 
 
-# -- probe_10: an argument refused on the root only ------------------------------------------------
-def _root_refusal_body(comm, nbytes):
-    g, torch = _setup(comm)
-    n = nbytes // 4
-    x = torch.ones(n, device="cuda")
-    out = torch.empty(n + (1 if comm.rank == 0 else 0), device="cuda")  # wrong on the root only
-    torch.cuda.synchronize()
-    comm._store.barrier("test/refusal/start", comm.size, timeout=60)
+def _refused_then_next(comm, g, torch, name, call):
+    """Every rank runs call (refused on some), then a plain all_reduce: what each raised (or "no
+    error"), the seconds the first took, and the seconds both took."""
+    comm._store.barrier(f"test/{name}/start", comm.size, timeout=60)
     t0 = time.monotonic()
     first = later = "no error"
     try:
-        comm.broadcast(x, root=0, out=out)
+        call()
         torch.cuda.synchronize()
         g.check()
     except Exception as exc:  # noqa: BLE001
@@ -144,8 +140,18 @@ def _root_refusal_body(comm, nbytes):
         g.check()
     except Exception as exc:  # noqa: BLE001
         later = f"{type(exc).__name__}: {exc}"
-    comm._store.barrier("test/refusal/end", comm.size, timeout=60)
+    comm._store.barrier(f"test/{name}/end", comm.size, timeout=60)
     return first, seconds, later, time.monotonic() - t0
+
+
+# -- probe_10: an argument refused on the root only ------------------------------------------------
+def _root_refusal_body(comm, nbytes):
+    g, torch = _setup(comm)
+    n = nbytes // 4
+    x = torch.ones(n, device="cuda")
+    out = torch.empty(n + (1 if comm.rank == 0 else 0), device="cuda")  # wrong on the root only
+    torch.cuda.synchronize()
+    return _refused_then_next(comm, g, torch, "refusal", lambda: comm.broadcast(x, root=0, out=out))
 
 
 @pytest.mark.parametrize("nbytes", [64 << 10, 2 << 20])  # LL kernel; registered chain (below)
@@ -177,24 +183,7 @@ def _one_rank_refusal_body(comm, kind):
         dtype = torch.float64 if comm.rank == last else torch.float32
         out = torch.empty(comm.size * x.numel(), dtype=dtype, device="cuda")
     torch.cuda.synchronize()
-    comm._store.barrier("test/one_refusal/start", comm.size, timeout=60)
-    t0 = time.monotonic()
-    first = later = "no error"
-    try:
-        getattr(comm, kind)(x, out=out)
-        torch.cuda.synchronize()
-        g.check()
-    except Exception as exc:  # noqa: BLE001
-        first = f"{type(exc).__name__}: {exc}"
-    seconds = time.monotonic() - t0
-    try:  # stopped on every rank: raises, and does not wait for the timeout either
-        comm.all_reduce(torch.ones(4, device="cuda"))
-        torch.cuda.synchronize()
-        g.check()
-    except Exception as exc:  # noqa: BLE001
-        later = f"{type(exc).__name__}: {exc}"
-    comm._store.barrier("test/one_refusal/end", comm.size, timeout=60)
-    return first, seconds, later, time.monotonic() - t0
+    return _refused_then_next(comm, g, torch, "one_refusal", lambda: getattr(comm, kind)(x, out=out))
 
 
 @pytest.mark.parametrize("kind", ["all_reduce", "all_gather"])

@@ -29,6 +29,23 @@ def _die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def die_linking(point: str) -> None:
+    """SIGKILL this process at a TCP-link point of its next setup (init's or a split's, which
+    share _setup): "dial-N" about to connect its link to rank N, "accept" accepting its links."""
+    from linkwise import _setup
+    if point == "accept":
+        _setup.accept_peers = lambda *a, **k: _die()
+        return
+    target = int(point[len("dial-"):])
+    plain_connect = _setup._connect_peer
+
+    def connect(rank, peer, host, port, timeout):
+        if peer == target:
+            _die()
+        return plain_connect(rank, peer, host, port, timeout)
+    _setup._connect_peer = connect
+
+
 def _die_at(point: str) -> None:
     """Makes this process SIGKILL itself at ``point`` of its setup."""
     from linkwise import _setup
@@ -50,17 +67,8 @@ def _die_at(point: str) -> None:
             if name.endswith("/shm-created"):
                 _die()
         store_module.Store.barrier = barrier
-    elif point.startswith("dial-"):  # about to connect its TCP link to rank N
-        target = int(point[5:])
-        plain_connect = _setup._connect_peer
-
-        def connect(rank, peer, host, port, timeout):
-            if peer == target:
-                _die()
-            return plain_connect(rank, peer, host, port, timeout)
-        _setup._connect_peer = connect
-    elif point == "accept":  # accepting its TCP links
-        _setup.accept_peers = lambda *a, **k: _die()
+    elif point.startswith("dial-") or point == "accept":
+        die_linking(point)
     else:
         raise AssertionError(point)
 

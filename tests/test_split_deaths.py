@@ -9,21 +9,16 @@ chosen point by wrapping one setup function in its own (forked) process; the spl
 the code under test."""
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import pytest
 
 from linkwise.errors import PeerError
 from multirank import run_ranks
+from test_setup_deaths import _die, die_linking
 
 SPLIT_TIMEOUT = "60"  # LINKWISE_TIMEOUT: far longer than any survivor may take
 PROMPT = 3.0  # seconds within which every survivor must have raised
-
-
-def _die():
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _die_at(point: str) -> None:
@@ -45,17 +40,8 @@ def _die_at(point: str) -> None:
             if point == "shm-created" and name.endswith("/shm-created"):
                 _die()
         store_module.Store.barrier = barrier
-    elif point.startswith("dial-"):  # about to connect its TCP link to rank N (of the new one)
-        target = int(point[5:])
-        plain_connect = _setup._connect_peer
-
-        def connect(rank, peer, host, port, timeout):
-            if peer == target:
-                _die()
-            return plain_connect(rank, peer, host, port, timeout)
-        _setup._connect_peer = connect
-    elif point == "accept":  # accepting its TCP links
-        _setup.accept_peers = lambda *a, **k: _die()
+    elif point.startswith("dial-") or point == "accept":  # dial-N: rank N of the new one
+        die_linking(point)
     elif point == "attach":  # links made: the shared-memory executor's first step
         from linkwise import _shm_exec
         _shm_exec.attach = lambda *a, **k: _die()
