@@ -111,6 +111,20 @@ def test_nobody_to_stop_alone_or_host_staged(size, staged):
 
 
 # -- the others in a host exchange of the call (the registered path's descriptions) -------------
+def _waits_in_a_host_exchange(comm):
+    """The other rank: waits in a host collective, as registered.reg_many does before anything is
+    enqueued; returns what it raised (or "no error") and the seconds it waited."""
+    t0 = time.monotonic()
+    try:
+        comm.all_gather(np.zeros(89, np.uint8))
+        outcome = "no error"
+    except Exception as exc:  # noqa: BLE001
+        outcome = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - t0
+    comm._store.barrier("test/refused", 2, timeout=60)
+    return outcome, seconds
+
+
 def _host_exchange_body(comm, via):
     if comm.rank == 0:
         g = _gpu_comm(rank=0, comm=comm)
@@ -125,15 +139,7 @@ def _host_exchange_body(comm, via):
         comm._gpu_comm = None
         comm._store.barrier("test/refused", 2, timeout=60)  # alive until the other is done
         return outcome, comm._coll_seq - seq
-    t0 = time.monotonic()
-    try:  # what registered.reg_many does on the others before anything is enqueued
-        comm.all_gather(np.zeros(89, np.uint8))
-        outcome = "no error"
-    except Exception as exc:  # noqa: BLE001
-        outcome = f"{type(exc).__name__}: {exc}"
-    seconds = time.monotonic() - t0
-    comm._store.barrier("test/refused", 2, timeout=60)
-    return outcome, seconds
+    return _waits_in_a_host_exchange(comm)
 
 
 @pytest.mark.parametrize("via", ["comm", "g"])
@@ -270,15 +276,7 @@ def _comm_refusal_body(comm, op):
         comm._gpu_comm = None
         comm._store.barrier("test/refused", 2, timeout=60)
         return outcome, comm._coll_seq - seq, calls
-    t0 = time.monotonic()
-    try:
-        comm.all_gather(np.zeros(89, np.uint8))
-        outcome = "no error"
-    except Exception as exc:  # noqa: BLE001
-        outcome = f"{type(exc).__name__}: {exc}"
-    seconds = time.monotonic() - t0
-    comm._store.barrier("test/refused", 2, timeout=60)
-    return outcome, seconds, None
+    return (*_waits_in_a_host_exchange(comm), None)
 
 
 @pytest.mark.parametrize("op, stream", [("all_reduce", 0), ("all_gather", 0), ("barrier", 5)])
