@@ -78,9 +78,6 @@ def _run(comm, op: str, x: Any, *, out: Any, red: str, root: Any, dtype: Optiona
             raise host_device_mix(op, True)
         if op == "broadcast":
             root = comm._root(root, op)
-        if op not in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"):
-            raise unsupported(op, "use all_reduce / all_gather (every rank gets the result) or copy "
-                                  "to the host")
     from ._coll_args import check_on
     if check_on():
         _check_agree(comm, op, x, red, root)

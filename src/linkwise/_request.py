@@ -101,11 +101,6 @@ def _wake(waiters: _FdWaiters) -> None:
             fut.set_result(None)
 
 
-def _time_up(fut) -> None:
-    if not fut.done():
-        fut.set_result(None)  # woken as by the eventfd; the operation is then found not done
-
-
 async def _await_native(native_request, timeout: float) -> int:
     if not native_request.done:
         loop = asyncio.get_running_loop()
@@ -121,7 +116,7 @@ async def _await_native(native_request, timeout: float) -> int:
         # The timeout wakes fut as the eventfd does. Not asyncio.wait_for: before Python 3.12 it
         # returns the result of a future that is done when a cancel arrives, so a task
         # cancelled in the loop iteration where its operation finished ran on.
-        timer = loop.call_later(timeout, _time_up, fut)
+        timer = loop.call_later(timeout, _wake, (fut,))  # as by the eventfd; then found not done
         try:
             await fut
         except asyncio.CancelledError:

@@ -199,7 +199,6 @@ LEFT_WAIT = 0.5  # seconds a failed connect waits for the store to say the peer 
 
 
 def accept_peers(listener: socket.socket, job_id: str, expected: list[int], deadline: float,
-                 handshake_wait: float = HANDSHAKE_WAIT,
                  check: Optional[Callable[[], None]] = None) -> dict[int, socket.socket]:
     """Accept on ``listener`` until each rank of ``expected`` has connected and sent its
     handshake (job id and rank), or until ``deadline`` (time.monotonic()); returns
@@ -210,7 +209,7 @@ def accept_peers(listener: socket.socket, job_id: str, expected: list[int], dead
     Contract: anything else that connects to the port (a port scanner, a health check, a
     process of another job) is closed and never stops or delays the peers: handshakes are read
     from every pending connection at once, a connection that closes before its 20 bytes, sends
-    a wrong job id or rank, or stays silent for ``handshake_wait`` seconds is dropped, and
+    a wrong job id or rank, or stays silent for HANDSHAKE_WAIT seconds is dropped, and
     accepting goes on. No byte after the handshake is read (the engine gets the stream there)."""
     want = _handshake_bytes(job_id, 0)[:16]  # the job id as a peer sends it
     accepted: dict[int, socket.socket] = {}
@@ -240,7 +239,7 @@ def accept_peers(listener: socket.socket, job_id: str, expected: list[int], dead
                         except (BlockingIOError, InterruptedError):
                             continue
                         conn.setblocking(False)
-                        pending[conn] = (bytearray(), time.monotonic() + handshake_wait)
+                        pending[conn] = (bytearray(), time.monotonic() + HANDSHAKE_WAIT)
                         sel.register(conn, selectors.EVENT_READ)
                         continue
                     conn = key.fileobj

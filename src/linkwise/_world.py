@@ -12,6 +12,7 @@ from . import _launch_link, bootstrap, config
 from ._setup import new_job_id
 from .comm import Communicator, _live
 from .errors import BootstrapError
+from .store import _world_gap
 
 
 def init(rank: Optional[int] = None, size: Optional[int] = None, addr: Optional[str] = None, *,
@@ -44,14 +45,14 @@ def init(rank: Optional[int] = None, size: Optional[int] = None, addr: Optional[
     try:
         if env.size > 1:
             world = _worlds_made.get(rendezvous, 0) + 1
+            token = f"{_token_job_id(env.job_id)}|{env.size}|{env.master_port}|{world}"
             store = bootstrap.Store(env.master_addr, env.master_port, is_server=env.rank == 0,
                                     timeout=setup_timeout, spare_ports=env.spare_ports,
-                                    token=f"{_token_job_id(env.job_id)}|{env.size}|{env.master_port}|{world}",
-                                    port_source=env.port_source, check=check)
+                                    token=token, port_source=env.port_source, check=check)
             store.join(env.rank, f"pid {os.getpid()} on {socket.gethostname()}")
             # Counted once joined, as the world joined (a later one where rank 0 retried), so
             # an attempt that never reached rank 0's store leaves the count as it was.
-            _worlds_made[rendezvous] = max(world, _world_number(store.joined_token))
+            _worlds_made[rendezvous] = world + max(0, _world_gap(store.joined_token, token.encode()) or 0)
             if not job_id:
                 if env.rank == 0:
                     store.set("job_id", new_job_id().encode())
@@ -90,12 +91,6 @@ def _token_job_id(job_id: str) -> str:
     if len(job_id) <= _MAX_TOKEN_JOB_ID:
         return job_id
     return "sha256-" + hashlib.sha256(job_id.encode()).hexdigest()[:40]
-
-
-def _world_number(token: bytes) -> int:
-    """The world number at the end of a store token (`job|size|port|world`), else 0."""
-    tail = token.rpartition(b"|")[2]
-    return int(tail) if tail.isdigit() else 0
 
 
 def _refuse_second_world(rendezvous: tuple) -> None:

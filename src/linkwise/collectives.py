@@ -53,10 +53,6 @@ _ALL_GATHER, _REDUCE_SCATTER, _ALL_TO_ALL = KINDS["all_gather"], KINDS["reduce_s
 _NEVER, _cma_settings, DEFAULT_MAX_THREADS = _shm_exec.NEVER, _shm_exec.cma_settings, _shm_exec.DEFAULT_MAX_THREADS
 
 
-def _gpu_dispatch(comm, kind: str, x: Any, **kw):
-    return _gpu_coll.dispatch(comm, kind, x, **kw)  # it checks the tunables (_check_tunables)
-
-
 class CollectivesMixin(_shm_exec.ExecutorMixin):
     """Mixed into Communicator; uses self._native, self.rank, self.size, self.timeout."""
 
@@ -264,7 +260,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
                 if r is not None:
                     return r
             if _gpu_coll.is_cuda(x):
-                return _gpu_dispatch(self, "all_reduce", x, out=out, red=op, async_op=async_op,
+                return _gpu_coll.dispatch(self, "all_reduce", x, out=out, red=op, async_op=async_op,
                                      dtype=dtype, stream=stream)
         result = x if out is None else out  # the caller's own object (a tensor stays a tensor)
         x = _as_array(x, "all_reduce")
@@ -300,7 +296,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
             if r is not None:
                 return r
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):  # it checks root (a refusal there)
-            return _gpu_dispatch(self, "broadcast", x, out=out, root=root, async_op=async_op,
+            return _gpu_coll.dispatch(self, "broadcast", x, out=out, root=root, async_op=async_op,
                                  stream=stream)
         root = self._root(root, "broadcast")
         result = x if out is None else out
@@ -356,7 +352,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
     @_skips_on_argument_error
     def _all_gather(self, x: Any, out: Any, async_op: bool, stream: Any):
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
-            return _gpu_dispatch(self, "all_gather", x, out=out, async_op=async_op, stream=stream)
+            return _gpu_coll.dispatch(self, "all_gather", x, out=out, async_op=async_op, stream=stream)
         x = _as_array(x, "all_gather")
         result, out = self._gathered_out(x, out, "all_gather")
         return self._run("all_gather", x, out, _dtype_label(x.dtype), "", 0, x.size, x.nbytes, async_op, result)
@@ -375,7 +371,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
     @_skips_on_argument_error
     def _reduce_scatter(self, x: Any, op: str, out: Any, async_op: bool, dtype: Optional[str], stream: Any):
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
-            return _gpu_dispatch(self, "reduce_scatter", x, out=out, red=op, async_op=async_op,
+            return _gpu_coll.dispatch(self, "reduce_scatter", x, out=out, red=op, async_op=async_op,
                                  dtype=dtype, stream=stream)
         x = _as_array(x, "reduce_scatter")
         dt = _dtype_name(x, dtype)
@@ -406,7 +402,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
     @_skips_on_argument_error
     def _all_to_all(self, x: Any, out: Any, async_op: bool, stream: Any):
         if type(x) is not np.ndarray and _gpu_coll.is_cuda(x):
-            return _gpu_dispatch(self, "all_to_all", x, out=out, async_op=async_op, stream=stream)
+            return _gpu_coll.dispatch(self, "all_to_all", x, out=out, async_op=async_op, stream=stream)
         result = x if out is None else out
         x = _as_array(x, "all_to_all")
         if x.size % self.size:

@@ -434,8 +434,8 @@ def _release_unclosed(store, pid: int) -> None:
 
 def _forget_parents_communicators() -> None:
     """In a forked child: the parent's communicators are not the child's to close (closing
-    them at the child's exit shut the parent's store sockets, which the two share), nor are its
-    world counts (_world) the child's."""
+    them at the child's exit shut the parent's store sockets, which the two share); _world
+    forgets the parent's world counts itself."""
     _live.clear()
     _store_users.clear()
 

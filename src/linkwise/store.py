@@ -443,28 +443,24 @@ class Store:
             raise ValueError(f"all_gather {name!r}: rank {rank} is not in 0..{size - 1}")
         limit = self.timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + limit
-        polled = alive is not None or watch is not None or self.check is not None
         self.set(f"__ag/{name}/{rank}", value)
         out = []
         for r in range(size):
             key = f"__ag/{name}/{r}"
-            while True:
-                left = max(0.0, deadline - time.monotonic())
-                try:
-                    out.append(self.get(key, timeout=min(left, WATCH_SLICE) if polled else left))
-                    break
-                except TimeoutError:
-                    if alive is not None and not alive(r):
-                        raise PeerError(f"rank {rank}: rank {r} exited before it joined {name!r}",
-                                        rank=rank, peer=r, op=name) from None
-                    if watch is not None:
-                        watch()
-                    if self.check is not None:
-                        self.check()
-                    if not polled:
-                        raise
-                    if time.monotonic() >= deadline:  # the whole wait, not its last slice
-                        raise TimeoutError(f"store get {key!r}: nobody set it within {limit:g} s") from None
+
+            def poll(r=r) -> None:  # between slices of the wait for rank r's value
+                if alive is not None and not alive(r):
+                    raise PeerError(f"rank {rank}: rank {r} exited before it joined {name!r}",
+                                    rank=rank, peer=r, op=name)
+                if watch is not None:
+                    watch()
+                if self.check is not None:
+                    self.check()
+            polled = alive is not None or watch is not None or self.check is not None
+            try:
+                out.append(self.get(key, max(0.0, deadline - time.monotonic()), poll if polled else None))
+            except TimeoutError:  # named with the whole wait, not what was left of it for this key
+                raise TimeoutError(f"store get {key!r}: nobody set it within {limit:g} s") from None
         return out
 
     def close(self) -> None:

@@ -33,11 +33,6 @@ _STOPPED = ("; the other ranks may be waiting in this call, so GPU operations of
 
 
 class RefusalMixin:
-    def _refused_alone(self, s: int, message: str) -> ValueError:
-        """The ValueError of an argument check that only this rank makes (its role's: the
-        root's out of a broadcast), reported as every refusal is (_refuse) on stream s."""
-        return self._refuse(s, ValueError(message))
-
     def _refuse(self, s: int, exc: BaseException, collective: bool = True) -> BaseException:
         """Reports argument error `exc` (its type and message kept, the stop appended) to the
         ranks that may be waiting in this call, and returns it to be raised. Two places they
