@@ -108,7 +108,13 @@ void bind_cuda(nb::module_& m) {
       .def("all_gather_reg", &GpuEngine::all_gather_reg, rel())
       .def("broadcast_reg", &GpuEngine::broadcast_reg, rel())
       .def("send_reg", &GpuEngine::send_reg, rel())
-      .def("recv_reg", &GpuEngine::recv_reg, rel())
+      .def("recv_defer_begin", &GpuEngine::recv_defer_begin, rel())
+      .def("recv_defer_finish",
+           [](GpuEngine& e, uintptr_t ev, uintptr_t x, size_t nbytes, int src, const nb::bytes& d) {
+             std::string desc(d.c_str(), d.size());
+             nb::gil_scoped_release r;
+             e.recv_defer_finish(ev, x, nbytes, src, desc);
+           })
       .def("all_reduce_reg", &GpuEngine::all_reduce_reg, rel())
       .def("reduce_scatter_reg", &GpuEngine::reduce_scatter_reg, rel())
       .def("pchain_trace", &GpuEngine::pchain_trace, rel())

@@ -5,12 +5,17 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <mutex>
 
 #include "cuda/gpu_device.cuh"
 #include "cuda/peer_watch.h"
 #include "cuda/reg_cache.h"
 
 namespace linkwise::cuda {
+
+// A registered buffer's description (reg_describe): its allocation's IPC handle, then base,
+// offset and allocation size.
+constexpr size_t kDescBytes = sizeof(cudaIpcMemHandle_t) + 3 * sizeof(uint64_t);
 
 struct EngineImpl {
   DevComm dev{};
@@ -28,8 +33,16 @@ struct EngineImpl {
   // per call: buffer `slot` of every rank, as mapped here; slot 2 is every rank's prs scratch
   // (reg_prs.cu), mapped once and kept
   char* reg[3][kMaxRanks] = {};
+  // Deferred receives (p2p_defer.cu, contract there): the senders' allocations they map (a
+  // cache of its own, so that the helper threads never touch reg_cache, which the caller's
+  // thread uses; CUDA counts an allocation opened by both once per open), the mutex of the
+  // helper threads of different sources around it, and one private stream per source (made
+  // by the caller's thread on the source's first deferred receive, destroyed by close).
+  RegCache p2p_cache;
+  std::mutex p2p_mu;
+  cudaStream_t defer_stream[kMaxRanks] = {};
   // sig counters: what we have added on each peer (posted) and awaited from each (seen).
-  uint64_t posted[6][kMaxRanks] = {}, seen[6][kMaxRanks] = {};
+  uint64_t posted[kSigKinds][kMaxRanks] = {}, seen[kSigKinds][kMaxRanks] = {};
   // Two-stream pipelines (reg_pipeline.cu): a second stream of this engine's device and the
   // events that fork it from / join it back into the caller's stream. Created on first use,
   // destroyed by GpuEngine::close; used only inside one call (joined before it returns).
@@ -51,12 +64,16 @@ struct EngineImpl {
 // to every cache entry the slots reference. An event rather than synchronising the streams
 // later: the caller may destroy its stream meanwhile, and the host must not wait (reg_cache.h).
 // reg_engine.cu.
+// `cache`: the cache whose slots the operation used (im.reg_cache when null).
 struct RegUse {
   EngineImpl& im;
   cudaStream_t s;
+  RegCache* cache = nullptr;
   ~RegUse();
 };
-void init_reg_cache(EngineImpl& im, int rank);  // the CUDA hooks of im.reg_cache
+void init_reg_cache(RegCache& cache, int rank);  // its CUDA hooks (reg_engine.cu)
+cudaError_t preload_defer_kernels();  // p2p_defer.cu; see preload_copy_kernels (launch.h)
+void release_defer(EngineImpl& im);   // p2p_defer.cu; close(), after a device sync
 
 // Registered-path synchronisation (reg_engine.cu, sig_kernel): one launch posts
 // sig[pk[i]][rank] += pa[i] on peer pp[i] (after a system fence: every earlier write of the
@@ -75,6 +92,7 @@ struct SigArgs {
   void wait(int kind, int peer, uint64_t v) { wk[nw] = kind, wp[nw] = peer, want[nw] = v, ++nw; }
 };
 void launch_sig(const DevComm& c, const SigArgs& a, cudaStream_t s);
+cudaError_t preload_sig_kernel();  // loads sig_kernel now (preload_defer_kernels says why)
 // Every rank posts +1 to every peer and waits for each peer's matching post (kSigRendezvous):
 // on return (on the GPU) every peer's stream has reached this point.
 void rendezvous(EngineImpl& im, int rank, int nranks, cudaStream_t s);

@@ -39,6 +39,7 @@
 namespace linkwise::cuda {
 
 constexpr int kMaxRanks = 16;
+constexpr int kSigKinds = 7;  // SigKind's values (below)
 constexpr int kMaxBlocks = 128;
 constexpr int kPhases = 2;
 constexpr int kChainBlocks = 256;  // Control.chain_blk's length: most blocks of the push chain
@@ -64,7 +65,7 @@ struct Control {
   // Registered-buffer paths (reg_engine.cu): sig[kind][src] is a counter that rank src bumps
   // (red.release.sys.add, after __threadfence_system) and we wait on (ld.acquire.sys). Both
   // sides know the cumulative totals on the host (issue order), as with p2p_data / p2p_ack.
-  uint64_t sig[6][kMaxRanks];
+  uint64_t sig[kSigKinds][kMaxRanks];
   // Device-side epoch numbering (epoch_begin / epoch_arrive / epoch_end below): seq =
   // (epoch of this rank's last collective kernel << kArrivalBits; 52 bits, never wraps) | how
   // many blocks of a running epoch_arrive kernel have arrived (0 between kernels), and how
@@ -101,8 +102,10 @@ struct Control {
   uint64_t prs_ack[kMaxRanks][kPrsSlots];
 };
 constexpr int kMaxPieces = 64;  // piece_arrive's length
+// kSigP2pLocal: our own counter per source, bumped by our deferred receives' private streams
+// when a receive's data is in (p2p_defer.cu); never written by peers.
 enum SigKind : int { kSigChain = 0, kSigChainDone = 1, kSigP2pReady = 2, kSigP2pDone = 3,
-                     kSigRendezvous = 4, kSigPiece = 5 };
+                     kSigRendezvous = 4, kSigPiece = 5, kSigP2pLocal = 6 };
 static_assert(sizeof(Control) <= kControlStructBytes, "Control must fit its reserved bytes");
 // Error codes: Control.error holds kErrTimeout, kErrAborted or kErrRefusedBase + the refusing
 // rank; GpuEngine::error_code reports kErrTimeout, kErrAborted or kErrRefused.

@@ -56,7 +56,8 @@ GpuEngine::GpuEngine(int rank, int nranks, int device, size_t slot_bytes, double
     fail("scratch allocation", e);
   }
   impl_->own = static_cast<char*>(p);
-  init_reg_cache(*impl_, rank);
+  init_reg_cache(impl_->reg_cache, rank);
+  init_reg_cache(impl_->p2p_cache, rank);
   void* hf = nullptr;
   e = cudaHostAlloc(&hf, sizeof(HostFlags), cudaHostAllocMapped | cudaHostAllocPortable);
   if (e != cudaSuccess) {
@@ -72,6 +73,7 @@ GpuEngine::GpuEngine(int rank, int nranks, int device, size_t slot_bytes, double
   LW_CUDA(cudaMemset(p, 0, kControlBytes), "scratch setup");
   LW_CUDA(cudaDeviceSynchronize(), "scratch setup");
   LW_CUDA(preload_copy_kernels(), "kernel preload");  // before any of ours can spin (launch.h)
+  LW_CUDA(preload_defer_kernels(), "kernel preload");
   DevComm& d = impl_->dev;
   d.rank = rank;
   d.nranks = nranks;
@@ -91,6 +93,7 @@ void GpuEngine::close() {
   for (int r = 0; r < nranks_; ++r)
     if (impl_->opened[r]) cudaIpcCloseMemHandle(impl_->dev.base[r]);
   reg_release();
+  release_defer(*impl_);
   release_side(*impl_);
   if (impl_->prs_own) cudaFree(impl_->prs_own);
   cudaFree(impl_->own);

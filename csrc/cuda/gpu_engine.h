@@ -3,7 +3,8 @@
 // Owns a scratch area on its device (cudaMalloc), exported through a CUDA IPC handle; peers'
 // areas are opened with cudaIpcOpenMemHandle. Layout and flag contracts: gpu_device.cuh.
 //
-// Threading: not thread-safe; one thread (the caller's) uses it at a time. Ordering: every
+// Threading: not thread-safe; one thread (the caller's) uses it at a time, except
+// recv_defer_finish (p2p_defer.cu). Ordering: every
 // rank must issue the same collectives in the same order, and all of one engine's operations
 // must be ordered on the GPU (one stream, or streams the caller synchronises), as with NCCL.
 // Point-to-point pieces between a pair are matched in issue order (tags are not matched).
@@ -94,8 +95,14 @@ class GpuEngine {
   void all_gather_reg(uintptr_t out, size_t nbytes, uintptr_t stream);  // slot 0 = x
   // root_src: on the root of an out-of-place broadcast its x (x above is then its out), else 0.
   void broadcast_reg(uintptr_t x, size_t nbytes, int root, size_t piece, uintptr_t stream, uintptr_t root_src);
-  void send_reg(size_t nbytes, int dst, uintptr_t stream);  // peer dst pulls our x
-  void recv_reg(uintptr_t x, size_t nbytes, int src, uintptr_t stream);  // slot 0 = src's x
+  void send_reg(size_t nbytes, int dst, uintptr_t stream);  // peer dst pulls our x (its recv_defer_finish)
+  // Deferred receives (p2p_defer.cu has the contract, including the one exception to this
+  // class's one-thread rule): recv_defer_begin, on the caller's thread, makes `stream` wait for
+  // the receive and returns an event for recv_defer_finish, which a helper thread of src calls
+  // later to enqueue the receive itself on src's private stream: the scratch receive when
+  // desc is empty, else the registered pull from the sender's buffer described by desc.
+  uintptr_t recv_defer_begin(int src, uintptr_t stream);
+  void recv_defer_finish(uintptr_t event, uintptr_t x, size_t nbytes, int src, const std::string& desc);
   // Large reductions read peers' registered inputs directly (reg_engine.cu, reg_reduce.cu):
   // all_reduce_reg: slot 0 = every rank's x, slot 1 = every rank's out (may equal x);
   // reduce_scatter_reg: slot 0 = every rank's x (count_per_rank * nranks elements), out local.

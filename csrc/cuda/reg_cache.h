@@ -25,7 +25,8 @@
 // buffers of the operation being set up; slot 2, the prs scratch, is mapped once and stays
 // referenced) are never closed by the bound.
 //
-// Threading: one thread at a time (GpuEngine's contract).
+// Threading: one thread at a time (GpuEngine's contract; the deferred receives' cache is
+// used under EngineImpl::p2p_mu).
 #pragma once
 
 #include <algorithm>

@@ -22,7 +22,7 @@
 //  * all_reduce as reduce_scatter + all_gather (all_reduce_rsag_reg): reduce kernel,
 //    rendezvous, copy-engine pulls of every peer's reduced chunk, rendezvous.
 //  * send/recv: the sender posts kSigP2pReady and waits kSigP2pDone; the receiver waits
-//    ready, pulls the sender's x, posts done.
+//    ready, pulls the sender's x, posts done (a deferred receive: p2p_defer.cu).
 //  * all_reduce / reduce_scatter (large): rendezvous -> reg_reduce_kernel -> rendezvous; the
 //    ordering contract is stated at reduce_reg below.
 #include <cuda.h>
@@ -73,7 +73,6 @@ GetRangeFn get_range_fn() {
   return fn;
 }
 
-constexpr size_t kDescBytes = sizeof(cudaIpcMemHandle_t) + 3 * sizeof(uint64_t);
 
 // Tuning knob (read per call, so a sweep can change it in one process): reg_reduce_kernel
 // variant, LINKWISE_GPU_REG_REDUCE_UNROLL = 1, 2 (default) or 4 (see launch.h).
@@ -114,7 +113,7 @@ std::string GpuEngine::reg_describe(uintptr_t ptr) const {
   return out;
 }
 
-void init_reg_cache(EngineImpl& im, int rank) {
+void init_reg_cache(RegCache& cache, int rank) {
   RegCache::Hooks h;
   h.open = [rank](const std::string& handle, int peer) -> void* {
     cudaIpcMemHandle_t ih;
@@ -133,20 +132,21 @@ void init_reg_cache(EngineImpl& im, int rank) {
   h.done = [](const RegCache::Token& t) {
     return cudaEventQuery(static_cast<cudaEvent_t>(t.get())) != cudaErrorNotReady;
   };
-  im.reg_cache.set_hooks(std::move(h));
+  cache.set_hooks(std::move(h));
 }
 
 RegUse::~RegUse() {
+  RegCache& c = cache ? *cache : im.reg_cache;
   cudaEvent_t ev = nullptr;
   if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess &&
       cudaEventRecord(ev, s) == cudaSuccess) {
-    im.reg_cache.note_use(reinterpret_cast<uintptr_t>(s),
-                          RegCache::Token(ev, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); }));
+    c.note_use(reinterpret_cast<uintptr_t>(s),
+               RegCache::Token(ev, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); }));
     return;
   }
   cudaGetLastError();  // handled here: an empty token keeps the entries mapped until close()
   if (ev) cudaEventDestroy(ev);
-  im.reg_cache.note_use(reinterpret_cast<uintptr_t>(s), RegCache::Token());
+  c.note_use(reinterpret_cast<uintptr_t>(s), RegCache::Token());
 }
 
 void GpuEngine::reg_map(const std::vector<std::string>& descs, int slot) {
@@ -182,17 +182,28 @@ void GpuEngine::reg_cache_limits(size_t entries, uint64_t bytes) {
   if (!impl_) return;
   impl_->reg_cache.max_entries = entries;
   impl_->reg_cache.max_bytes = bytes;
+  std::lock_guard<std::mutex> lock(impl_->p2p_mu);
+  impl_->p2p_cache.max_entries = entries;  // the same bounds, each cache on its own
+  impl_->p2p_cache.max_bytes = bytes;
 }
 
-size_t GpuEngine::reg_cached() const { return impl_ ? impl_->reg_cache.entries() : 0; }
+size_t GpuEngine::reg_cached() const { return reg_cache_stats()[0]; }
 
+// Both caches together (the collectives' and the deferred receives').
 std::vector<uint64_t> GpuEngine::reg_cache_stats() const {
   if (!impl_) return {0, 0, 0};
   const RegCache& c = impl_->reg_cache;
-  return {c.entries(), c.bytes(), c.retired()};
+  std::lock_guard<std::mutex> lock(impl_->p2p_mu);
+  const RegCache& p = impl_->p2p_cache;
+  return {c.entries() + p.entries(), c.bytes() + p.bytes(), c.retired() + p.retired()};
 }
 
 void GpuEngine::reg_release() { impl_->reg_cache.close_all(); }  // close(): after a device sync
+
+cudaError_t preload_sig_kernel() {
+  cudaFuncAttributes attr;  // see preload_defer_kernels (p2p_defer.cu)
+  return cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(sig_kernel));
+}
 
 void launch_sig(const DevComm& c, const SigArgs& a, cudaStream_t s) {
   sig_kernel<<<1, 32, 0, s>>>(c, a);
@@ -417,24 +428,6 @@ void GpuEngine::send_reg(size_t nbytes, int dst, uintptr_t stream) {
   a.wait(kSigP2pDone, dst, ++im.seen[kSigP2pDone][dst]);
   launch_sig(im.dev, a, reinterpret_cast<cudaStream_t>(stream));
   check_launch("send");
-}
-
-void GpuEngine::recv_reg(uintptr_t x, size_t nbytes, int src, uintptr_t stream) {
-  if (nbytes == 0) return;
-  DeviceGuard g(device_);
-  EngineImpl& im = *impl_;
-  auto s = reinterpret_cast<cudaStream_t>(stream);
-  RegUse use{im, s};
-  if (!im.reg[0][src]) throw Error(ErrorKind::Invalid, "recv_reg: sender's buffer not mapped");
-  SigArgs a;
-  a.wait(kSigP2pReady, src, ++im.seen[kSigP2pReady][src]);
-  launch_sig(im.dev, a, s);
-  check_launch("recv");
-  LW_CUDA(cudaMemcpyAsync(reinterpret_cast<char*>(x), im.reg[0][src], nbytes, cudaMemcpyDefault, s), "recv");
-  SigArgs b;
-  b.post(kSigP2pDone, src, 1);
-  launch_sig(im.dev, b, s);
-  check_launch("recv");
 }
 
 // -- host-staged path helpers ---------------------------------------------------------------

@@ -55,7 +55,10 @@ coroutines, isend/irecv/asend/arecv route here): the operation is enqueued as ab
 ``wait()`` blocks the host until the event completes, ``await`` polls it without blocking the
 loop; both then raise the communicator's recorded failure, if any. As with NCCL, a receive
 enqueued before the matching send on one stream waits for it on the GPU: two ranks that both
-irecv before they isend on one stream deadlock (until the timeout); order them.
+irecv before they isend on one stream deadlock (until the timeout); order them, or use two
+streams. recv / irecv never wait on the host for the sender: a registered receive, whose
+sender's description comes later, is placed on the stream at once and enqueued by a helper
+thread when the description arrives (deferred.py).
 
 Failures: a peer process that dies (watched through its pidfd when it runs on this host,
 peer_watch.h) aborts every device wait of this communicator within a millisecond: kernels
@@ -143,6 +146,8 @@ def gpu_comm(comm) -> "GpuComm":
 
 
 class GpuComm(RefusalMixin):
+    _deferred = None  # deferred.DeferredReceives, made on the first deferred receive (recv)
+
     def __init__(self, comm, device: Optional[int] = None, slot_bytes: Optional[int] = None):
         n = _native()
         if not hasattr(n, "_GpuEngine"):
@@ -228,6 +233,8 @@ class GpuComm(RefusalMixin):
             from ..errors import CommAbortedError
             raise CommAbortedError(f"rank {self.rank}: {op} on a closed GPU communicator "
                                    "(GpuComm.close() ran; make a new communicator to go on)")
+        if self._deferred is not None and self._deferred.failure is not None:
+            raise self._deferred.failure  # a deferred receive's helper failed (deferred.py)
         self._engine.check()
 
     def check(self) -> None:
@@ -421,8 +428,13 @@ class GpuComm(RefusalMixin):
         self._no_capture(s, "recv")
         if self._staged is not None:
             self._staged.recv(v, src, s)
-        elif v.nbytes >= self._reg_min:
-            reg.recv(self, v, src, s)
+        elif v.nbytes >= self._reg_min or (self._deferred is not None and self._deferred.busy(src)):
+            # the sender's description comes later: the receive is deferred, never waited for
+            # here (deferred.py); smaller ones from src queue behind, to keep the pair's order
+            if self._deferred is None:
+                from .deferred import DeferredReceives
+                self._deferred = DeferredReceives(self)
+            self._deferred.post(x, v.ptr, v.nbytes, src, s, registered=v.nbytes >= self._reg_min)
         else:
             self._engine.recv(v.ptr, v.nbytes, src, s)
         return v.nbytes
@@ -459,6 +471,8 @@ class GpuComm(RefusalMixin):
         except Exception:  # noqa: BLE001 - a failed communicator still releases everything
             if not self._engine.error_code():
                 raise
+        if self._deferred is not None:  # before the engine goes: no helper touches it after
+            self._deferred.close(float(self.comm.timeout))
         if self._staged is not None:
             self._staged.close()
         # Collective close on both paths: no rank tears down (or exits, taking the rendezvous

@@ -121,7 +121,8 @@ def prs(g, v, o, dt: int, opc: int, s: int) -> bool:
 def send(g, v, dst: int, s: int) -> None:
     """A registered send: one host message to dst, a flag byte then the description of the
     allocation holding x; flag 0 (x cannot be exported) makes both sides use the scratch send
-    for this message, so the receiver never waits for a description that is not coming."""
+    for this message, so the receiver never waits for a description that is not coming. The
+    receiver takes it on a helper thread (deferred.py), so it need not have called recv yet."""
     import numpy as np
     try:
         msg = b"\x01" + g._engine.reg_describe(v.ptr)
@@ -132,19 +133,3 @@ def send(g, v, dst: int, s: int) -> None:
         g._engine.send_reg(v.nbytes, dst, s)
     else:
         g._engine.send(v.ptr, v.nbytes, dst, s)
-
-
-def recv(g, v, src: int, s: int) -> None:
-    """The receiving side of send(): registered copy from the sender's buffer, or the scratch
-    receive when the sender's flag says its buffer could not be exported."""
-    import numpy as np
-    msg = np.empty(1 + DESC_BYTES, np.uint8)
-    g.comm.recv(msg, src, _REG_TAG)
-    if not msg[0]:
-        g._engine.recv(v.ptr, v.nbytes, src, s)
-        return
-    descs = [b""] * g.size
-    descs[src] = msg[1:].tobytes()
-    g._engine.reg_map(descs, 0)
-    g._engine.recv_reg(v.ptr, v.nbytes, src, s)
-

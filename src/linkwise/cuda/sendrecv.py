@@ -2,8 +2,7 @@
 
 GPU sends and receives are stream-ordered, and a receive waits on the device for its data: if
 both ranks of a pair enqueued their receive before their send on one stream, each receive would
-wait for a send queued behind the other (and a registered-buffer receive, from
-LINKWISE_GPU_REG_MIN bytes, waits on the host for the sender's description). So the send goes
+wait for a send queued behind the other. So the send goes
 first, on the GpuEngine's side stream, which starts after the work already on the caller's
 stream (sendrecv_fork); the caller's stream then waits for it (sendrecv_join), so work enqueued
 after sendrecv sees both done and x may be reused at once in stream order. The forks and joins

@@ -1,0 +1,146 @@
+// Deferred point-to-point receives: the receive is placed on the caller's stream now, and
+// enqueued for real later by a helper thread (the Python side: linkwise/cuda/deferred.py).
+//
+// Why. A registered receive (LINKWISE_GPU_REG_MIN bytes and up) pulls from the sender's buffer,
+// whose description is a host message that the sender's send() issues. Enqueuing that copy
+// inside irecv() blocked this host until the sender got there, so "irecv, then isend" on both
+// ranks of a pair (NCCL's and MPI's usual order) deadlocked until the timeout.
+//
+// How (per receive from `src`):
+//  * recv_defer_begin, on the caller's thread in issue order: records an event E on the
+//    caller's stream s (from there on x may be written), then enqueues on s a wait until our
+//    own Control.sig[kSigP2pLocal][src] reaches the next cumulative total (reserved here, in
+//    seen[kSigP2pLocal][src]). Work the caller enqueues on s later runs after the data is in.
+//  * recv_defer_finish, later, on the helper thread of `src`: on src's private stream P, waits
+//    for E, enqueues the receive itself (the scratch receive, or with the sender's description
+//    the registered pull: wait kSigP2pReady, copy from the sender's mapped buffer, post
+//    kSigP2pDone; the sender's side is send_reg), then adds 1 to that counter, which lets s go on.
+//  Deferred receives from one source finish in issue order on one stream, so the cumulative
+//  totals agree; receives from different sources do not wait for each other.
+//
+// Threading contract. recv_defer_finish touches only src's receive state (recv_pieces[src],
+// recv_cum[src], seen[kSigP2pReady][src], defer_stream[src]) and p2p_cache (under p2p_mu). The
+// Python side gives src's receive state one user at a time: while a receive from src is
+// deferred, every later receive from src is deferred behind it, so pieces are still matched in
+// issue order; only one helper thread serves a source. Everything else stays on the caller's
+// thread (GpuEngine's contract). A failure in recv_defer_finish throws; the helper then
+// aborts the engine (GpuEngine::abort), so the wait on s gives up and the host raises.
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include "core/status.h"
+#include "cuda/engine_impl.h"
+#include "cuda/gpu_engine.h"
+
+namespace linkwise::cuda {
+namespace {
+
+// One thread: waits until our sig[kind][idx] >= want (want > 0), or posts `add` into rank
+// owner's sig[kind][idx] after a system fence, so every earlier write of this stream (the copy
+// engines' included) is visible first (want == 0).
+__global__ void p2p_sig_kernel(DevComm c, int kind, int owner, int idx, uint64_t add, uint64_t want) {
+  if (threadIdx.x != 0) return;
+  if (want) {
+    wait_ge(c, &c.ctrl(c.rank)->sig[kind][idx], want);
+    return;
+  }
+  __threadfence_system();
+  red_release_sys_add(&c.ctrl(owner)->sig[kind][idx], add);
+}
+
+void sig_wait(const DevComm& c, int kind, int idx, uint64_t want, cudaStream_t s) {
+  p2p_sig_kernel<<<1, 32, 0, s>>>(c, kind, c.rank, idx, 0, want);
+}
+void sig_post(const DevComm& c, int kind, int owner, int idx, cudaStream_t s) {
+  p2p_sig_kernel<<<1, 32, 0, s>>>(c, kind, owner, idx, 1, 0);
+}
+
+}  // namespace
+
+#define LW_CUDA(call, op)                        \
+  do {                                           \
+    cudaError_t e_ = (call);                     \
+    if (e_ != cudaSuccess) fail((op), e_);       \
+  } while (0)
+
+cudaError_t preload_defer_kernels() {
+  // Loaded when the engine is made. Under CUDA's lazy loading a kernel's first load may
+  // synchronise the context, so it waits for a wait already spinning on s, which waits for
+  // work still to be enqueued (ours, or the peer's sig_kernel of its send_reg, loaded the
+  // same way): both ranks of "irecv, then isend" timed out at 8 MiB until sig_kernel was
+  // preloaded too (launch.h, preload_copy_kernels, has the first case).
+  cudaFuncAttributes attr;
+  cudaError_t e = cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(p2p_sig_kernel));
+  return e != cudaSuccess ? e : preload_sig_kernel();
+}
+
+void release_defer(EngineImpl& im) {
+  {
+    std::lock_guard<std::mutex> lock(im.p2p_mu);
+    im.p2p_cache.close_all();
+  }
+  for (auto& s : im.defer_stream)
+    if (s) cudaStreamDestroy(s), s = nullptr;
+}
+
+uintptr_t GpuEngine::recv_defer_begin(int src, uintptr_t stream) {
+  check_open("recv");
+  if (src < 0 || src >= nranks_ || src == rank_)
+    throw Error(ErrorKind::Invalid, "recv: source must be another rank of the communicator");
+  DeviceGuard g(device_);
+  EngineImpl& im = *impl_;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (!im.defer_stream[src])
+    LW_CUDA(cudaStreamCreateWithFlags(&im.defer_stream[src], cudaStreamNonBlocking), "recv");
+  cudaEvent_t ev;
+  LW_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "recv");
+  cudaError_t e = cudaEventRecord(ev, s);  // before the wait below: P waits for this point
+  if (e != cudaSuccess) {
+    cudaEventDestroy(ev);
+    fail("recv", e);
+  }
+  sig_wait(im.dev, kSigP2pLocal, src, ++im.seen[kSigP2pLocal][src], s);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) {  // the reservation stands: the helper still posts for it (abort)
+    cudaEventDestroy(ev);
+    fail("recv", e);
+  }
+  return reinterpret_cast<uintptr_t>(ev);
+}
+
+void GpuEngine::recv_defer_finish(uintptr_t event, uintptr_t x, size_t nbytes, int src,
+                                  const std::string& desc) {
+  DeviceGuard g(device_);
+  EngineImpl& im = *impl_;
+  cudaStream_t p = im.defer_stream[src];
+  auto ev = reinterpret_cast<cudaEvent_t>(event);
+  cudaError_t e = cudaStreamWaitEvent(p, ev, 0);
+  cudaEventDestroy(ev);  // released once it completed; the wait above stays enqueued
+  if (e != cudaSuccess) fail("recv", e);
+  if (desc.empty()) {
+    recv(x, nbytes, src, reinterpret_cast<uintptr_t>(p));  // the scratch receive, on P
+  } else if (nbytes) {
+    if (desc.size() != kDescBytes)
+      throw Error(ErrorKind::Invalid, "recv: malformed buffer description from rank " + std::to_string(src));
+    uint64_t meta[3];  // base, offset, allocation size (reg_describe)
+    std::memcpy(meta, desc.data() + sizeof(cudaIpcMemHandle_t), sizeof(meta));
+    std::lock_guard<std::mutex> lock(im.p2p_mu);
+    char* from = static_cast<char*>(im.p2p_cache.map(0, src, meta[0], meta[2],
+                                                     desc.substr(0, sizeof(cudaIpcMemHandle_t)))) +
+                 meta[1];
+    im.p2p_cache.trim();
+    RegUse use{im, p, &im.p2p_cache};  // its event goes after the copy (declared after the map)
+    sig_wait(im.dev, kSigP2pReady, src, ++im.seen[kSigP2pReady][src], p);
+    check_launch("recv");
+    LW_CUDA(cudaMemcpyAsync(reinterpret_cast<char*>(x), from, nbytes, cudaMemcpyDefault, p), "recv");
+    sig_post(im.dev, kSigP2pDone, src, rank_, p);
+    check_launch("recv");
+  }
+  sig_post(im.dev, kSigP2pLocal, rank_, src, p);
+  check_launch("recv");
+}
+
+}  // namespace linkwise::cuda

@@ -1,0 +1,203 @@
+"""Deferred GPU receives (linkwise/cuda/deferred.py, csrc/cuda/p2p_defer.cu): recv / irecv of
+LINKWISE_GPU_REG_MIN bytes and up no longer wait on the host for the sender's description.
+
+Before, "irecv on stream A, then isend on stream B" on both ranks (probe_03) timed out from
+LINKWISE_GPU_REG_MIN bytes, and receives posted before the sender reached its send blocked the
+host. Multi-rank tests run several ranks on the one GPU where there is only one.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from multirank import run_ranks
+from test_gpu_collectives import SAFE_ENV, _nranks, _setup, _two_or_more
+
+pytestmark = pytest.mark.gpu
+
+ENV = {**SAFE_ENV, "LINKWISE_TIMEOUT": "20"}
+MiB = 1 << 20
+
+
+def _errors(res) -> None:
+    bad = [e for r in res for e in r]
+    assert not bad, bad
+
+
+def _full(torch, nbytes, value):
+    return torch.full((nbytes // 4,), float(value), device="cuda")
+
+
+# -- probe_03: both ranks post the receive first, on another stream ------------------------------
+def _recv_first_body(comm):
+    g, torch = _setup(comm)
+    errors = []
+    if comm.rank >= 2:  # ranks past the first two take no part
+        return errors
+    peer = 1 - comm.rank
+    for nbytes in (64 << 10, 4 * MiB, 8 * MiB, 24 * MiB + 4):  # below, at and above REG_MIN
+        a, b = torch.cuda.Stream(), torch.cuda.Stream()
+        x = _full(torch, nbytes, comm.rank + 1)
+        y = torch.zeros_like(x)
+        torch.cuda.synchronize()
+        t0 = time.monotonic()
+        rq = comm.irecv(y, peer, stream=a)
+        if time.monotonic() - t0 > 2:
+            errors.append(f"rank {comm.rank}: irecv of {nbytes} bytes waited on the host")
+        sq = comm.isend(x, peer, stream=b)
+        sq.wait()
+        rq.wait()
+        torch.cuda.synchronize()
+        if not bool((y == peer + 1).all()):
+            errors.append(f"rank {comm.rank}: {nbytes} bytes wrong")
+    return errors
+
+
+def test_receives_posted_first_on_both_ranks_complete():
+    t0 = time.monotonic()
+    _errors(run_ranks(_two_or_more(), _recv_first_body, env=ENV, timeout=120))
+    assert time.monotonic() - t0 < 60
+
+
+def _async_body(comm):
+    import asyncio
+    g, torch = _setup(comm)
+    if comm.rank >= 2:
+        return []
+    peer = 1 - comm.rank
+    x = _full(torch, 8 * MiB, comm.rank + 1)
+    y = torch.zeros_like(x)
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+
+    async def exchange():
+        await asyncio.gather(comm.arecv(y, peer, stream=a), comm.asend(x, peer, stream=b))
+    asyncio.run(asyncio.wait_for(exchange(), 30))
+    torch.cuda.synchronize()
+    return [] if bool((y == peer + 1).all()) else [f"rank {comm.rank}: arecv data wrong"]
+
+
+def test_arecv_and_asend_gathered_complete():
+    _errors(run_ranks(_two_or_more(), _async_body, env=ENV, timeout=120))
+
+
+# -- order: receives posted long before the sends, large and small from one source -------------
+SIZES = (8 * MiB, 4096, 6 * MiB + 12, 1 * MiB, 0, 4 * MiB)  # registered, scratch behind it, ... (x4 bytes)
+
+
+def _order_body(comm):
+    g, torch = _setup(comm)
+    errors = []
+    if comm.rank >= 2:
+        comm.barrier()
+        return errors
+    if comm.rank == 1:
+        s = torch.cuda.Stream()
+        outs = [torch.zeros(n // 4, device="cuda") for n in SIZES]
+        torch.cuda.synchronize()
+        t0 = time.monotonic()
+        reqs = [comm.irecv(o, 0, stream=s) for o in outs]  # all before rank 0 sends anything
+        if time.monotonic() - t0 > 2:
+            errors.append("rank 1: the receives waited on the host for the sender")
+        comm.barrier()  # a CPU barrier: rank 0 sends only after every receive was posted
+        for r in reqs:
+            r.wait()
+        torch.cuda.synchronize()
+        for i, o in enumerate(outs):
+            if not bool((o == i + 1).all()):
+                errors.append(f"rank 1: message {i} ({SIZES[i]} bytes) wrong")
+    else:
+        ins = [_full(torch, n, i + 1) for i, n in enumerate(SIZES)]
+        torch.cuda.synchronize()
+        comm.barrier()
+        for t in ins:
+            comm.send(t, 1)
+        torch.cuda.synchronize()
+    # and again in the other direction, with the pair's state as the first round left it
+    y = torch.zeros(2 * MiB, device="cuda")
+    if comm.rank == 0:
+        comm.recv(y, 1)
+        torch.cuda.synchronize()
+        if not bool((y == 7).all()):
+            errors.append("rank 0: the reply was wrong")
+    else:
+        comm.send(torch.full_like(y, 7.0), 0)
+        torch.cuda.synchronize()
+    return errors
+
+
+def test_receives_from_one_source_keep_their_order():
+    _errors(run_ranks(_two_or_more(), _order_body, env=ENV, timeout=120))
+
+
+# -- sources do not wait for each other -----------------------------------------------------------
+def _sources_body(comm):
+    g, torch = _setup(comm)
+    errors = []
+    n = 8 * MiB
+    if comm.rank == 2:
+        # Nothing on the legacy stream once r0 is posted: it would wait for a (and r0).
+        y0, y1 = torch.zeros(n // 4, device="cuda"), torch.zeros(n // 4, device="cuda")
+        go = torch.ones(1, device="cuda")
+        a, b, c = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+        torch.cuda.synchronize()
+        r0 = comm.irecv(y0, 0, stream=a)  # rank 0 sends only once rank 1's data is here
+        r1 = comm.irecv(y1, 1, stream=b)
+        r1.wait()
+        with torch.cuda.stream(c):
+            c.wait_stream(b)
+            if not bool((y1 == 2).all()):
+                errors.append("rank 2: data from rank 1 wrong")
+            comm.send(go, 0, stream=c)  # now rank 0 may send
+            c.synchronize()
+        r0.wait()
+        torch.cuda.synchronize()
+        if not bool((y0 == 1).all()):
+            errors.append("rank 2: data from rank 0 wrong")
+    elif comm.rank == 1:
+        comm.send(_full(torch, n, 2), 2)
+        torch.cuda.synchronize()
+    elif comm.rank == 0:
+        go = torch.zeros(1, device="cuda")
+        comm.recv(go, 2)
+        torch.cuda.synchronize()
+        comm.send(_full(torch, n, 1), 2)
+        torch.cuda.synchronize()
+    return errors
+
+
+def test_a_late_source_does_not_hold_up_another():
+    if not _nranks():
+        pytest.skip("no GPU")
+    _errors(run_ranks(max(3, _nranks()), _sources_body, env=ENV, timeout=120))
+
+
+# -- the sender dies before its send -------------------------------------------------------------
+def _death_body(comm):
+    import os
+    from linkwise.errors import PeerError
+    g, torch = _setup(comm)
+    if comm.rank == 0:
+        comm.barrier()
+        os._exit(0)  # never sends
+    if comm.rank >= 2:
+        return []
+    y = torch.zeros(2 * MiB, device="cuda")
+    rq = comm.irecv(y, 0)
+    comm.barrier()
+    t0 = time.monotonic()
+    try:
+        rq.wait()
+        torch.cuda.synchronize()
+        g.check()
+    except PeerError:
+        took = time.monotonic() - t0
+        return [] if took < 15 else [f"rank 1: PeerError after {took:.1f} s"]
+    return ["rank 1: the receive from a dead sender completed"]
+
+
+def test_a_sender_that_dies_makes_the_receive_raise():
+    env = {**ENV, "LINKWISE_TIMEOUT": "30"}
+    res = run_ranks(2, _death_body, env=env, timeout=120, expect_fail=True)
+    assert res[1] == ("ok", []), res[1]
