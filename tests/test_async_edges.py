@@ -92,10 +92,12 @@ def test_a_receive_left_in_a_closed_loop_is_withdrawn():
 
 def _dropped_async_requests(comm):
     """Async collectives whose requests are dropped at once (fire and forget): their arrays
-    must be let go once the collectives are done. They were kept for good (8 MiB each here)."""
+    must be let go once the collectives are done. They were kept for good (8 MiB each here).
+    Returns (on rank 0, whether all its arrays were still held while every one of its
+    collectives was pending: rank 1 calls them only after; the arrays left once all are done)."""
     comm.barrier()
     if comm.rank == 1:
-        time.sleep(0.3)  # the first ones are still pending when dropped
+        comm.recv(np.zeros(1), 0, tag=9)  # rank 0's collectives are all pending until this
     alive = []
     for _ in range(6):
         x, part, gathered = np.ones(1 << 17), np.ones(1 << 14), np.empty(2 << 14)
@@ -103,16 +105,21 @@ def _dropped_async_requests(comm):
         comm.all_reduce(x, async_op=True)
         comm.all_gather(part, out=gathered, async_op=True)
         del x, part, gathered
+    held_while_pending = None
+    if comm.rank == 0:
+        gc.collect()
+        held_while_pending = all(ref() is not None for ref in alive)
+        comm.send(np.ones(1), 1, tag=9)
     comm.barrier()  # after all of them
     comm.all_reduce(np.ones(4))
     gc.collect()
-    return sum(ref() is not None for ref in alive)
+    return held_while_pending, sum(ref() is not None for ref in alive)
 
 
 @pytest.mark.parametrize("algo", ["", "ring"])
 def test_dropped_async_collective_requests_let_their_arrays_go(algo):
     env = {"LINKWISE_TIMEOUT": "10", "LINKWISE_ALGO": algo}
-    assert run_ranks(2, _dropped_async_requests, env=env, timeout=60) == [0, 0]
+    assert run_ranks(2, _dropped_async_requests, env=env, timeout=60) == [(True, 0), (None, 0)]
 
 
 def _coroutine_cancelled_before_it_ran(comm):
@@ -147,8 +154,8 @@ def test_a_coroutine_collective_cancelled_before_it_ran_still_takes_its_turn(env
 
 def _send_dropped_while_moving(comm):
     """Rank 0 drops an isend of 16 MiB once its bytes started moving (too late to withdraw: it
-    finishes in later calls). Its array must be let go once the send is done (at the next
-    send or receive): it was kept for good."""
+    finishes in later calls). Its array must be held until the send is done, then let go (at
+    the next send or receive): it was kept for good."""
     n = 16 << 20
     if comm.rank == 1:
         time.sleep(0.3)  # the peer drops its send before this receive starts
@@ -164,17 +171,20 @@ def _send_dropped_while_moving(comm):
         req.test()  # moves what the link takes now (announces it, or fills the socket)
     done_when_dropped = req.done
     del req, x
-    comm.recv(np.zeros(1), 1, tag=2)  # its wait moves the rest of the dropped send
+    reply = comm.irecv(np.zeros(1), 1, tag=2)  # a post: lets go of the dropped sends that are done
+    gc.collect()
+    held_while_moving = alive() is not None  # not this one: the peer has not received it yet
+    reply.wait()  # moves the rest of the dropped send
     comm.send(np.ones(1), 1, tag=3)
     gc.collect()
-    return done_when_dropped, alive() is None
+    return done_when_dropped, held_while_moving, alive() is None
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_a_send_dropped_while_moving_lets_its_array_go(transport):
     env = {"LINKWISE_TRANSPORT": transport, "LINKWISE_TIMEOUT": "10"}
     out = run_ranks(2, _send_dropped_while_moving, env=env, timeout=60)
-    assert out == [(False, True), True], out
+    assert out == [(False, True, True), True], out
 
 
 def _never_awaited_warning(comm):

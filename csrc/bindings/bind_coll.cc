@@ -32,6 +32,7 @@
 #include "algo/coll.h"
 #include "algo/shm_coll.h"
 #include "bindings/bindings.h"
+#include "bindings/dropped_requests.h"
 #include "bindings/native_comm.h"
 #include "bindings/shm_coll_py.h"
 #include "core/wait.h"
@@ -112,45 +113,29 @@ CollParams make_params(int kind, int dtype, int op, int root, uint64_t seq, int 
   return p;
 }
 
-// The arrays of requests dropped while their job was pending (fire and forget:
-// `comm.all_reduce(x, async_op=True)` with the request unkept), which the worker may still read
-// or write: let go at a reap once their job is done. Before, they were kept for good, so every
-// such call leaked its arrays. Reaped where the worker is used (CollWorker's submit and
-// pending, which every collective after an async one reads) and when the worker ends.
-// Threading: touched under the GIL only, and dropped under it (CollWorker and CollRequest,
-// its holders, are Python objects); the worker thread never sees it.
-struct Orphans {
-  struct Orphan {
-    std::shared_ptr<CollJob> job;
-    nb::object x, out;
-  };
-  std::vector<Orphan> list;
-
-  // Lets go of the arrays of the orphans whose job is done (all: every job is known done).
-  void reap(bool all = false) {
-    if (list.empty()) return;
-    std::vector<Orphan> pending;
-    for (Orphan& o : list) {
-      if (all || o.job->done.load(std::memory_order_acquire)) {
-        // Here, under the GIL, not in ~CollJob, which may run on the worker thread.
-        o.job->x.release();
-        o.job->out.release();
-      } else {
-        pending.push_back(std::move(o));
-      }
-    }
-    list.swap(pending);  // the reaped orphans' objects are dropped with `pending` (GIL held)
+// An async collective's request dropped while its job was pending (fire and forget:
+// `comm.all_reduce(x, async_op=True)` with the request unkept), whose arrays the worker may
+// still read or write. Its worker's Orphans hold it (contract in dropped_requests.h), reaped
+// where the worker is used (CollWorker's submit and pending, which every collective after an
+// async one reads) and when the worker ends. Orphans are touched under the GIL only, and
+// dropped under it (CollWorker and CollRequest, their holders, are Python objects), so their
+// destructor always lets the done ones go.
+struct OrphanedJob {
+  std::shared_ptr<CollJob> job;
+  nb::object x, out;
+  bool done() const { return job->done.load(std::memory_order_acquire); }
+  void let_go() {  // here, under the GIL, not in ~CollJob, which may run on the worker thread
+    job->x.release();
+    job->out.release();
   }
-  ~Orphans() {
-    reap();
-    for (Orphan& o : list) {  // still running (the worker outlived its Python object): keep them for good
-      o.job->x.held = false;
-      o.job->out.held = false;
-      o.x.release();
-      o.out.release();
-    }
+  void keep_for_good() {  // still running (the worker outlived its Python object)
+    job->x.held = false;
+    job->out.held = false;
+    x.release();
+    out.release();
   }
 };
+using Orphans = DroppedRequests<OrphanedJob>;
 
 class CollRequest {
  public:
@@ -166,7 +151,7 @@ class CollRequest {
       job_->out.release();
     } else {
       // The worker may still read or write these arrays: its orphans keep them until it is done.
-      orphans_->list.push_back({job_, std::move(x_), std::move(out_)});
+      orphans_->keep({job_, std::move(x_), std::move(out_)});
     }
   }
   void wait(double timeout_s) {

@@ -2,7 +2,7 @@
 // PyRequest, a Request that holds its Python array. Shared by the bind_*.cc files.
 //
 // Ownership: a PyRequest keeps its NativeComm alive; the array stays acquired until done (a
-// request dropped before then hands it to the NativeComm's DroppedRequests).
+// request dropped before then hands it to the NativeComm's DroppedRequests, dropped_requests.h).
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -15,9 +15,9 @@
 #include <mutex>
 #include <new>
 #include <string>
-#include <vector>
 
 #include "bindings/buffer.h"
+#include "bindings/dropped_requests.h"
 #include "core/wait.h"
 #include "p2p/engine.h"
 #include "transport/shm/shm_transport.h"
@@ -60,40 +60,18 @@ class PyRequest {
   HeldBuffer buf_;
 };
 
-// Send / receive requests dropped while their bytes were moving (too late to withdraw: the
-// engine finishes them), with their arrays: let go once the request is done, at the next
-// post, blocking call or close of the communicator. Before, such arrays were kept for good.
-// Threading: touched under the GIL only (PyRequest's destructor, NativeComm's calls from Python).
-struct DroppedRequests {
-  struct Entry {
-    std::shared_ptr<Request> req;
-    std::unique_ptr<HeldBuffer> buf;
-    nb::object owner;
-  };
-  std::vector<Entry> list;
-
-  void reap() {
-    if (list.empty()) return;
-    std::vector<Entry> moving;
-    for (Entry& e : list) {
-      if (e.req->done()) e.buf->release();
-      else moving.push_back(std::move(e));
-    }
-    list.swap(moving);  // the done ones' owners are dropped with `moving` (GIL held)
-  }
-  // Runs after the engine's end (NativeComm declares this member first): requests still not
-  // done are kept for good (a peer may be copying from the array), as are all of them where
-  // the GIL is not held.
-  ~DroppedRequests() {
-    const bool gil = PyGILState_Check();
-    for (Entry& e : list) {
-      if (gil && e.req->done()) {
-        e.buf->release();
-      } else {
-        e.buf->held = false;
-        e.owner.release();
-      }
-    }
+// A send / receive request dropped while its bytes were moving (too late to withdraw: the
+// engine finishes it), with its array: let go once the request is done, at the next post,
+// blocking call or close of the communicator (NativeComm's DroppedRequests; contract there).
+struct DroppedTransfer {
+  std::shared_ptr<Request> req;
+  std::unique_ptr<HeldBuffer> buf;  // HeldBuffer itself does not move
+  nb::object owner;
+  bool done() const { return req->done(); }
+  void let_go() { buf->release(); }
+  void keep_for_good() {
+    buf->held = false;
+    owner.release();
   }
 };
 
@@ -213,7 +191,7 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
     std::swap(held->view, buf.view);
     held->held = buf.held;
     buf.held = false;
-    dropped_.list.push_back({std::move(req), std::move(held), std::move(owner)});
+    dropped_.keep({std::move(req), std::move(held), std::move(owner)});
   }
   // Lets go of the dropped requests' arrays whose request is done (under the GIL).
   void reap_dropped() { dropped_.reap(); }
@@ -252,7 +230,9 @@ class NativeComm : public std::enable_shared_from_this<NativeComm> {
     return r->transferred();
   }
 
-  DroppedRequests dropped_;  // before engine_: destroyed after it (nothing moves bytes then)
+  // Before engine_, so destroyed after it (the engine moves no bytes then); the arrays of
+  // requests still not done are kept for good there (a peer may be copying from them).
+  DroppedRequests<DroppedTransfer> dropped_;
   Engine engine_;
   std::mutex scratch_mu_;  // held by the sendrecv_replace that copies into scratch_
   PageMemory scratch_;
