@@ -190,6 +190,10 @@ declare("LINKWISE_LAUNCH_FD", None, int,
         "that a rank ended without calling init() (it then raises instead of waiting)")
 declare("LINKWISE_LAUNCH_PID", None, int,
         "set by `linkwise launch`: its pid; LINKWISE_LAUNCH_FD is used only where that is its peer")
+declare("LINKWISE_LAUNCH_SET", None, str,
+        "set by `linkwise launch`: JSON of the OMP_NUM_THREADS, LINKWISE_DEVICE, LINKWISE_SOCKET_IFNAME "
+        "it set for the rank, so that a launch nested in the rank works out its own for those "
+        "(values the user set are kept)")
 declare("LINKWISE_DEVICE", None, int, "CUDA ordinal (after CUDA_VISIBLE_DEVICES) this rank uses (set by `linkwise launch --bind auto`)")
 declare("LINKWISE_TOPO_FILE", "", str,
         "a topology JSON (linkwise topo --save) used instead of discovering this machine")
