@@ -116,3 +116,21 @@ def test_a_job_on_several_hosts(tmp_path):
     assert systems["gloo"]["status"] == "ok" and len(systems["gloo"]["rows"]) == 2, systems["gloo"]
     if compare.missing("mpi") is None:
         assert systems["mpi"]["status"] == "skipped" and "several hosts" in systems["mpi"]["reason"]
+
+
+def test_mpirun_args_are_split_as_a_shell_splits_them(monkeypatch):
+    """Before, --mpirun-args was split on every space: a quoted argument holding one
+    ("--mca btl_tcp_if_include 'eth0 eth1'") reached mpirun as two. The "how" line shows the
+    arguments as run, quoted again; an unclosed quote is one line before any rank starts."""
+    from linkwise.bench import spawn
+    monkeypatch.setattr(compare, "find_mpirun", lambda: "/opt/mpi/bin/mpirun")
+    extra = "--mca btl_tcp_if_include 'eth0 eth1' -x FOO=\"a b\""
+    cmd = compare.mpirun_command(2, extra)
+    assert cmd[-5:] == ["--mca", "btl_tcp_if_include", "eth0 eth1", "-x", "FOO=a b"], cmd
+    how = spawn.mpi_how(2, extra)
+    assert how.endswith("--mca btl_tcp_if_include 'eth0 eth1' -x 'FOO=a b'"), how
+    assert how.startswith("second launch right after linkwise's: mpirun -n 2"), how
+    r = bench("all_reduce", "-b", "8", "-e", "8", "-n", "2", "--no-progress", "--compare", "mpi",
+              "--mpirun-args", "--mca btl 'self")
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.splitlines() == ["linkwise bench: --mpirun-args \"--mca btl 'self\": No closing quotation"]

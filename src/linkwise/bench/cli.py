@@ -86,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw and time against size "
                    "(needs matplotlib; the extension picks the format: .png, .pdf, .svg, ...)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--mpirun-args", default="", help="extra mpirun arguments for --compare mpi")
+    p.add_argument("--mpirun-args", default="", help="extra mpirun arguments for --compare mpi, "
+                   "split as the shell splits them (quote an argument that holds spaces)")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds for each launch (default 900; a positive number)")
 
@@ -148,6 +149,10 @@ def _normalise(args) -> list[str]:
         raise ValueError(f"--timeout {args.timeout:g}: give seconds, a positive finite number")
     _check_outputs(args)
     common.check_plan(args.test, common.resolve_dtypes(args.datatype), common.resolve_ops(args.op))
+    try:
+        shlex.split(args.mpirun_args)  # as compare.mpirun_command splits it
+    except ValueError as exc:  # an unclosed quote
+        raise ValueError(f"--mpirun-args {args.mpirun_args!r}: {exc}") from None
     others = [s.strip() for s in args.compare.split(",") if s.strip()]
     for s in others:
         if s not in compare.SYSTEMS:

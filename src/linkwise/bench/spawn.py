@@ -16,6 +16,7 @@ import glob
 import json
 import os
 import secrets
+import shlex
 import socket
 import subprocess
 import sys
@@ -154,8 +155,15 @@ def launch_mpi(nranks: int, args_json: str, timeout: float, extra: str = "") -> 
 
 
 def mpi_how(nranks: int, extra: str = "") -> str:
+    """The mpirun command as run (quoted for a shell), without the benchmark's own -x VAR."""
     with _all_cpus():
         cmd = compare.mpirun_command(nranks, extra)
-    return "second launch right after linkwise's: " + " ".join(
-        os.path.basename(c) if k == 0 else c for k, c in enumerate(cmd)
-        if not c.startswith("LINKWISE") and c != "-x" and c != "PYTHONPATH")
+    own = {("-x", var) for var in compare.FORWARDED}
+    shown, k = [os.path.basename(cmd[0])], 1
+    while k < len(cmd):
+        if tuple(cmd[k:k + 2]) in own:
+            k += 2
+            continue
+        shown.append(cmd[k])
+        k += 1
+    return "second launch right after linkwise's: " + shlex.join(shown)
