@@ -134,3 +134,16 @@ def test_mpirun_args_are_split_as_a_shell_splits_them(monkeypatch):
               "--mpirun-args", "--mca btl 'self")
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     assert r.stderr.splitlines() == ["linkwise bench: --mpirun-args \"--mca btl 'self\": No closing quotation"]
+
+
+def test_nranks_other_than_the_launchers_is_refused():
+    """Before, -N 3 under a launcher of 2 ranks was silently ignored: the table said 2 ranks.
+    -N equal to the launcher's number runs."""
+    r = _launched_bench(2, "all_reduce", "-N", "3", "-b", "8", "-e", "8", "-n", "2", "-w", "1", "--no-progress")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if "linkwise bench:" in ln]
+    assert said == ["[rank 0] linkwise bench: -N 3: the launcher started 2 ranks, which run the sweep; "
+                    "give -N 2 or leave -N out"], r.stdout + r.stderr
+    assert "all_reduce:" not in r.stdout
+    r = _launched_bench(2, "all_reduce", "-N", "2", "-b", "8", "-e", "8", "-n", "2", "-w", "1", "--no-progress")
+    assert r.returncode == 0 and "all_reduce: 2 ranks" in r.stdout, (r.stdout, r.stderr)

@@ -8,7 +8,9 @@ and the collectives (nccl-tests' flags and columns). Two ways to run:
   after; each repetition (``--reps``) repeats both launches, and the tables show medians;
 * under a launcher (``linkwise launch -n 2 -m linkwise.cli bench all_reduce``, torchrun,
   mpirun, ...): every rank runs the sweep in place and rank 0 prints (and, for ``--compare
-  mpi`` outside mpirun, starts mpirun itself once the others are done).
+  mpi`` outside mpirun, starts mpirun itself once the others are done); ``-N`` other than the
+  launcher's number of ranks is refused (status 2), except under a launcher of one rank,
+  where ``-N`` asks bench to start that many itself.
 """
 from __future__ import annotations
 
@@ -65,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-N", "--nranks", type=int, default=None,
                    help="ranks to start (default 2; at most 16 a CPU when bench starts them, a "
                         "launcher may start more); under a launcher the launcher's ranks run the "
-                        "sweep in place, unless it started only this one and -N asks for more. "
+                        "sweep in place, and -N other than their number is an error, unless it "
+                        "started only this one and -N asks for more. "
                         "Not nccl-tests' -N (run cycles): --reps repeats the sweep")
     p.add_argument("--tests", default="latency,bw,bibw", help="p2p: which of latency,bw,bibw")
     p.add_argument("--window", type=int, default=64, help="p2p: messages in flight for bw/bibw")
@@ -421,9 +424,13 @@ def run(args) -> int:
     # or for p2p, which needs two.
     in_place = env.size > 1 or (env.launcher != "none" and (
         args.nranks == 1 or (args.nranks is None and args.test != "p2p")))
+    given = args.nranks
     if args.nranks is None:
         args.nranks = env.size if in_place else 2
     try:
+        if env.size > 1 and given is not None and given != env.size:
+            raise ValueError(f"-N {given}: the launcher started {env.size} ranks, which run the "
+                             f"sweep; give -N {env.size} or leave -N out")
         others = _normalise(args)
         _check_ranks(args, env.size if in_place else args.nranks)
         if not in_place:
