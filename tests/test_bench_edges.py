@@ -147,3 +147,22 @@ def test_nranks_other_than_the_launchers_is_refused():
     assert "all_reduce:" not in r.stdout
     r = _launched_bench(2, "all_reduce", "-N", "2", "-b", "8", "-e", "8", "-n", "2", "-w", "1", "--no-progress")
     assert r.returncode == 0 and "all_reduce: 2 ranks" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_bench_checks_the_tunables_through_config_and_spawns_own_names(monkeypatch):
+    """bench's own list of the variables it sets in its ranks (SPAWN_SETS) and its own loop over
+    the tunables are gone: the names come from spawn (those it gives each rank), the check is
+    config.first_invalid, which skips them by name (LINKWISE_MASTER_PORT, not _PORT_SPARE)."""
+    from linkwise import config
+    from linkwise.bench import cli, spawn
+    assert set(spawn.RANK_VARIABLES) == set(spawn._rank_env(1, 2, 3, "j")) and "LINKWISE_RANK" in spawn.RANK_VARIABLES
+    for name in config.TUNABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LINKWISE_MASTER_PORT", "x")  # launch_ranks sets its own
+    assert config.first_invalid(("LINKWISE_",), spawn.RANK_VARIABLES) == ""
+    cli._check_tunables("cpu", spawning=True)
+    with pytest.raises(ValueError, match="LINKWISE_MASTER_PORT='x'"):
+        cli._check_tunables("cpu", spawning=False)
+    monkeypatch.setenv("LINKWISE_MASTER_PORT_SPARE", "y")
+    with pytest.raises(ValueError, match="LINKWISE_MASTER_PORT_SPARE='y'"):
+        cli._check_tunables("cpu", spawning=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 
 @dataclass(frozen=True)
@@ -105,13 +105,14 @@ READ_WHEN_MADE = ("LINKWISE_TIMEOUT", "LINKWISE_TRANSPORT", "LINKWISE_SOCKET_IFN
 READ_BY_GPU_PLANE = ("LINKWISE_GPU_", "LINKWISE_P2P_DISABLE", "LINKWISE_STAGED_", "LINKWISE_DEVICE")
 
 
-def first_invalid(names: tuple = READ_WHEN_MADE) -> str:
-    """The error of the first tunable named by `names` (names or prefixes) set to a value its
-    parser refuses ("" if none). Making a communicator (or its GPU plane) carries it in this
-    rank's card, so that every rank raises at once: a rank that raised on its own left the
-    others waiting for it until the timeout."""
+def first_invalid(names: tuple = READ_WHEN_MADE, skip: Collection[str] = ()) -> str:
+    """The error of the first tunable named by `names` (names or prefixes), other than those
+    in `skip` (whole names), set to a value its parser refuses ("" if none). Making a
+    communicator (or its GPU plane) carries it in this rank's card, so that every rank raises
+    at once: a rank that raised on its own left the others waiting for it until the timeout.
+    `linkwise bench` checks the variables its ranks will read with it before starting them."""
     for name, tunable in TUNABLES.items():
-        if name.startswith(names):
+        if name.startswith(names) and name not in skip:
             try:
                 tunable.current()
             except ValueError as exc:

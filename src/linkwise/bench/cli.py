@@ -214,23 +214,20 @@ def _check_ranks(args, nranks: int) -> None:
         raise ValueError(f"-r {args.root} is not a rank of {nranks}")
 
 
-# What spawn.launch_ranks sets in each rank it starts: the values here never reach them.
-SPAWN_SETS = ("LINKWISE_RANK", "LINKWISE_SIZE", "LINKWISE_LOCAL_RANK", "LINKWISE_LOCAL_SIZE",
-              "LINKWISE_MASTER_ADDR", "LINKWISE_MASTER_PORT", "LINKWISE_JOB_ID")
-
-
 def _check_tunables(device: str, spawning: bool) -> None:
     """The LINKWISE_* variables the ranks will read, parsed here: a value the library refuses
     is one line (ValueError naming it) before any rank starts, instead of a traceback from
-    every rank once init() or the first collective reads it. The GPU plane's only for
-    --device cuda (a CPU sweep never reads them)."""
+    every rank once init() or the first collective reads it. Not those spawn.launch_ranks
+    sets in the ranks it starts (`spawning`: the values here never reach them), and the GPU
+    plane's only for --device cuda (a CPU sweep never reads them)."""
     from .. import config
-    for name, tunable in config.TUNABLES.items():
-        if spawning and name in SPAWN_SETS:
-            continue
-        if device != "cuda" and name.startswith(config.READ_BY_GPU_PLANE):
-            continue
-        tunable.current()
+    from .spawn import RANK_VARIABLES
+    skip = set(RANK_VARIABLES) if spawning else set()
+    if device != "cuda":
+        skip.update(name for name in config.TUNABLES if name.startswith(config.READ_BY_GPU_PLANE))
+    error = config.first_invalid(("LINKWISE_",), skip)
+    if error:
+        raise ValueError(error)
 
 
 SPAWN_PER_CPU = 16  # ranks bench starts itself, at most, for each CPU it may run on
