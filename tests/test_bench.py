@@ -271,13 +271,13 @@ def _launched_bench(n: int, *argv: str) -> subprocess.CompletedProcess:
 
 
 def test_root_is_checked_against_the_launched_job():
-    """Under a launcher -r is a rank of the job (not of -N, which the launcher overrides)."""
+    """Under a launcher -r is a rank of the job."""
     r = _launched_bench(3, "broadcast", "-b", "8", "-e", "64", "-n", "2", "-w", "1", "-c", "1",
                         "-r", "2", "--no-progress")
     assert r.returncode == 0, (r.stdout, r.stderr)
     rows = [ln.split()[2:] for ln in r.stdout.splitlines() if ln.startswith("[rank 0]") and ln.split()[2].isdigit()]
     assert rows and all(row[4] == "2" and row[8] == "0" for row in rows), r.stdout
-    r = _launched_bench(2, "reduce", "-b", "8", "-e", "8", "-N", "8", "-r", "5", "--no-progress")
+    r = _launched_bench(2, "reduce", "-b", "8", "-e", "8", "-r", "5", "--no-progress")
     assert r.returncode != 0
     assert "linkwise bench: -r 5 is not a rank of 2" in r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr

@@ -116,3 +116,53 @@ def test_a_job_on_several_hosts(tmp_path):
     assert systems["gloo"]["status"] == "ok" and len(systems["gloo"]["rows"]) == 2, systems["gloo"]
     if compare.missing("mpi") is None:
         assert systems["mpi"]["status"] == "skipped" and "several hosts" in systems["mpi"]["reason"]
+
+
+def test_mpirun_args_are_split_as_a_shell_splits_them(monkeypatch):
+    """Before, --mpirun-args was split on every space: a quoted argument holding one
+    ("--mca btl_tcp_if_include 'eth0 eth1'") reached mpirun as two. The "how" line shows the
+    arguments as run, quoted again; an unclosed quote is one line before any rank starts."""
+    from linkwise.bench import spawn
+    monkeypatch.setattr(compare, "find_mpirun", lambda: "/opt/mpi/bin/mpirun")
+    extra = "--mca btl_tcp_if_include 'eth0 eth1' -x FOO=\"a b\""
+    cmd = compare.mpirun_command(2, extra)
+    assert cmd[-5:] == ["--mca", "btl_tcp_if_include", "eth0 eth1", "-x", "FOO=a b"], cmd
+    how = spawn.mpi_how(2, extra)
+    assert how.endswith("--mca btl_tcp_if_include 'eth0 eth1' -x 'FOO=a b'"), how
+    assert how.startswith("second launch right after linkwise's: mpirun -n 2"), how
+    r = bench("all_reduce", "-b", "8", "-e", "8", "-n", "2", "--no-progress", "--compare", "mpi",
+              "--mpirun-args", "--mca btl 'self")
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.splitlines() == ["linkwise bench: --mpirun-args \"--mca btl 'self\": No closing quotation"]
+
+
+def test_nranks_other_than_the_launchers_is_refused():
+    """Before, -N 3 under a launcher of 2 ranks was silently ignored: the table said 2 ranks.
+    -N equal to the launcher's number runs."""
+    r = _launched_bench(2, "all_reduce", "-N", "3", "-b", "8", "-e", "8", "-n", "2", "-w", "1", "--no-progress")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if "linkwise bench:" in ln]
+    assert said == ["[rank 0] linkwise bench: -N 3: the launcher started 2 ranks, which run the sweep; "
+                    "give -N 2 or leave -N out"], r.stdout + r.stderr
+    assert "all_reduce:" not in r.stdout
+    r = _launched_bench(2, "all_reduce", "-N", "2", "-b", "8", "-e", "8", "-n", "2", "-w", "1", "--no-progress")
+    assert r.returncode == 0 and "all_reduce: 2 ranks" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_bench_checks_the_tunables_through_config_and_spawns_own_names(monkeypatch):
+    """bench's own list of the variables it sets in its ranks (SPAWN_SETS) and its own loop over
+    the tunables are gone: the names come from spawn (those it gives each rank), the check is
+    config.first_invalid, which skips them by name (LINKWISE_MASTER_PORT, not _PORT_SPARE)."""
+    from linkwise import config
+    from linkwise.bench import cli, spawn
+    assert set(spawn.RANK_VARIABLES) == set(spawn._rank_env(1, 2, 3, "j")) and "LINKWISE_RANK" in spawn.RANK_VARIABLES
+    for name in config.TUNABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LINKWISE_MASTER_PORT", "x")  # launch_ranks sets its own
+    assert config.first_invalid(("LINKWISE_",), spawn.RANK_VARIABLES) == ""
+    cli._check_tunables("cpu", spawning=True)
+    with pytest.raises(ValueError, match="LINKWISE_MASTER_PORT='x'"):
+        cli._check_tunables("cpu", spawning=False)
+    monkeypatch.setenv("LINKWISE_MASTER_PORT_SPARE", "y")
+    with pytest.raises(ValueError, match="LINKWISE_MASTER_PORT_SPARE='y'"):
+        cli._check_tunables("cpu", spawning=True)

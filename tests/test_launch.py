@@ -277,7 +277,7 @@ def test_bind_cpu_takes_whole_cores_within_a_node(monkeypatch):
 def test_bind_auto_uses_topology(monkeypatch):
     fake = types.ModuleType("linkwise.topo.affinity")
     fake.binding_for = lambda k, n: types.SimpleNamespace(cpus=[k], gpu=k)
-    fake.binding_env = lambda b: {"LINKWISE_DEVICE": str(b.gpu)}  # each rank gets its binding's variables
+    fake.binding_env = lambda b, environ=None: {"LINKWISE_DEVICE": str(b.gpu)}  # each rank gets its binding's variables
     monkeypatch.setitem(sys.modules, "linkwise.topo.affinity", fake)
     said = []
     got = launch._bindings("auto", 2, said.append)
@@ -293,7 +293,7 @@ def test_bind_auto_falls_back_to_cpu(monkeypatch):
     assert "not available" in said[0]
     broken = types.ModuleType("linkwise.topo.affinity")
     broken.binding_for = lambda k, n: 1 / 0
-    broken.binding_env = lambda b: {}
+    broken.binding_env = lambda b, environ=None: {}
     monkeypatch.setitem(sys.modules, "linkwise.topo.affinity", broken)
     said.clear()
     assert launch._bindings("auto", 1, said.append) == got and "failed" in said[0]

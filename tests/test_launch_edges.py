@@ -324,3 +324,46 @@ def test_each_rank_gets_its_share_of_openmp_threads(tmp_path, monkeypatch, argv,
     seen = [line.split()[-1] for line in out.splitlines() if " OMP " in line]
     want = "None" if expect is None else str(expect(len(os.sched_getaffinity(0))))
     assert seen == [want] * (1 if expect is None else 2), (out, err)
+
+
+def _nested_env(script: str, argv: list, env: dict) -> list[tuple[str, str, str, str]]:
+    """Per rank of `linkwise launch *argv script` started with `env`: OMP_NUM_THREADS,
+    LINKWISE_SOCKET_IFNAME, LINKWISE_LAUNCH_SET and the count of CPUs it may use."""
+    proc = _launcher([*argv, script], env=env)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    rows = sorted(line.split("] ", 1)[1] for line in out.splitlines() if "] ENV " in line)
+    return [tuple(row.split(" ", 5)[1:]) for row in rows]
+
+
+_PRINT_ENV = """
+    import os
+    e = os.environ
+    print("ENV", e["LINKWISE_RANK"], e.get("OMP_NUM_THREADS"), e.get("LINKWISE_SOCKET_IFNAME"),
+          len(os.sched_getaffinity(0)), e.get("LINKWISE_LAUNCH_SET"), flush=True)
+"""
+
+
+def test_a_launch_nested_in_a_rank_works_out_its_own_threads_and_interface(tmp_path, monkeypatch):
+    """Started where an outer launch had set OMP_NUM_THREADS=8 and, by --bind auto, the interface:
+    before, the inner ranks took both as the user's and kept the outer rank's values (8 threads
+    each, 16 where the outer launcher had given 8; an interface bind() had not chosen for them)."""
+    import json
+    from linkwise.topo.affinity import binding_env, binding_for
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # _launcher starts from os.environ
+    script = _script(tmp_path, _PRINT_ENV)
+    outer_set = {"OMP_NUM_THREADS": "8", "LINKWISE_SOCKET_IFNAME": "=eth9"}
+    outer = dict(outer_set, LINKWISE_JOB_ID="0123abcd", LINKWISE_LAUNCH_SET=json.dumps(outer_set))
+    rows = _nested_env(script, ["-n", "2"], outer)
+    # the 8 CPUs shared by the two inner ranks; without --bind auto the outer rank's NIC is kept
+    assert [r[:3] for r in rows] == [(str(k), "4", "=eth9") for k in range(2)], rows
+    assert [json.loads(r[4]) for r in rows] == [{"OMP_NUM_THREADS": "4", "LINKWISE_SOCKET_IFNAME": "=eth9"}] * 2
+    rows = _nested_env(script, ["-n", "2", "--bind", "auto"], outer)
+    for k, (rank, threads, ifname, cpus, _) in enumerate(rows):
+        mine = binding_env(binding_for(k, 2), environ={}).get("LINKWISE_SOCKET_IFNAME")
+        assert (rank, threads, ifname) == (str(k), cpus, str(mine)), rows  # its slice, its NIC
+    # A value the user set is kept: one set before the outer launch, or changed in the rank.
+    rows = _nested_env(script, ["-n", "2", "--bind", "auto"], dict(outer, OMP_NUM_THREADS="6",
+                                                                   LINKWISE_SOCKET_IFNAME="=eth8"))
+    assert [r[:3] for r in rows] == [(str(k), "6", "=eth8") for k in range(2)], rows
+    assert not any("OMP_NUM_THREADS" in r[4] or "SOCKET_IFNAME" in r[4] for r in rows), rows

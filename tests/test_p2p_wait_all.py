@@ -151,3 +151,75 @@ def _budget_spent_on_a_collective(comm):
 
 def test_general_wait_all_after_its_budget_is_spent():
     assert run_ranks(2, _budget_spent_on_a_collective, timeout=60) == ["ok", "ok"]
+
+
+
+def _timeout_messages(comm, _):
+    """On rank 0, wait_all(timeout=0.3) of [a receive rank 1 answers 0.1 s late, one it never
+    answers], natively and in the general loop (an async collective first): the TimeoutError
+    of the second names 0.3 s. Then without timeout=: the request's own (0.2 s)."""
+    import linkwise
+    if comm.rank == 1:
+        for general in (False, True):
+            if general:
+                comm.all_reduce(np.ones(1))
+            comm.recv(np.zeros(1, np.uint8), 0, tag=8)
+            time.sleep(0.1)
+            comm.send(np.zeros(2), 0, tag=5)
+        comm.all_reduce(np.ones(0))
+        comm.recv(np.zeros(1, np.uint8), 0, tag=9)
+        return None
+    said = []
+    for general in (False, True):
+        reqs = [comm.irecv(np.zeros(2), 1, tag=5), comm.irecv(np.zeros(2), 1, tag=1)]
+        if general:
+            reqs.insert(0, comm.all_reduce(np.ones(1), async_op=True))
+        comm.send(np.zeros(1, np.uint8), 1, tag=8)
+        with pytest.raises(linkwise.TimeoutError) as info:
+            linkwise.wait_all(reqs, timeout=0.3)
+        assert reqs[-2].done
+        said.append(str(info.value))
+    never = comm.irecv(np.zeros(1), 1, tag=3, timeout=0.2)
+    with pytest.raises(linkwise.TimeoutError) as info:
+        linkwise.wait_all([comm.all_reduce(np.ones(0), async_op=True), never])
+    said.append(str(info.value))
+    comm.send(np.zeros(1, np.uint8), 1, tag=9)
+    return said
+
+
+def test_wait_all_timeouts_name_the_callers_timeout():
+    """Before, the error named what was left of the budget when the request's wait began
+    ("did not complete within 0.199979 s" for timeout=0.3)."""
+    said = run_ranks(2, _timeout_messages, None)[0]
+    assert [" within 0.3 s;" in s for s in said[:2]] == [True, True], said
+    assert " within 0.2 s;" in said[2], said
+
+
+class _FakeGpuEngine:
+    """A GPU engine's event calls for GpuRequest without a GPU: event 1 is reached after 0.1 s,
+    event 2 never (its waits return False after the time they are given)."""
+
+    def event_wait(self, ev, seconds):
+        time.sleep(0.1 if ev == 1 else seconds)
+        return ev == 1
+
+    def event_query(self, ev):
+        return False
+
+    def event_destroy(self, ev):
+        pass
+
+    def check(self):
+        pass
+
+
+def test_wait_all_of_gpu_requests_names_the_callers_timeout():
+    """GpuRequest's wait in wait_all named what was left (0.2 s of 0.3), and with none left
+    "wait_all's timeout" without a number."""
+    import linkwise
+    from linkwise._request import GpuRequest
+    engine = _FakeGpuEngine()
+    with pytest.raises(linkwise.TimeoutError, match=r"within 0\.3 s;"):
+        linkwise.wait_all([GpuRequest(engine, 1, 5.0, "a"), GpuRequest(engine, 2, 5.0, "b")], timeout=0.3)
+    with pytest.raises(linkwise.TimeoutError, match=r"within 0\.05 s;"):  # spent by the first one
+        linkwise.wait_all([GpuRequest(engine, 1, 5.0, "a"), GpuRequest(engine, 2, 5.0, "b")], timeout=0.05)

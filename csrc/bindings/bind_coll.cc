@@ -154,7 +154,9 @@ class CollRequest {
       orphans_->keep({job_, std::move(x_), std::move(out_)});
     }
   }
-  void wait(double timeout_s) {
+  // named_s: the timeout a TimeoutError names (wait_all's whole budget, of which timeout_s is
+  // what is left); below 0: timeout_s.
+  void wait(double timeout_s, double named_s = -1.0) {
     check_timeout(timeout_s, "an async collective's wait");
     {
       nb::gil_scoped_release nogil;
@@ -171,7 +173,8 @@ class CollRequest {
             break;
         }
         if (left <= 0.1)
-          throw Error(ErrorKind::Timeout, "async collective did not complete within " + seconds_text(timeout_s) +
+          throw Error(ErrorKind::Timeout, "async collective did not complete within " +
+                                              seconds_text(named_s >= 0 ? named_s : timeout_s) +
                                               "; check that every rank calls it, or raise LINKWISE_TIMEOUT");
         if (interrupted()) throw_interrupted(comm_->engine().rank(), "an async collective's wait");
       }
@@ -309,7 +312,11 @@ void bind_coll(nb::module_& m) {
         "Run one collective on this thread (GIL released). See linkwise.collectives.");
 
   nb::class_<CollRequest>(m, "CollRequest", "An async collective; wait() or await it.")
-      .def("wait", &CollRequest::wait, nb::arg("timeout"))
+      .def("wait", [](CollRequest& r, double timeout) { r.wait(timeout); }, nb::arg("timeout"))
+      .def(
+          "_wait_within", [](CollRequest& r, double left, double whole) { r.wait(std::max(0.0, left), whole); },
+          nb::arg("left"), nb::arg("whole"),
+          "wait() for wait_all: at most `left` seconds (0: as _wait_now), its TimeoutError naming `whole`.")
       .def("_wait_now", [](CollRequest& r) { r.wait(0.0); }, "its error if done, else TimeoutError (it goes on)")
       .def("test", &CollRequest::test)
       .def("fileno", &CollRequest::fileno, "An eventfd that turns readable when the collective is done.")

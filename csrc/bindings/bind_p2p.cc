@@ -28,14 +28,14 @@ PyRequest::~PyRequest() {
   }
 }
 
-void PyRequest::wait_nogil(double timeout_s) {
-  comm_->engine().wait(*req_, timeout_s, req_->kind == Request::Kind::Send ? "send" : "recv");
+void PyRequest::wait_nogil(double timeout_s, double named_s) {
+  comm_->engine().wait(*req_, timeout_s, req_->kind == Request::Kind::Send ? "send" : "recv", named_s);
 }
 
-size_t PyRequest::wait(double timeout_s) {
+size_t PyRequest::wait(double timeout_s, double named_s) {
   {
     nb::gil_scoped_release nogil;
-    wait_nogil(timeout_s);
+    wait_nogil(timeout_s, named_s);
   }
   buf_.release();
   return req_->transferred();
@@ -79,9 +79,9 @@ nb::object wait_all(nb::handle requests, std::optional<double> timeout) {
     nb::gil_scoped_release nogil;
     const auto t0 = Clock::now();
     for (PyRequest* r : reqs) {
-      const double left = std::max(0.0, (timeout ? *timeout : r->timeout) - seconds_since(t0));
+      const double whole = timeout ? *timeout : r->timeout;  // what a timeout's error names
       try {
-        r->wait_nogil(left);
+        r->wait_nogil(std::max(0.0, whole - seconds_since(t0)), whole);
       } catch (const Error& e) {
         if (e.kind() == ErrorKind::Interrupted) {
           first = std::current_exception();
@@ -124,6 +124,12 @@ void bind_p2p(nb::module_& m) {
           "its error. Returns the bytes moved.")
       .def("_wait_now", [](PyRequest& r) { return r.wait(0.0); },
            "Finish it now: its error if done, else it is withdrawn as a timed-out wait's is (TimeoutError).")
+      .def(
+          "_wait_within",
+          [](PyRequest& r, double left, double whole) { return r.wait(std::max(0.0, left), whole); },
+          nb::arg("left"), nb::arg("whole"),
+          "wait() for wait_all: at most `left` seconds (0: as _wait_now), its TimeoutError naming `whole`, the "
+          "caller's timeout of which `left` remains.")
       .def("test", &PyRequest::test, "Progress once; True when done (raises its error if it failed).")
       .def("fileno", &PyRequest::fileno,
            "An eventfd that turns readable when the request is done. Only the engine's progress thread "

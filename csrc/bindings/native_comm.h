@@ -34,10 +34,12 @@ class PyRequest {
   PyRequest(std::shared_ptr<NativeComm> comm, std::shared_ptr<Request> req, nb::object owner, double timeout_s)
       : timeout(timeout_s), comm_(std::move(comm)), req_(std::move(req)), owner_(std::move(owner)) {}
   ~PyRequest();
-  size_t wait(double timeout_s);  // the bytes moved
+  // The bytes moved. named_s: the timeout a TimeoutError names (wait_all's whole budget, of
+  // which timeout_s is what is left); below 0: timeout_s.
+  size_t wait(double timeout_s, double named_s = -1.0);
   // wait() in two halves, for wait_all: wait_nogil without the GIL (throws the request's
   // error), then let_go with it (lets the array go once done).
-  void wait_nogil(double timeout_s);
+  void wait_nogil(double timeout_s, double named_s = -1.0);
   void let_go() {
     if (req_->done()) buf_.release();
   }

@@ -81,7 +81,9 @@ class Engine {
   std::shared_ptr<Request> irecv(int peer, void* buf, size_t capacity, uint64_t tag, uint32_t dtype, bool is_async);
 
   // Blocks until req is done or timeout_s passes (then ErrorKind::Timeout); rethrows its error.
-  void wait(Request& req, double timeout_s, const char* op);
+  // named_s: the timeout the error names, where timeout_s is what is left of it (wait_all's
+  // whole budget); below 0: timeout_s.
+  void wait(Request& req, double timeout_s, const char* op, double named_s = -1.0);
   // Progresses once; true when req is done (its error, if any, is thrown by wait/rethrow).
   bool test(Request& req);
   // Removes a request that has not started moving (it fails with ErrorKind::Timeout: a wait on

@@ -105,7 +105,7 @@ void Engine::give_up_moving(const Request& req, const std::string& why) {
     abort_and_notify(why, -1, next_collective());
 }
 
-void Engine::wait(Request& req, double timeout_s, const char* op) {
+void Engine::wait(Request& req, double timeout_s, const char* op, double named_s) {
   check_timeout(timeout_s, op);  // a request's own wait(timeout=); the posting calls checked theirs
   if (!req.done()) {
     const auto t0 = Clock::now();
@@ -132,7 +132,8 @@ void Engine::wait(Request& req, double timeout_s, const char* op) {
           if (!req.done()) give_up_moving(req, "an operation timed out in the middle of a transfer");
           throw Error(ErrorKind::Timeout,
                       "rank " + std::to_string(rank_) + ": " + op + " with rank " + std::to_string(req.peer) +
-                          " (" + tag_text(req.tag) + ") did not complete within " + seconds_text(timeout_s) +
+                          " (" + tag_text(req.tag) + ") did not complete within " +
+                          seconds_text(named_s >= 0 ? named_s : timeout_s) +
                           "; check that the peer posts the matching call, or raise LINKWISE_TIMEOUT / timeout=",
                       req.peer);
         }

@@ -45,6 +45,12 @@ class Request(metaclass=ABCMeta):
         """True when done (raises the operation's error if it failed)."""
         return self._native.test()
 
+    def _wait_within(self, left: float, whole: float) -> Any:
+        """wait() for wait_all: at most `left` seconds (0 or less: finished now, or given up as
+        a timed-out wait is), a TimeoutError naming `whole`, the caller's timeout."""
+        self._native._wait_within(left, whole)
+        return self._outcome()
+
     @property
     def done(self) -> bool:
         return self._native.done
@@ -208,29 +214,15 @@ def wait_all(requests, timeout: Optional[float] = None) -> list:
         own = r.timeout if hasattr(r, "timeout") else r._timeout  # native requests: .timeout
         limit = own if budget is None else budget
         left = limit - (time.monotonic() - start)
-        try:  # once the budget is spent: finished now, or given up as a timed-out wait would be
-            results.append(r.wait(left) if left > 0 else _wait_now(r))
+        try:  # once the budget is spent: finished now, or given up as a timed-out wait would be;
+            # a TimeoutError names the whole limit, not what was left of it for this request
+            results.append(r._wait_within(left, limit))
         except Exception as exc:  # noqa: BLE001 - raised below, after the other waits
             results.append(None)
             first = first or exc
     if first is not None:
         raise first
     return results
-
-
-def _wait_now(r) -> Any:
-    """r's wait() with no time left: its result if done, else TimeoutError (a send or receive
-    is withdrawn, as a timed-out wait withdraws it; a collective goes on)."""
-    if isinstance(r, GpuRequest):
-        if not r.done:
-            raise TimeoutError("GPU operation did not complete within wait_all's timeout")
-        return r.wait()
-    native = getattr(r, "_native", None)
-    if native is None:  # a native send / receive request itself
-        r._wait_now()
-        return r.nbytes
-    native._wait_now()
-    return r._outcome()
 
 
 def adopt_native(native) -> None:
@@ -294,9 +286,15 @@ class GpuRequest:
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until the GPU has finished the operation; returns its result."""
         limit = self._timeout if timeout is None else config.seconds(timeout, "wait")
-        if self._ev and not self._engine.event_wait(self._ev, limit):
+        return self._wait_within(limit, limit)
+
+    def _wait_within(self, left: float, whole: float) -> Any:
+        """wait() at most `left` seconds (0 or less: only if done now), its TimeoutError naming
+        `whole` (wait_all's timeout, of which `left` remains)."""
+        if self._ev and not (self._engine.event_wait(self._ev, left) if left > 0
+                             else self._engine.event_query(self._ev)):
             self._engine.check()  # a failure explains the wait better than the timeout
-            raise TimeoutError(f"GPU operation did not complete within {limit:g} s; raise "
+            raise TimeoutError(f"GPU operation did not complete within {whole:g} s; raise "
                                "LINKWISE_TIMEOUT or pass timeout=")
         return self._finish()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 
 @dataclass(frozen=True)
@@ -105,13 +105,14 @@ READ_WHEN_MADE = ("LINKWISE_TIMEOUT", "LINKWISE_TRANSPORT", "LINKWISE_SOCKET_IFN
 READ_BY_GPU_PLANE = ("LINKWISE_GPU_", "LINKWISE_P2P_DISABLE", "LINKWISE_STAGED_", "LINKWISE_DEVICE")
 
 
-def first_invalid(names: tuple = READ_WHEN_MADE) -> str:
-    """The error of the first tunable named by `names` (names or prefixes) set to a value its
-    parser refuses ("" if none). Making a communicator (or its GPU plane) carries it in this
-    rank's card, so that every rank raises at once: a rank that raised on its own left the
-    others waiting for it until the timeout."""
+def first_invalid(names: tuple = READ_WHEN_MADE, skip: Collection[str] = ()) -> str:
+    """The error of the first tunable named by `names` (names or prefixes), other than those
+    in `skip` (whole names), set to a value its parser refuses ("" if none). Making a
+    communicator (or its GPU plane) carries it in this rank's card, so that every rank raises
+    at once: a rank that raised on its own left the others waiting for it until the timeout.
+    `linkwise bench` checks the variables its ranks will read with it before starting them."""
     for name, tunable in TUNABLES.items():
-        if name.startswith(names):
+        if name.startswith(names) and name not in skip:
             try:
                 tunable.current()
             except ValueError as exc:
@@ -190,6 +191,10 @@ declare("LINKWISE_LAUNCH_FD", None, int,
         "that a rank ended without calling init() (it then raises instead of waiting)")
 declare("LINKWISE_LAUNCH_PID", None, int,
         "set by `linkwise launch`: its pid; LINKWISE_LAUNCH_FD is used only where that is its peer")
+declare("LINKWISE_LAUNCH_SET", None, str,
+        "set by `linkwise launch`: JSON of the OMP_NUM_THREADS, LINKWISE_DEVICE, LINKWISE_SOCKET_IFNAME "
+        "it set for the rank, so that a launch nested in the rank works out its own for those "
+        "(values the user set are kept)")
 declare("LINKWISE_DEVICE", None, int, "CUDA ordinal (after CUDA_VISIBLE_DEVICES) this rank uses (set by `linkwise launch --bind auto`)")
 declare("LINKWISE_TOPO_FILE", "", str,
         "a topology JSON (linkwise topo --save) used instead of discovering this machine")

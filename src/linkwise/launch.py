@@ -44,6 +44,10 @@ Contract:
     ranks that have exited: processes a rank started in its group do not outlive the job.
   * With more than one rank and OMP_NUM_THREADS unset, each rank gets OMP_NUM_THREADS: the
     CPUs of its binding (``--bind``), else its share of the launcher's CPUs (at least 1).
+    A launch inside a rank of another does not take the variables the outer launcher set
+    (LINKWISE_LAUNCH_SET records them) as the user's: the outer OMP_NUM_THREADS is the CPUs
+    its ranks share, and an inner ``--bind auto`` replaces LINKWISE_DEVICE and
+    LINKWISE_SOCKET_IFNAME (linkwise._launch_env). A value the user set is kept.
   * Whatever happens, any /dev/shm/linkwise-<job_id>-* is removed at the end. linkwise's own
     shared memory (CPU transports, executor, GPU host staging) is anonymous memfds and never
     named there; the sweep only guards against a build or extension that names segments.
@@ -56,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
 import os
 import queue
@@ -71,6 +76,7 @@ import threading
 import time
 from typing import IO, Optional
 
+from ._launch_env import complete_rank_env, outer_values, users_environ
 from ._launch_link import RankLinks
 from ._launch_signals import Relay, rank_preexec, signal_group
 from ._launch_watchdog import Watchdog
@@ -105,7 +111,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "that the pause outlasted, as LINKWISE_TIMEOUT counts, then raises TimeoutError); if the "
                 "launcher is killed outright (kill -9), its watchdog ends the ranks and what they "
                 "started. A rank that ends without calling linkwise.init() makes the others' init() "
-                "raise BootstrapError naming it at once. The ranks' stdin is empty (/dev/null).")
+                "raise BootstrapError naming it at once. The ranks' stdin is empty (/dev/null). "
+                "With more than one rank, each gets OMP_NUM_THREADS (its --bind slice's CPUs, else "
+                "its share) unless you set it. Inside a rank of another linkwise launch, the values "
+                "that launcher set are not taken as yours: its OMP_NUM_THREADS is shared among the "
+                "inner ranks, and --bind auto sets LINKWISE_DEVICE and LINKWISE_SOCKET_IFNAME "
+                "afresh (without it the inner ranks keep the outer rank's).")
 
 
 def _port(text: str) -> int:
@@ -145,8 +156,9 @@ def cpu_slices(allowed: list[int], n: int) -> list[list[int]]:
     return out
 
 
-def _bindings(mode: str, n: int, say) -> list[tuple[list[int], dict[str, str]]]:
-    """Per rank: cores to bind to (empty: no binding) and extra environment."""
+def _bindings(mode: str, n: int, say, users_env=None) -> list[tuple[list[int], dict[str, str]]]:
+    """Per rank: cores to bind to (empty: no binding) and the variables --bind auto sets.
+    `users_env`: the environment the user set (an interface named there is kept)."""
     if mode == "none":
         return [([], {}) for _ in range(n)]
     if mode == "auto":
@@ -156,7 +168,8 @@ def _bindings(mode: str, n: int, say) -> list[tuple[list[int], dict[str, str]]]:
             say(f"linkwise launch: topology-aware binding is not available ({exc}); "
                 f"binding to cores")
         else:
-            return _auto_bindings(binding_for, binding_env, n, say) or _bindings("cpu", n, say)
+            env_of = functools.partial(binding_env, environ=users_env)
+            return _auto_bindings(binding_for, env_of, n, say) or _bindings("cpu", n, say)
     allowed = sorted(os.sched_getaffinity(0))
     if n > len(allowed):
         say(f"linkwise launch: {n} ranks on {len(allowed)} cores; ranks share cores")
@@ -351,21 +364,19 @@ def thread_affinity(cpus):
 
 def _spawn(cmd, n, base, bind, out: _Output, procs: list, guard: Watchdog, links: RankLinks) -> int:
     """Start the n ranks into procs; 0, or 2 after a message if one cannot start."""
-    bindings = _bindings(bind, n, out.say)
+    outer = outer_values(os.environ)  # what an outer linkwise launch set for the rank we run in
+    bindings = _bindings(bind, n, out.say, users_environ(os.environ, outer))
     # A bound rank starts its helpers (the benchmark's mpirun) on the CPUs given to this
     # launcher, not on its own slice nor on CPUs an outer taskset or cpuset left out.
     launcher_cpus = ",".join(map(str, sorted(os.sched_getaffinity(0)))) if hasattr(os, "sched_getaffinity") else ""
     # Each rank inherits its binding from this (the spawning) thread. The output threads are
     # started afterwards, so that they keep the full affinity.
-    share = max(1, len(os.sched_getaffinity(0)) // n) if hasattr(os, "sched_getaffinity") else 1
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     try:
         for k in range(n):
             cpus, extra = bindings[k]
-            env = dict(base, LINKWISE_RANK=str(k), LINKWISE_LOCAL_RANK=str(k), **extra)
-            if n > 1 and "OMP_NUM_THREADS" not in base:
-                # As torchrun: ranks that each start an OpenMP (or BLAS, torch) thread a CPU
-                # would run n threads on every CPU. A bound rank gets its slice's count.
-                env["OMP_NUM_THREADS"] = str(len(cpus) if cpus else share)
+            env = dict(base, LINKWISE_RANK=str(k), LINKWISE_LOCAL_RANK=str(k))
+            complete_rank_env(env, outer, auto=bind == "auto", n=n, cpus=cpus, allowed=allowed, bound=extra)
             if cpus and launcher_cpus:
                 env["LINKWISE_LAUNCH_CPUS"] = launcher_cpus
             else:  # not an outer launch's, inherited

@@ -8,7 +8,9 @@ and the collectives (nccl-tests' flags and columns). Two ways to run:
   after; each repetition (``--reps``) repeats both launches, and the tables show medians;
 * under a launcher (``linkwise launch -n 2 -m linkwise.cli bench all_reduce``, torchrun,
   mpirun, ...): every rank runs the sweep in place and rank 0 prints (and, for ``--compare
-  mpi`` outside mpirun, starts mpirun itself once the others are done).
+  mpi`` outside mpirun, starts mpirun itself once the others are done); ``-N`` other than the
+  launcher's number of ranks is refused (status 2), except under a launcher of one rank,
+  where ``-N`` asks bench to start that many itself.
 """
 from __future__ import annotations
 
@@ -65,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-N", "--nranks", type=int, default=None,
                    help="ranks to start (default 2; at most 16 a CPU when bench starts them, a "
                         "launcher may start more); under a launcher the launcher's ranks run the "
-                        "sweep in place, unless it started only this one and -N asks for more. "
+                        "sweep in place, and -N other than their number is an error, unless it "
+                        "started only this one and -N asks for more. "
                         "Not nccl-tests' -N (run cycles): --reps repeats the sweep")
     p.add_argument("--tests", default="latency,bw,bibw", help="p2p: which of latency,bw,bibw")
     p.add_argument("--window", type=int, default=64, help="p2p: messages in flight for bw/bibw")
@@ -86,7 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw and time against size "
                    "(needs matplotlib; the extension picks the format: .png, .pdf, .svg, ...)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--mpirun-args", default="", help="extra mpirun arguments for --compare mpi")
+    p.add_argument("--mpirun-args", default="", help="extra mpirun arguments for --compare mpi, "
+                   "split as the shell splits them (quote an argument that holds spaces)")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds for each launch (default 900; a positive number)")
 
@@ -148,6 +152,10 @@ def _normalise(args) -> list[str]:
         raise ValueError(f"--timeout {args.timeout:g}: give seconds, a positive finite number")
     _check_outputs(args)
     common.check_plan(args.test, common.resolve_dtypes(args.datatype), common.resolve_ops(args.op))
+    try:
+        shlex.split(args.mpirun_args)  # as compare.mpirun_command splits it
+    except ValueError as exc:  # an unclosed quote
+        raise ValueError(f"--mpirun-args {args.mpirun_args!r}: {exc}") from None
     others = [s.strip() for s in args.compare.split(",") if s.strip()]
     for s in others:
         if s not in compare.SYSTEMS:
@@ -206,23 +214,20 @@ def _check_ranks(args, nranks: int) -> None:
         raise ValueError(f"-r {args.root} is not a rank of {nranks}")
 
 
-# What spawn.launch_ranks sets in each rank it starts: the values here never reach them.
-SPAWN_SETS = ("LINKWISE_RANK", "LINKWISE_SIZE", "LINKWISE_LOCAL_RANK", "LINKWISE_LOCAL_SIZE",
-              "LINKWISE_MASTER_ADDR", "LINKWISE_MASTER_PORT", "LINKWISE_JOB_ID")
-
-
 def _check_tunables(device: str, spawning: bool) -> None:
     """The LINKWISE_* variables the ranks will read, parsed here: a value the library refuses
     is one line (ValueError naming it) before any rank starts, instead of a traceback from
-    every rank once init() or the first collective reads it. The GPU plane's only for
-    --device cuda (a CPU sweep never reads them)."""
+    every rank once init() or the first collective reads it. Not those spawn.launch_ranks
+    sets in the ranks it starts (`spawning`: the values here never reach them), and the GPU
+    plane's only for --device cuda (a CPU sweep never reads them)."""
     from .. import config
-    for name, tunable in config.TUNABLES.items():
-        if spawning and name in SPAWN_SETS:
-            continue
-        if device != "cuda" and name.startswith(config.READ_BY_GPU_PLANE):
-            continue
-        tunable.current()
+    from .spawn import RANK_VARIABLES
+    skip = set(RANK_VARIABLES) if spawning else set()
+    if device != "cuda":
+        skip.update(name for name in config.TUNABLES if name.startswith(config.READ_BY_GPU_PLANE))
+    error = config.first_invalid(("LINKWISE_",), skip)
+    if error:
+        raise ValueError(error)
 
 
 SPAWN_PER_CPU = 16  # ranks bench starts itself, at most, for each CPU it may run on
@@ -416,9 +421,13 @@ def run(args) -> int:
     # or for p2p, which needs two.
     in_place = env.size > 1 or (env.launcher != "none" and (
         args.nranks == 1 or (args.nranks is None and args.test != "p2p")))
+    given = args.nranks
     if args.nranks is None:
         args.nranks = env.size if in_place else 2
     try:
+        if env.size > 1 and given is not None and given != env.size:
+            raise ValueError(f"-N {given}: the launcher started {env.size} ranks, which run the "
+                             f"sweep; give -N {env.size} or leave -N out")
         others = _normalise(args)
         _check_ranks(args, env.size if in_place else args.nranks)
         if not in_place:

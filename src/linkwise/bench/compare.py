@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import shutil
 import sys
 from typing import Optional
@@ -53,17 +54,21 @@ def find_mpirun() -> Optional[str]:
     return shutil.which("mpirun")
 
 
+# The variables mpirun_command passes on to the ranks (-x), the benchmark's own.
+FORWARDED = ("PYTHONPATH", "LINKWISE_BENCH_ARGS", "LINKWISE_BENCH_SYSTEMS", "LINKWISE_BENCH_RESULT")
+
+
 def mpirun_command(nranks: int, extra: str = "") -> list[str]:
-    """mpirun for nranks local processes, forwarding the benchmark's environment."""
+    """mpirun for nranks local processes, forwarding the benchmark's environment; `extra`
+    (--mpirun-args) split as a shell would (quotes keep an argument with spaces whole)."""
     cmd = [find_mpirun() or "mpirun", "-n", str(nranks)]
     if nranks > len(os.sched_getaffinity(0)):
         cmd.append("--oversubscribe")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    for var in ("PYTHONPATH", "LINKWISE_BENCH_ARGS", "LINKWISE_BENCH_SYSTEMS",
-                "LINKWISE_BENCH_RESULT"):
+    for var in FORWARDED:
         cmd += ["-x", var]
-    cmd += extra.split()
+    cmd += shlex.split(extra)
     return cmd
 
 

@@ -16,6 +16,7 @@ import glob
 import json
 import os
 import secrets
+import shlex
 import socket
 import subprocess
 import sys
@@ -82,6 +83,16 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+def _rank_env(rank: int, nranks: int, port: int, job: str) -> dict:
+    """The variables launch_ranks gives each rank (a local job's, as `linkwise launch` sets them)."""
+    return {"LINKWISE_RANK": str(rank), "LINKWISE_SIZE": str(nranks), "LINKWISE_LOCAL_RANK": str(rank),
+            "LINKWISE_LOCAL_SIZE": str(nranks), "LINKWISE_MASTER_ADDR": "127.0.0.1",
+            "LINKWISE_MASTER_PORT": str(port), "LINKWISE_JOB_ID": job}
+
+
+RANK_VARIABLES = tuple(_rank_env(0, 1, 0, ""))  # their names: values set here never reach the ranks
+
+
 def launch_ranks(nranks: int, args_json: str, systems: list[str], timeout: float) -> dict:
     """Run the worker on nranks local processes; returns rank 0's result document."""
     job = secrets.token_hex(6)
@@ -93,10 +104,7 @@ def launch_ranks(nranks: int, args_json: str, systems: list[str], timeout: float
     try:
         try:  # a rank that cannot start (EAGAIN, Ctrl-C): the ones started must not wait on
             for rank in range(nranks):  # it until their rendezvous timeout
-                e = dict(env, LINKWISE_RANK=str(rank), LINKWISE_SIZE=str(nranks),
-                         LINKWISE_LOCAL_RANK=str(rank), LINKWISE_LOCAL_SIZE=str(nranks),
-                         LINKWISE_MASTER_ADDR="127.0.0.1", LINKWISE_MASTER_PORT=str(port),
-                         LINKWISE_JOB_ID=job)
+                e = dict(env, **_rank_env(rank, nranks, port, job))
                 out = None if rank == 0 else subprocess.DEVNULL
                 procs.append(subprocess.Popen([sys.executable, "-m", "linkwise.bench.worker"],
                                               env=e, stdout=out))
@@ -154,8 +162,15 @@ def launch_mpi(nranks: int, args_json: str, timeout: float, extra: str = "") -> 
 
 
 def mpi_how(nranks: int, extra: str = "") -> str:
+    """The mpirun command as run (quoted for a shell), without the benchmark's own -x VAR."""
     with _all_cpus():
         cmd = compare.mpirun_command(nranks, extra)
-    return "second launch right after linkwise's: " + " ".join(
-        os.path.basename(c) if k == 0 else c for k, c in enumerate(cmd)
-        if not c.startswith("LINKWISE") and c != "-x" and c != "PYTHONPATH")
+    own = {("-x", var) for var in compare.FORWARDED}
+    shown, k = [os.path.basename(cmd[0])], 1
+    while k < len(cmd):
+        if tuple(cmd[k:k + 2]) in own:
+            k += 2
+            continue
+        shown.append(cmd[k])
+        k += 1
+    return "second launch right after linkwise's: " + shlex.join(shown)

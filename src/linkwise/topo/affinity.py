@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Mapping, Optional
 
 from .model import Topology
 
@@ -185,15 +185,17 @@ def bind(local_rank: int, local_size: Optional[int] = None,
     return b
 
 
-def binding_env(b: Binding, topology: Optional[Topology] = None) -> dict[str, str]:
+def binding_env(b: Binding, topology: Optional[Topology] = None,
+                environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """The variables a process bound as ``b`` gets (bind() sets them here, ``linkwise launch
     --bind auto`` in each rank): LINKWISE_DEVICE, the GPU's CUDA ordinal; and
-    LINKWISE_SOCKET_IFNAME, the NIC's interface (socket_ifname), unless the user set one."""
+    LINKWISE_SOCKET_IFNAME, the NIC's interface (socket_ifname), unless the user set one in
+    ``environ`` (default os.environ; a nested launch passes it without its outer launcher's)."""
     env = {}
     if b.gpu is not None:
         env["LINKWISE_DEVICE"] = str(b.gpu if b.device is None else b.device)
     ifname = socket_ifname(b.nic, topology)
-    if ifname and not os.environ.get("LINKWISE_SOCKET_IFNAME"):
+    if ifname and not (os.environ if environ is None else environ).get("LINKWISE_SOCKET_IFNAME"):
         env["LINKWISE_SOCKET_IFNAME"] = "=" + ifname
     return env
 
