@@ -22,6 +22,7 @@ PyObject* g_skip_name = nullptr;       // "_skip_call", interned
 PyObject* g_environ = nullptr;         // os.environ._data (a dict; a strong reference, kept for good)
 PyObject* g_algo_key = nullptr;        // os.environ._data's keys for LINKWISE_ALGO and LINKWISE_CHECK
 PyObject* g_check_key = nullptr;
+PyObject* g_chunk_key = nullptr;       // ... and for LINKWISE_CHUNK_SIZE
 
 bool integer_dtype(int t) { return t == int(DType::I8) || t == int(DType::U8) || t == int(DType::I32) || t == int(DType::I64); }
 
@@ -58,6 +59,7 @@ void enable() {
   nb::object environ = nb::module_::import_("os").attr("environ");
   g_algo_key = environ.attr("encodekey")("LINKWISE_ALGO").release().ptr();
   g_check_key = environ.attr("encodekey")("LINKWISE_CHECK").release().ptr();
+  g_chunk_key = environ.attr("encodekey")("LINKWISE_CHUNK_SIZE").release().ptr();
   g_environ = nb::object(environ.attr("_data")).release().ptr();
   if (!PyDict_Check(g_environ)) throw nb::type_error("os.environ._data is not a dict");
   g_array_type = &PyArray_Type;
@@ -69,6 +71,13 @@ bool general_path_forced() {
   const int check = algo == 0 ? PyDict_Contains(g_environ, g_check_key) : 0;
   if (algo < 0 || check < 0) throw nb::python_error();
   return algo > 0 || check > 0;
+}
+
+bool chunk_size_set() {
+  if (!g_environ) return false;
+  const int set = PyDict_Contains(g_environ, g_chunk_key);
+  if (set < 0) throw nb::python_error();
+  return set > 0;
 }
 
 double comm_timeout(nb::handle comm) {

@@ -55,6 +55,11 @@ nanobind::object declined();
 // enable().
 bool general_path_forced();
 
+// True while LINKWISE_CHUNK_SIZE is in the environment (set to anything; false before
+// enable()): the one-rank entries (bind_solo.cc) leave such calls to the general path, which
+// parses it on every call.
+bool chunk_size_set();
+
 // An entry's body run as refusing() runs it, unless general_path_forced() (then declined()).
 template <class F>
 nanobind::object serving(nanobind::handle comm, F&& body) {

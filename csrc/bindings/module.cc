@@ -100,6 +100,7 @@ NB_MODULE(_native, m) {
 #endif
   linkwise::bind_shm_coll(m);  // before bind_coll: CollWorker.submit takes a ShmColl
   linkwise::bind_coll(m);
+  linkwise::bind_solo(m);
   linkwise::bind_cma(m);
   linkwise::bind_reg_cache(m);
   m.def("copy_detours", []() {

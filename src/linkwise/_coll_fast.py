@@ -32,10 +32,12 @@ def all_reduce_bf16_fast(comm, fast, x, op, out):
     try:
         if out is None:
             bits = x.view(_uint16)
-            fast.all_reduce(bits, bits, -code, comm.timeout)
-            return x
-        fast.all_reduce(x.view(_uint16), out.view(_uint16), -code, comm.timeout)
-        return out
+            declined = fast.all_reduce(bits, bits, -code, comm.timeout)
+        else:
+            declined = fast.all_reduce(x.view(_uint16), out.view(_uint16), -code, comm.timeout)
     except (ValueError, TypeError):  # the buffer checks of the native call
         comm._skip_call()
         raise
+    if declined is NotImplemented:  # a one-rank communicator's (SoloColl): the general path checks
+        return NotImplemented
+    return x if out is None else out

@@ -21,10 +21,10 @@ class GatherScatterMixin:
     def gather(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
         """Concatenate every rank's x onto root; returns out on root and None elsewhere."""
         fast = self._fast_shm  # the latency path: the executor's gather_fast, as in CollectivesMixin.reduce
-        if fast is not None and not async_op:
+        if fast is not None and (not async_op or self.size == 1):
             r = fast.gather_fast(self, x, root, out)
             if r is not NotImplemented:
-                return r
+                return self._done(r) if async_op else r
         return self._gather(x, root, out, async_op)
 
     @_skips_on_argument_error
@@ -48,10 +48,10 @@ class GatherScatterMixin:
 
         x matters on root only (other ranks may pass None together with out=)."""
         fast = self._fast_shm
-        if fast is not None and not async_op:
+        if fast is not None and (not async_op or self.size == 1):
             r = fast.scatter_fast(self, x, root, out)
             if r is not NotImplemented:
-                return r
+                return self._done(r) if async_op else r
         return self._scatter(x, root, out, async_op)
 
     @_skips_on_argument_error

@@ -8,6 +8,7 @@ event recorded on the stream after the operation, polled from the loop.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import weakref
 from abc import ABCMeta
@@ -83,6 +84,40 @@ class CollectiveRequest(Request):
         """An eventfd that turns readable once the collective is done, for select() or an event
         loop's add_reader (as a point-to-point request's); wait() or test() then finishes it."""
         return self._native.fileno()
+
+
+class DoneCollective:
+    """The native side of an async collective that ran to its end when it was issued (a
+    one-rank communicator runs them inline: CollectivesMixin._run), with the native
+    CollRequest's interface: done, wait(), test(), _wait_now(), fileno() (an eventfd that is
+    readable at once, made on the first call and closed with this object). Not thread-safe
+    (fileno(), as its callers are: one thread per request)."""
+
+    __slots__ = ("_fd",)
+    done = True
+    nbytes = 0
+
+    def __init__(self) -> None:
+        self._fd = -1
+
+    def wait(self, timeout: float) -> None:
+        return None
+
+    def _wait_now(self) -> None:
+        return None
+
+    def test(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        if self._fd < 0:
+            self._fd = os.eventfd(1, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        return self._fd
+
+    def __del__(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class _FdWaiters(list):

@@ -11,7 +11,9 @@ allocate a NumPy array when ``out`` is not given and return it; gather returns N
 Forms: blocking (the default; the GIL is released while the native executor runs),
 ``async_op=True`` (returns a :class:`CollectiveRequest`; ``wait()`` returns the same result), and
 coroutines ``await comm.aall_reduce(x)`` (the communicator's native worker thread runs the
-collective and signals an eventfd that the asyncio loop watches: no busy loop).
+collective and signals an eventfd that the asyncio loop watches: no busy loop). On a one-rank
+communicator, which waits for no one, async calls run when issued (their request is done at
+once) and the latency entries are bind_solo.cc's copies (comm._fast_shm from the start).
 
 Ordering contract: each call takes the next number of this communicator's collective
 sequence, which names its messages (tag bit 63 set, so never a user tag). Ranks must issue
@@ -35,6 +37,7 @@ import numpy as np
 
 from . import _gpu_coll, _shm_exec, config
 from ._coll_fast import all_reduce_bf16_fast
+from ._request import DoneCollective
 from .plan.schedule import default_schedule
 from ._coll_args import (  # noqa: F401 - KINDS/OPS/DTYPES stay importable from here
     _ENV, _FAST_CODES, _REDUCING, _U8, ALGO_CODES, DTYPES, KINDS, OPS, REFUSED_UNDER_NUMBER,
@@ -74,6 +77,11 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         self._coll_seq = seq + 1
         return seq
 
+    def _done(self, result: Any) -> CollectiveRequest:
+        """The request of an async collective that already ran (one rank: the latency path
+        serves async calls too, there being no one to wait for)."""
+        return CollectiveRequest(DoneCollective(), self.timeout, result)
+
     def _schedule(self, kind: str, root: int, nbytes: int) -> tuple:
         env = ((os.environ.get("LINKWISE_ALGO", ""), os.environ.get("LINKWISE_CHUNK_SIZE", ""))
                if _env_set(b"LINKWISE_ALGO") or _env_set(b"LINKWISE_CHUNK_SIZE") else None)
@@ -109,8 +117,9 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
             self._check_agree(kind, count, dtype, op, root)
         worker = self.__dict__.get("_coll_worker")
         # Collectives run in issue order: inline when no async one is pending, else queued
-        # behind them on the worker (and waited for, when blocking).
-        inline = not async_op and (worker is None or worker.pending == 0)
+        # behind them on the worker (and waited for, when blocking). One rank waits for no
+        # one: its async calls run inline too (a copy at most), their request done at once.
+        inline = (not async_op or self.size == 1) and (worker is None or worker.pending == 0)
         shm = self._shm_for(kind, nbytes)
         if shm is not None:
             _check_tunables()  # the other branch parses them in _schedule
@@ -145,6 +154,8 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
             if inline:  # a failure here stops the shared-memory executor natively (Engine's failure hook)
                 with self._refused_under_number(args[6]):
                     _native_module().coll(native, *args)
+                if async_op:  # one rank (see inline)
+                    return self._done(result)
                 return result
         if worker is None:
             worker = self._coll_worker = _native_module().CollWorker(self._native)
@@ -243,12 +254,12 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         # *_fast entry also declines while LINKWISE_ALGO or LINKWISE_CHECK is set (to anything,
         # even empty): the general path honours them. A value that means the default takes
         # the same protocol there (the executor), so ranks may differ in that (slower only).
-        if fast is not None and not async_op and dtype is None:
+        if fast is not None and (not async_op or self.size == 1) and dtype is None:
             r = fast.all_reduce_fast(self, x, op, out)
             if r is NotImplemented and type(x) is _ndarray and x.dtype.kind == "V":
                 r = all_reduce_bf16_fast(self, fast, x, op, out)
             if r is not NotImplemented:
-                return r
+                return self._done(r) if async_op else r
         return self._all_reduce(x, op, out, async_op, dtype, stream)
 
     @_skips_on_argument_error
@@ -282,10 +293,10 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         # The latency path: the executor's broadcast_fast tests x, root and out natively (as
         # all_reduce_fast) and returns NotImplemented where it does not serve the call (also
         # two-rank broadcasts that go point-to-point as one single-copy message).
-        if fast is not None and not async_op:
+        if fast is not None and (not async_op or self.size == 1):
             r = fast.broadcast_fast(self, x, root, out)
             if r is not NotImplemented:
-                return r
+                return self._done(r) if async_op else r
         return self._broadcast(x, root, out, async_op, stream)
 
     @_skips_on_argument_error
@@ -313,10 +324,10 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
                dtype: Optional[str] = None):
         """Combine x across ranks onto root (into x, or out, on root; other ranks' x is untouched)."""
         fast = self._fast_shm  # the latency path: the executor's reduce_fast, as all_reduce_fast
-        if fast is not None and not async_op and dtype is None:
+        if fast is not None and (not async_op or self.size == 1) and dtype is None:
             r = fast.reduce_fast(self, x, root, op, out)
             if r is not NotImplemented:
-                return r
+                return self._done(r) if async_op else r
         return self._reduce(x, root, op, out, async_op, dtype)
 
     @_skips_on_argument_error
@@ -343,10 +354,10 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         """Concatenate every rank's x (rank order) into out (size * len(x) elements).
         CUDA arrays: on the GPU, on `stream`."""
         fast = self._fast_shm  # the latency path: the executor's exchange_fast, as all_reduce_fast
-        if fast is not None and not async_op:
+        if fast is not None and (not async_op or self.size == 1):
             r = fast.exchange_fast(self, _ALL_GATHER, x, out, "")
             if r is not NotImplemented:
-                return r
+                return self._done(r) if async_op else r
         return self._all_gather(x, out, async_op, stream)
 
     @_skips_on_argument_error
@@ -362,10 +373,10 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         """Combine x across ranks; rank r gets block r (x has size * len(out) elements).
         CUDA arrays: on the GPU, on `stream`."""
         fast = self._fast_shm
-        if fast is not None and not async_op and dtype is None:
+        if fast is not None and (not async_op or self.size == 1) and dtype is None:
             r = fast.exchange_fast(self, _REDUCE_SCATTER, x, out, op)
             if r is not NotImplemented:
-                return r
+                return self._done(r) if async_op else r
         return self._reduce_scatter(x, op, out, async_op, dtype, stream)
 
     @_skips_on_argument_error
@@ -393,10 +404,10 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         """Rank r's block j (x split into size equal blocks) goes to rank j's block r.
         CUDA arrays: on the GPU, on `stream`."""
         fast = self._fast_shm
-        if fast is not None and not async_op:
+        if fast is not None and (not async_op or self.size == 1):
             r = fast.exchange_fast(self, _ALL_TO_ALL, x, out, "")
             if r is not NotImplemented:
-                return r
+                return self._done(r) if async_op else r
         return self._all_to_all(x, out, async_op, stream)
 
     @_skips_on_argument_error
@@ -416,12 +427,21 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         self._writable(out, "all_to_all")
         return self._run("all_to_all", x, out, _dtype_label(x.dtype), "", 0, x.size, x.nbytes, async_op, result)
 
-    @_skips_on_argument_error
     def barrier(self, async_op: bool = False, stream: Any = None):
         """Return once every rank has entered the barrier.
 
         With `stream` (a CUDA stream), a device-side barrier on the GPU data plane: enqueued on
         that stream, and waited for (every rank's stream has reached it when this returns)."""
+        if (stream is None and self.size == 1 and self._fast_shm is not None  # one rank, open
+                and not (_ENV is None or b"LINKWISE_ALGO" in _ENV or b"LINKWISE_CHECK" in _ENV
+                         or b"LINKWISE_CHUNK_SIZE" in _ENV)):
+            # Nobody to wait for (nor any message to number). The general path runs it while
+            # those are set, as it runs the other one-rank latency paths' calls (bind_solo.cc).
+            return self._done(None) if async_op else None
+        return self._barrier(async_op, stream)
+
+    @_skips_on_argument_error
+    def _barrier(self, async_op: bool, stream: Any):
         if stream is not None:
             g = self.__dict__.get("_gpu_comm")  # made: the others' barrier kernels may wait
             with g._refusing(None, stream) if g is not None else contextlib.nullcontext():

@@ -142,6 +142,8 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
                                                  watch=_watch)
         _live.add(self)
         self._shm = size > 1 and _shm_exec._all_shm(self) and self._attach_shm() or False
+        if size == 1:  # the latency paths of one rank: a copy of x, natively (bind_solo.cc)
+            self._fast_shm = _native().SoloColl()
 
     # -- argument checks ------------------------------------------------------------------
     def _check(self, peer: Any, tag: Any, op: str) -> tuple[int, int]:
