@@ -89,7 +89,7 @@ class CollectiveRequest(Request):
 class DoneCollective:
     """The native side of an async collective that ran to its end when it was issued (a
     one-rank communicator runs them inline: CollectivesMixin._run), with the native
-    CollRequest's interface: done, wait(), test(), _wait_now(), fileno() (an eventfd that is
+    CollRequest's interface: done, wait(), test(), _wait_now(), _wait_within(), fileno() (an eventfd that is
     readable at once, made on the first call and closed with this object). Not thread-safe
     (fileno(), as its callers are: one thread per request)."""
 
@@ -104,6 +104,9 @@ class DoneCollective:
         return None
 
     def _wait_now(self) -> None:
+        return None
+
+    def _wait_within(self, left: float, whole: float) -> None:
         return None
 
     def test(self) -> bool:
