@@ -168,9 +168,12 @@ def _sources_body(comm):
 
 
 def test_a_late_source_does_not_hold_up_another():
-    if not _nranks():
-        pytest.skip("no GPU")
-    _errors(run_ranks(max(3, _nranks()), _sources_body, env=ENV, timeout=120))
+    # One rank per GPU: three ranks sharing one GPU cannot show it. On one H100 the receive
+    # from rank 1 completed only when rank 2's other receive (spinning for rank 0) timed out,
+    # below LINKWISE_GPU_REG_MIN too, where nothing is deferred (thirty-fifth session).
+    if _nranks() < 3:
+        pytest.skip("needs 3 GPUs (ranks that share a GPU wait behind each other's spinning kernels)")
+    _errors(run_ranks(_nranks(), _sources_body, env=ENV, timeout=120))
 
 
 # -- the sender dies before its send -------------------------------------------------------------
