@@ -3,7 +3,7 @@ so its routing, order, failure and close contracts are checked without a GPU (th
 are in test_gpu_deferred.py)."""
 from __future__ import annotations
 
-import queue
+import collections
 import threading
 import time
 
@@ -17,40 +17,79 @@ from linkwise.errors import PeerError
 class FakeEngine:
     def __init__(self):
         self.events = 0
-        self.finished = []  # (event, ptr, nbytes, src, desc, thread name)
+        self.finished = []  # (event, ptr, nbytes, src, desc, thread name); event None: recv_now
         self.aborted = []
         self.lock = threading.Lock()
+        self.go_on = threading.Event()  # cleared by a test: helpers' finishes wait for it
+        self.go_on.set()
 
     def recv_defer_begin(self, src, stream):
         self.events += 1
         return self.events
 
     def recv_defer_finish(self, event, ptr, nbytes, src, desc):
+        assert self.go_on.wait(10)
         with self.lock:
             self.finished.append((event, ptr, nbytes, src, desc, threading.current_thread().name))
+
+    def recv_now(self, ptr, nbytes, src, stream, desc):
+        self.recv_defer_finish(None, ptr, nbytes, src, desc)
 
     def abort(self, peer):
         self.aborted.append(peer)
 
 
+class FakeRequest:
+    def __init__(self, msg):
+        self.msg, self.error, self.filled = msg, None, threading.Event()
+
+    def fill(self, got):
+        if isinstance(got, BaseException):
+            self.error = got
+        else:
+            self.msg[:] = list(got)
+        self.filled.set()
+
+    def test(self):
+        return self.filled.is_set()
+
+    def wait(self):
+        assert self.filled.wait(10), "description never came"
+        if self.error is not None:
+            raise self.error
+
+
 class FakeComm:
-    """recv(msg, src, tag) takes the next description `deliver`ed from src (blocks until then)."""
+    """irecv(msg, src, tag): a request that the next message `deliver`ed (or `fail`ed) from src
+    fills; requests from one source are filled in the order they were posted."""
 
     def __init__(self, size):
-        self.boxes = [queue.Queue() for _ in range(size)]
+        self.waiting = [collections.deque() for _ in range(size)]
+        self.early = [collections.deque() for _ in range(size)]
+        self.lock = threading.Lock()
+
+    def _arrive(self, src, got):
+        with self.lock:
+            if self.waiting[src]:
+                self.waiting[src].popleft().fill(got)
+            else:
+                self.early[src].append(got)
 
     def deliver(self, src, flag=1, fill=0xAB):
-        self.boxes[src].put(bytes([flag]) + bytes([fill]) * DESC_BYTES)
+        self._arrive(src, bytes([flag]) + bytes([fill]) * DESC_BYTES)
 
     def fail(self, src, exc):
-        self.boxes[src].put(exc)
+        self._arrive(src, exc)
 
-    def recv(self, msg, src, tag):
+    def irecv(self, msg, src, tag):
         assert tag == _REG_TAG
-        got = self.boxes[src].get(timeout=10)
-        if isinstance(got, BaseException):
-            raise got
-        msg[:] = list(got)
+        req = FakeRequest(msg)
+        with self.lock:
+            if self.early[src]:
+                req.fill(self.early[src].popleft())
+            else:
+                self.waiting[src].append(req)
+        return req
 
 
 class FakeGpuComm:
@@ -147,3 +186,27 @@ def test_close_with_a_receive_that_never_comes_aborts_and_no_helper_calls_the_en
     g.comm.deliver(1)  # too late: the helper must not enqueue into a closed engine
     time.sleep(0.2)
     assert g._engine.finished == []
+
+
+def test_a_description_already_here_is_received_on_the_callers_thread(setup):
+    g, d = setup
+    g.comm.deliver(1)  # the sender got there first
+    d.post(object(), 0xA, 8 << 20, 1, 0, registered=True)
+    (ev, ptr, n, src, desc, thread), = g._engine.finished
+    assert ev is None and ptr == 0xA and thread == threading.current_thread().name
+    assert not d.busy(1) and g._engine.events == 0  # nothing deferred, no event made
+
+
+def test_a_description_already_here_still_queues_behind_a_deferred_receive(setup):
+    g, d = setup
+    g._engine.go_on.clear()  # the helper of source 1 stays inside its first finish
+    d.post(object(), 0xA, 8 << 20, 1, 0, registered=True)   # deferred: no description yet
+    g.comm.deliver(1)
+    g.comm.deliver(1)
+    time.sleep(0.05)
+    d.post(object(), 0xB, 8 << 20, 1, 0, registered=True)   # its description is here, 0xA is not done
+    assert d.busy(1) and g._engine.events == 2               # so it was deferred too
+    g._engine.go_on.set()
+    _until(lambda: not d.busy(1))
+    assert [(f[1], f[5]) for f in g._engine.finished] == [(0xA, "linkwise-gpu-recv-from-1"),
+                                                          (0xB, "linkwise-gpu-recv-from-1")]

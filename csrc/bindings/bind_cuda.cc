@@ -115,6 +115,12 @@ void bind_cuda(nb::module_& m) {
              nb::gil_scoped_release r;
              e.recv_defer_finish(ev, x, nbytes, src, desc);
            })
+      .def("recv_now",
+           [](GpuEngine& e, uintptr_t x, size_t nbytes, int src, uintptr_t stream, const nb::bytes& d) {
+             std::string desc(d.c_str(), d.size());
+             nb::gil_scoped_release r;
+             e.recv_now(x, nbytes, src, stream, desc);
+           })
       .def("all_reduce_reg", &GpuEngine::all_reduce_reg, rel())
       .def("reduce_scatter_reg", &GpuEngine::reduce_scatter_reg, rel())
       .def("pchain_trace", &GpuEngine::pchain_trace, rel())

@@ -100,9 +100,11 @@ class GpuEngine {
   // class's one-thread rule): recv_defer_begin, on the caller's thread, makes `stream` wait for
   // the receive and returns an event for recv_defer_finish, which a helper thread of src calls
   // later to enqueue the receive itself on src's private stream: the scratch receive when
-  // desc is empty, else the registered pull from the sender's buffer described by desc.
+  // desc is empty, else the registered pull from the sender's buffer described by desc;
+  // recv_now enqueues that receive on `stream` at once (the description is already here).
   uintptr_t recv_defer_begin(int src, uintptr_t stream);
   void recv_defer_finish(uintptr_t event, uintptr_t x, size_t nbytes, int src, const std::string& desc);
+  void recv_now(uintptr_t x, size_t nbytes, int src, uintptr_t stream, const std::string& desc);
   // Large reductions read peers' registered inputs directly (reg_engine.cu, reg_reduce.cu):
   // all_reduce_reg: slot 0 = every rank's x, slot 1 = every rank's out (may equal x);
   // reduce_scatter_reg: slot 0 = every rank's x (count_per_rank * nranks elements), out local.

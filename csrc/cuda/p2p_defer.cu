@@ -12,13 +12,17 @@
 //    own Control.sig[kSigP2pLocal][src] reaches the next cumulative total (reserved here, in
 //    seen[kSigP2pLocal][src]). Work the caller enqueues on s later runs after the data is in.
 //  * recv_defer_finish, later, on the helper thread of `src`: on src's private stream P, waits
-//    for E, enqueues the receive itself (the scratch receive, or with the sender's description
-//    the registered pull: wait kSigP2pReady, copy from the sender's mapped buffer, post
-//    kSigP2pDone; the sender's side is send_reg), then adds 1 to that counter, which lets s go on.
+//    for E, enqueues the receive itself (recv_now), then adds 1 to that counter, which lets s
+//    go on.
+//  recv_now is the receive itself, enqueued on the stream it is given: the scratch receive, or
+//  with the sender's description the registered pull (wait kSigP2pReady, copy from the
+//  sender's mapped buffer, post kSigP2pDone; the sender's side is send_reg). The caller's
+//  thread calls it directly when the description is already here and nothing from src is
+//  deferred: no helper, no extra launches.
 //  Deferred receives from one source finish in issue order on one stream, so the cumulative
 //  totals agree; receives from different sources do not wait for each other.
 //
-// Threading contract. recv_defer_finish touches only src's receive state (recv_pieces[src],
+// Threading contract. recv_defer_finish and recv_now touch only src's receive state (recv_pieces[src],
 // recv_cum[src], seen[kSigP2pReady][src], defer_stream[src]) and p2p_cache (under p2p_mu). The
 // Python side gives src's receive state one user at a time: while a receive from src is
 // deferred, every later receive from src is deferred behind it, so pieces are still matched in
@@ -120,26 +124,34 @@ void GpuEngine::recv_defer_finish(uintptr_t event, uintptr_t x, size_t nbytes, i
   cudaError_t e = cudaStreamWaitEvent(p, ev, 0);
   cudaEventDestroy(ev);  // released once it completed; the wait above stays enqueued
   if (e != cudaSuccess) fail("recv", e);
-  if (desc.empty()) {
-    recv(x, nbytes, src, reinterpret_cast<uintptr_t>(p));  // the scratch receive, on P
-  } else if (nbytes) {
-    if (desc.size() != kDescBytes)
-      throw Error(ErrorKind::Invalid, "recv: malformed buffer description from rank " + std::to_string(src));
-    uint64_t meta[3];  // base, offset, allocation size (reg_describe)
-    std::memcpy(meta, desc.data() + sizeof(cudaIpcMemHandle_t), sizeof(meta));
-    std::lock_guard<std::mutex> lock(im.p2p_mu);
-    char* from = static_cast<char*>(im.p2p_cache.map(0, src, meta[0], meta[2],
-                                                     desc.substr(0, sizeof(cudaIpcMemHandle_t)))) +
-                 meta[1];
-    im.p2p_cache.trim();
-    RegUse use{im, p, &im.p2p_cache};  // its event goes after the copy (declared after the map)
-    sig_wait(im.dev, kSigP2pReady, src, ++im.seen[kSigP2pReady][src], p);
-    check_launch("recv");
-    LW_CUDA(cudaMemcpyAsync(reinterpret_cast<char*>(x), from, nbytes, cudaMemcpyDefault, p), "recv");
-    sig_post(im.dev, kSigP2pDone, src, rank_, p);
-    check_launch("recv");
-  }
+  recv_now(x, nbytes, src, reinterpret_cast<uintptr_t>(p), desc);
   sig_post(im.dev, kSigP2pLocal, rank_, src, p);
+  check_launch("recv");
+}
+
+void GpuEngine::recv_now(uintptr_t x, size_t nbytes, int src, uintptr_t stream, const std::string& desc) {
+  if (desc.empty()) {
+    recv(x, nbytes, src, stream);  // the scratch receive
+    return;
+  }
+  if (nbytes == 0) return;
+  if (desc.size() != kDescBytes)
+    throw Error(ErrorKind::Invalid, "recv: malformed buffer description from rank " + std::to_string(src));
+  DeviceGuard g(device_);
+  EngineImpl& im = *impl_;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  uint64_t meta[3];  // base, offset, allocation size (reg_describe)
+  std::memcpy(meta, desc.data() + sizeof(cudaIpcMemHandle_t), sizeof(meta));
+  std::lock_guard<std::mutex> lock(im.p2p_mu);
+  char* from = static_cast<char*>(im.p2p_cache.map(0, src, meta[0], meta[2],
+                                                   desc.substr(0, sizeof(cudaIpcMemHandle_t)))) +
+               meta[1];
+  im.p2p_cache.trim();
+  RegUse use{im, s, &im.p2p_cache};  // its event goes after the copy (declared after the map)
+  sig_wait(im.dev, kSigP2pReady, src, ++im.seen[kSigP2pReady][src], s);
+  check_launch("recv");
+  LW_CUDA(cudaMemcpyAsync(reinterpret_cast<char*>(x), from, nbytes, cudaMemcpyDefault, s), "recv");
+  sig_post(im.dev, kSigP2pDone, src, rank_, s);
   check_launch("recv");
 }
 

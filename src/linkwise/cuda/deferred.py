@@ -9,7 +9,14 @@ is in) and a helper thread of the source takes the description and enqueues the 
 source's private stream (``recv_defer_finish``; the engine's side of the contract is in
 csrc/cuda/p2p_defer.cu).
 
-Ordering: the engine matches a pair's pieces in issue order. While a receive from ``src`` is
+Fast case: when nothing from ``src`` is deferred and its description is already here (the
+sender got there first), the receive is enqueued on the caller's thread at once
+(``recv_now``), as before: no helper, no extra launches. A helper costs more than launches: it
+needs the GIL to go on, and a caller running pure Python holds it for up to
+``sys.getswitchinterval()`` (5 ms) at a time (docs/benchmarks.md, thirty-fifth session).
+
+Ordering: the engine matches a pair's pieces in issue order, and the descriptions' host
+receives are posted by the caller's thread in issue order too. While a receive from ``src`` is
 deferred (:meth:`DeferredReceives.busy`), every later receive from ``src``, small ones
 included, is deferred behind it on the same helper, so src's receive state has one user at a
 time and the order is kept; once the helper has caught up, receives from src are enqueued
@@ -54,10 +61,19 @@ class DeferredReceives:
             return self._pending[src] > 0
 
     def post(self, x: Any, ptr: int, nbytes: int, src: int, stream: int, registered: bool) -> None:
-        """Places the receive of nbytes at ptr from src on `stream` and queues its enqueuing
-        (`registered`: the sender sends a description first). x is held until then."""
+        """Receives nbytes at ptr from src on `stream`: enqueued here when nothing from src is
+        deferred and (`registered`: the sender sends a description first) the description is
+        already here, else deferred to src's helper. x is held until its receive is enqueued."""
         if self.failure is not None:
             raise self.failure
+        msg = request = None
+        if registered:  # posted here, in issue order: descriptions match their receives
+            import numpy as np
+            msg = np.empty(1 + DESC_BYTES, np.uint8)
+            request = self._g.comm.irecv(msg, src, _REG_TAG)
+            if not self.busy(src) and request.test():  # the sender is ahead: as a plain receive
+                self._g._engine.recv_now(ptr, nbytes, src, stream, _description(msg))
+                return
         event = self._g._engine.recv_defer_begin(src, stream)
         with self._cv:
             self._pending[src] += 1
@@ -66,7 +82,7 @@ class DeferredReceives:
                 queue = self._queues[src] = collections.deque()
                 threading.Thread(target=self._serve, args=(src, queue), daemon=True,
                                  name=f"linkwise-gpu-recv-from-{src}").start()
-            queue.append((x, ptr, nbytes, event, registered))
+            queue.append((x, msg, request, ptr, nbytes, event))
             self._cv.notify_all()
 
     def close(self, timeout: float) -> None:
@@ -106,15 +122,11 @@ class DeferredReceives:
                 self._pending[src] -= 1
                 self._cv.notify_all()
 
-    def _finish(self, src: int, ptr: int, nbytes: int, event: int, registered: bool) -> None:
+    def _finish(self, src: int, msg, request, ptr: int, nbytes: int, event: int) -> None:
         desc = b""
-        if registered:  # the sender's flag byte, then its buffer's description (registered.send)
-            import numpy as np
-            msg = np.empty(1 + DESC_BYTES, np.uint8)
-            self._g.comm.recv(msg, src, _REG_TAG)  # GIL released; the communicator's timeout
-            if msg[0]:
-                desc = msg[1:].tobytes()
-            # flag 0: the sender's buffer could not be exported; it sends through the scratch
+        if request is not None:  # wait for the sender's description (GIL released; the timeout)
+            request.wait()
+            desc = _description(msg)
         with self._gate:
             if self.closed:
                 return
@@ -130,3 +142,9 @@ class DeferredReceives:
         with self._gate:
             if not self.closed:
                 self._g._engine.abort(src)
+
+
+def _description(msg) -> bytes:
+    """The sender's buffer description from its message (registered.send), or b"" for its flag
+    0: its buffer could not be exported, so it sends through the scratch and so do we."""
+    return msg[1:].tobytes() if msg[0] else b""
