@@ -4,6 +4,7 @@
 # Each probe: `# RANKS: n` in its first lines; n > 1 runs under `python -m linkwise.cli launch -n n`.
 # A probe passes only if it printed PASS lines and no FAIL line (a rank that crashed prints none).
 set -u
+shopt -s nullglob  # no probe left: an empty summary
 D=${1:?usage: run_all.sh PROBE_DIR   (run from the repository root)}
 D=$(cd "$D" && pwd)
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
