@@ -19,6 +19,7 @@ class FakeEngine:
         self.events = 0
         self.finished = []  # (event, ptr, nbytes, src, desc, thread name); event None: recv_now
         self.aborted = []
+        self.destroyed = []
         self.lock = threading.Lock()
         self.go_on = threading.Event()  # cleared by a test: helpers' finishes wait for it
         self.go_on.set()
@@ -37,6 +38,9 @@ class FakeEngine:
 
     def abort(self, peer):
         self.aborted.append(peer)
+
+    def event_destroy(self, event):
+        self.destroyed.append(event)
 
 
 class FakeRequest:
@@ -160,6 +164,7 @@ def test_a_failed_description_aborts_and_is_raised_by_the_next_post(setup):
     _until(lambda: d.failure is not None)
     _until(lambda: g._engine.aborted == [1])
     assert not d.busy(1) and g._engine.finished == []
+    assert g._engine.destroyed == [1, 2]  # the failed 0xA's event, then the queued 0xB's
     with pytest.raises(PeerError, match="rank 1 died"):
         d.post(object(), 0xC, 8 << 20, 2, 0, registered=True)
 
@@ -184,7 +189,7 @@ def test_close_with_a_receive_that_never_comes_aborts_and_no_helper_calls_the_en
     assert time.monotonic() - t0 < 2
     assert g._engine.aborted == [-1]
     g.comm.deliver(1)  # too late: the helper must not enqueue into a closed engine
-    time.sleep(0.2)
+    _until(lambda: g._engine.destroyed == [1])  # it releases the event instead
     assert g._engine.finished == []
 
 
@@ -210,3 +215,31 @@ def test_a_description_already_here_still_queues_behind_a_deferred_receive(setup
     _until(lambda: not d.busy(1))
     assert [(f[1], f[5]) for f in g._engine.finished] == [(0xA, "linkwise-gpu-recv-from-1"),
                                                           (0xB, "linkwise-gpu-recv-from-1")]
+
+
+def test_a_gpu_request_raises_the_communicators_recorded_failure_not_the_engines():
+    """GpuComm hands its requests its own check: a deferred receive's failure (here a
+    TimeoutError: the description never came) is what wait() raises, not the engine's "peer
+    died or failed" of the abort that followed it."""
+    from linkwise._request import GpuRequest
+    from linkwise.errors import TimeoutError as LinkwiseTimeout
+
+    class Engine:
+        def event_wait(self, ev, seconds):
+            return True
+
+        def event_query(self, ev):
+            return True
+
+        def event_destroy(self, ev):
+            pass
+
+        def check(self):
+            raise PeerError("rank 0: peer rank 1 died or failed")
+
+    def recorded():
+        raise LinkwiseTimeout("rank 0: recv with rank 1 (tag ...) did not complete within 20 s")
+    with pytest.raises(LinkwiseTimeout, match="did not complete"):
+        GpuRequest(Engine(), 7, 5.0, 8, check=recorded).wait()
+    with pytest.raises(PeerError):  # without one, the engine's check as before
+        GpuRequest(Engine(), 7, 5.0, 8).wait()

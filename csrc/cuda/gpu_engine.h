@@ -3,8 +3,9 @@
 // Owns a scratch area on its device (cudaMalloc), exported through a CUDA IPC handle; peers'
 // areas are opened with cudaIpcOpenMemHandle. Layout and flag contracts: gpu_device.cuh.
 //
-// Threading: not thread-safe; one thread (the caller's) uses it at a time, except
-// recv_defer_finish (p2p_defer.cu). Ordering: every
+// Threading: not thread-safe; one thread (the caller's) uses it at a time, except the deferred
+// receives' helper threads: recv_defer_finish (hence recv_now and recv) for their own source
+// (p2p_defer.cu has the contract). Ordering: every
 // rank must issue the same collectives in the same order, and all of one engine's operations
 // must be ordered on the GPU (one stream, or streams the caller synchronises), as with NCCL.
 // Point-to-point pieces between a pair are matched in issue order (tags are not matched).

@@ -108,8 +108,9 @@ uintptr_t GpuEngine::recv_defer_begin(int src, uintptr_t stream) {
   }
   sig_wait(im.dev, kSigP2pLocal, src, ++im.seen[kSigP2pLocal][src], s);
   e = cudaGetLastError();
-  if (e != cudaSuccess) {  // the reservation stands: the helper still posts for it (abort)
+  if (e != cudaSuccess) {  // the total is reserved and nothing will post it: stop every wait
     cudaEventDestroy(ev);
+    im.watch.trip(-1);
     fail("recv", e);
   }
   return reinterpret_cast<uintptr_t>(ev);
@@ -147,12 +148,21 @@ void GpuEngine::recv_now(uintptr_t x, size_t nbytes, int src, uintptr_t stream, 
                                                    desc.substr(0, sizeof(cudaIpcMemHandle_t)))) +
                meta[1];
   im.p2p_cache.trim();
-  RegUse use{im, s, &im.p2p_cache};  // its event goes after the copy (declared after the map)
-  sig_wait(im.dev, kSigP2pReady, src, ++im.seen[kSigP2pReady][src], s);
-  check_launch("recv");
-  LW_CUDA(cudaMemcpyAsync(reinterpret_cast<char*>(x), from, nbytes, cudaMemcpyDefault, s), "recv");
-  sig_post(im.dev, kSigP2pDone, src, rank_, s);
-  check_launch("recv");
+  try {
+    RegUse use{im, s, &im.p2p_cache};  // its event goes after the copy (declared after the map)
+    sig_wait(im.dev, kSigP2pReady, src, ++im.seen[kSigP2pReady][src], s);
+    check_launch("recv");
+    LW_CUDA(cudaMemcpyAsync(reinterpret_cast<char*>(x), from, nbytes, cudaMemcpyDefault, s), "recv");
+    sig_post(im.dev, kSigP2pDone, src, rank_, s);
+    check_launch("recv");
+  } catch (...) {  // the Ready total is reserved and the sender waits for our done: stop it all
+    im.p2p_cache.unset(0, src);
+    im.watch.trip(-1);
+    throw;
+  }
+  // Noted (RegUse above): the entry is unreferenced now, so the bound or the sender's next
+  // allocation may close it once this copy is done; a reference kept would pin it until close.
+  im.p2p_cache.unset(0, src);
 }
 
 }  // namespace linkwise::cuda

@@ -295,19 +295,22 @@ class GpuRequest:
     Keep the arrays alive and untouched until done. Not thread-safe.
     """
 
-    __slots__ = ("_engine", "_ev", "_timeout", "_result", "__weakref__")
+    __slots__ = ("_engine", "_ev", "_timeout", "_result", "_check", "__weakref__")
 
-    def __init__(self, engine, event: int, timeout: float, result: Any):
-        self._engine = engine   # the communicator's _GpuEngine (its check() reports failures)
+    def __init__(self, engine, event: int, timeout: float, result: Any, check=None):
+        self._engine = engine   # the communicator's _GpuEngine
         self._ev = event        # cudaEvent_t as an int; 0 once completed and destroyed
         self._timeout = timeout
         self._result = result
+        # raises the communicator's recorded failure (GpuComm passes its own: it also knows a
+        # deferred receive's, cuda/deferred.py); the engine's check() by default
+        self._check = check or engine.check
 
     def _finish(self) -> Any:
         if self._ev:
             self._engine.event_destroy(self._ev)
             self._ev = 0
-        self._engine.check()
+        self._check()
         return self._result
 
     def test(self) -> bool:
@@ -331,7 +334,7 @@ class GpuRequest:
         `whole` (wait_all's timeout, of which `left` remains)."""
         if self._ev and not (self._engine.event_wait(self._ev, left) if left > 0
                              else self._engine.event_query(self._ev)):
-            self._engine.check()  # a failure explains the wait better than the timeout
+            self._check()  # a failure explains the wait better than the timeout
             raise TimeoutError(f"GPU operation did not complete within {whole:g} s; raise "
                                "LINKWISE_TIMEOUT or pass timeout=")
         return self._finish()
@@ -343,7 +346,7 @@ class GpuRequest:
             nap = 0.0
             while self._ev and not self._engine.event_query(self._ev):
                 if loop.time() > deadline:
-                    self._engine.check()
+                    self._check()
                     raise TimeoutError(f"async GPU operation did not complete within "
                                        f"{self._timeout:g} s; raise LINKWISE_TIMEOUT or pass timeout=")
                 await asyncio.sleep(nap)

@@ -29,9 +29,12 @@ and ``closed``; ``_gate`` is held around every engine call of a helper, so close
 one in progress and no helper touches the engine after it.
 
 Failures: a helper that fails (the sender died, the description did not come within the
-communicator's timeout, a mapping failed) records the error, aborts the engine naming the
-source (every device wait of the communicator gives up, as for a dead peer) and drops its
-queue; the communicator's next call raises the recorded error.
+communicator's timeout, a mapping failed) aborts the engine naming the source (every device
+wait of this rank's communicator gives up, as for a dead peer), records the error and drops
+its queue; the communicator's next call, GpuComm.synchronize / check and its requests' waits
+raise the recorded error. The sender is not told: its send waits until its timeout (a
+failure to map its buffer left it waiting before deferral too). A GpuComm dropped without
+close() keeps its helper threads (and so itself) alive: close it.
 """
 from __future__ import annotations
 
@@ -110,38 +113,51 @@ class DeferredReceives:
                 while not queue and not self.closed:
                     self._cv.wait()
                 if self.closed or self.failure is not None:
+                    _drop(self._g._engine, queue)
                     return
-                item = queue[0]
+                item = queue.popleft()  # still pending until enqueued (busy(src) stays true)
             try:
                 self._finish(src, *item[1:])
             except BaseException as exc:  # noqa: BLE001 - recorded for the caller's thread
                 self._fail(src, exc)
                 return
             with self._cv:
-                queue.popleft()
                 self._pending[src] -= 1
                 self._cv.notify_all()
 
     def _finish(self, src: int, msg, request, ptr: int, nbytes: int, event: int) -> None:
         desc = b""
         if request is not None:  # wait for the sender's description (GIL released; the timeout)
-            request.wait()
+            try:
+                request.wait()
+            except BaseException:
+                self._g._engine.event_destroy(event)  # never taken by recv_defer_finish
+                raise
             desc = _description(msg)
         with self._gate:
             if self.closed:
+                self._g._engine.event_destroy(event)
                 return
-            self._g._engine.recv_defer_finish(event, ptr, nbytes, src, desc)
+            self._g._engine.recv_defer_finish(event, ptr, nbytes, src, desc)  # takes the event
 
     def _fail(self, src: int, exc: BaseException) -> None:
+        # The abort first: a close() that sees the failure must find the engine aborted (its
+        # device sync would wait for the deferred waits until the timeout otherwise).
+        with self._gate:
+            if not self.closed:
+                self._g._engine.abort(src)
         with self._cv:
             if self.failure is None:
                 self.failure = exc
             self._pending[src] = 0
-            self._queues[src].clear()
+            _drop(self._g._engine, self._queues[src])
             self._cv.notify_all()
-        with self._gate:
-            if not self.closed:
-                self._g._engine.abort(src)
+
+
+def _drop(engine, queue: collections.deque) -> None:
+    """Forgets queued receives that will never be enqueued, releasing their events."""
+    while queue:
+        engine.event_destroy(queue.popleft()[-1])
 
 
 def _description(msg) -> bytes:

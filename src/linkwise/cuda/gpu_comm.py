@@ -233,8 +233,13 @@ class GpuComm(RefusalMixin):
             from ..errors import CommAbortedError
             raise CommAbortedError(f"rank {self.rank}: {op} on a closed GPU communicator "
                                    "(GpuComm.close() ran; make a new communicator to go on)")
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        """Raises the recorded failure: a deferred receive's helper's (deferred.py: it aborted
+        the engine, whose own error would only say a peer died or failed), else the engine's."""
         if self._deferred is not None and self._deferred.failure is not None:
-            raise self._deferred.failure  # a deferred receive's helper failed (deferred.py)
+            raise self._deferred.failure
         self._engine.check()
 
     def check(self) -> None:
@@ -256,7 +261,7 @@ class GpuComm(RefusalMixin):
         self._open("request")
         s = stream_handle(stream, view(x, "request"))
         return GpuRequest(self._engine, self._engine.event_record(s), float(self.comm.timeout),
-                          result)
+                          result, check=self._raise_failure)
 
     def isend(self, x: Any, dst: int, tag: int = 0, stream: Any = None):
         """send() as a request; wait() returns the bytes sent."""
@@ -456,8 +461,12 @@ class GpuComm(RefusalMixin):
     def synchronize(self, stream: int = 0) -> None:
         """Waits for `stream` (GIL released), then raises a recorded failure (see check())."""
         self._open("synchronize")
-        self._engine.synchronize(stream)
-        self._engine.check()
+        try:
+            self._engine.synchronize(stream)
+        except Exception:  # noqa: BLE001 - a deferred receive's failure explains it better
+            self._raise_failure()
+            raise
+        self._raise_failure()
 
     def close(self) -> None:
         if self._closed:
