@@ -342,36 +342,3 @@ def test_a_host_staged_sendrecv_ring_moves_more_than_the_staging_slots():
     t0 = time.monotonic()
     _errors(run_ranks(_two_or_more(), _staged_ring_body, env=env, timeout=120))
     assert time.monotonic() - t0 < 60
-
-
-# -- probe_03: a receive posted before its send, on another stream -------------------------------
-def _recv_first_body(comm):
-    g, torch = _setup(comm)
-    peer = 1 - comm.rank if comm.rank < 2 else None
-    errors = []
-    if peer is None:  # ranks past the first two take no part
-        return errors
-    for nbytes in (4 << 10, 64 << 10, 1 << 20):  # below LINKWISE_GPU_REG_MIN
-        n = nbytes // 4
-        a, b = torch.cuda.Stream(), torch.cuda.Stream()
-        x = torch.full((n,), float(comm.rank + 1), device="cuda")
-        y = torch.zeros(n, device="cuda")
-        torch.cuda.synchronize()
-        rq = comm.irecv(y, peer, stream=a)  # the first point-to-point call of this communicator
-        sq = comm.isend(x, peer, stream=b)
-        sq.wait()
-        rq.wait()
-        torch.cuda.synchronize()
-        if not bool((y == peer + 1).all()):
-            errors.append(f"rank {comm.rank}: {nbytes} bytes wrong")
-    return errors
-
-
-def test_a_receive_posted_before_its_send_on_another_stream_completes():
-    """Under CUDA's lazy module loading the send kernel was loaded at its first launch, which
-    waited for the running recv kernel, which waited for the peer's send: every rank timed
-    out. The point-to-point kernels are now loaded when the GPU plane is made."""
-    env = {**SAFE_ENV, "LINKWISE_TIMEOUT": "20", "CUDA_MODULE_LOADING": "LAZY"}
-    t0 = time.monotonic()
-    _errors(run_ranks(_two_or_more(), _recv_first_body, env=env, timeout=120))
-    assert time.monotonic() - t0 < 60

@@ -102,6 +102,13 @@ cudaError_t fork_side(EngineImpl& im, cudaStream_t s);
 cudaError_t join_side(EngineImpl& im, cudaStream_t s);
 void release_side(EngineImpl& im);
 
+// Inside GpuEngine's members: a CUDA call whose failure throws (GpuEngine::fail names `op`).
+#define LW_CUDA(call, op)                        \
+  do {                                           \
+    cudaError_t e_ = (call);                     \
+    if (e_ != cudaSuccess) fail((op), e_);       \
+  } while (0)
+
 // Makes `device` current for the scope and restores the caller's device (torch and cupy
 // keep their own notion of the current device).
 struct DeviceGuard {

@@ -33,12 +33,6 @@ void GpuEngine::check_launch(const char* op) const {
   if (e != cudaSuccess) fail(op, e);
 }
 
-#define LW_CUDA(call, op)                        \
-  do {                                           \
-    cudaError_t e_ = (call);                     \
-    if (e_ != cudaSuccess) fail((op), e_);       \
-  } while (0)
-
 GpuEngine::GpuEngine(int rank, int nranks, int device, size_t slot_bytes, double timeout_s)
     : rank_(rank), nranks_(nranks), device_(device), slot_bytes_(round_up(slot_bytes, 256)),
       timeout_s_(timeout_s) {

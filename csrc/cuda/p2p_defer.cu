@@ -64,12 +64,6 @@ void sig_post(const DevComm& c, int kind, int owner, int idx, cudaStream_t s) {
 
 }  // namespace
 
-#define LW_CUDA(call, op)                        \
-  do {                                           \
-    cudaError_t e_ = (call);                     \
-    if (e_ != cudaSuccess) fail((op), e_);       \
-  } while (0)
-
 cudaError_t preload_defer_kernels() {
   // Loaded when the engine is made. Under CUDA's lazy loading a kernel's first load may
   // synchronise the context, so it waits for a wait already spinning on s, which waits for

@@ -84,12 +84,6 @@ int reg_reduce_variant() {
 
 }  // namespace
 
-#define LW_CUDA(call, op)                        \
-  do {                                           \
-    cudaError_t e_ = (call);                     \
-    if (e_ != cudaSuccess) fail((op), e_);       \
-  } while (0)
-
 std::string GpuEngine::reg_describe(uintptr_t ptr) const {
   DeviceGuard g(device_);
   GetRangeFn fn = get_range_fn();

@@ -30,12 +30,6 @@
 
 namespace linkwise::cuda {
 
-#define LW_CUDA(call, op)                        \
-  do {                                           \
-    cudaError_t e_ = (call);                     \
-    if (e_ != cudaSuccess) fail((op), e_);       \
-  } while (0)
-
 cudaError_t fork_side(EngineImpl& im, cudaStream_t s) {
   cudaError_t e = cudaSuccess;
   if (!im.side) {
