@@ -2,7 +2,6 @@
 behind (each test says what went wrong before)."""
 import asyncio
 import gc
-import time
 import weakref
 
 import numpy as np
@@ -158,7 +157,7 @@ def _send_dropped_while_moving(comm):
     the next send or receive): it was kept for good."""
     n = 16 << 20
     if comm.rank == 1:
-        time.sleep(0.3)  # the peer drops its send before this receive starts
+        comm._store.get("test/dropped-checked")  # the peer has looked at its dropped send first
         got = np.zeros(n, np.uint8)
         comm.recv(got, 0, tag=1)
         comm.send(np.ones(1), 0, tag=2)
@@ -174,6 +173,7 @@ def _send_dropped_while_moving(comm):
     reply = comm.irecv(np.zeros(1), 1, tag=2)  # a post: lets go of the dropped sends that are done
     gc.collect()
     held_while_moving = alive() is not None  # not this one: the peer has not received it yet
+    comm._store.set("test/dropped-checked", b"1")  # (a store key: not behind the 16 MiB send)
     reply.wait()  # moves the rest of the dropped send
     comm.send(np.ones(1), 1, tag=3)
     gc.collect()

@@ -28,14 +28,27 @@ OPS = ["sum", "prod", "min", "max", "avg"]
 def _nranks() -> int:
     """One rank per GPU, at most 4. LINKWISE_TEST_GPU_RANKS=n runs n ranks on the GPUs there
     are (local_rank % count: ranks share a GPU through CUDA IPC, as on a 1-GPU machine)."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        gpus = pynvml.nvmlDeviceGetCount()
-    except Exception:  # noqa: BLE001
+    gpus = _gpu_count()
+    if not gpus:
         return 0
     forced = os.environ.get("LINKWISE_TEST_GPU_RANKS")
     return int(forced) if forced and gpus > 0 else min(4, gpus)
+
+
+def _gpu_count() -> int:
+    """The GPUs NVML sees; 0 without NVML or a driver."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def _errors(res) -> None:
+    """Every rank's list of problems (run_ranks' results) is empty."""
+    bad = [e for r in res for e in r]
+    assert not bad, bad
 
 
 def _two_or_more() -> int:

@@ -12,17 +12,12 @@ import time
 import pytest
 
 from multirank import run_ranks
-from test_gpu_collectives import SAFE_ENV, _setup, _two_or_more
+from test_gpu_collectives import SAFE_ENV, _errors, _gpu_count, _setup, _two_or_more
 
 pytestmark = pytest.mark.gpu
 
 ENV = {**SAFE_ENV, "LINKWISE_TIMEOUT": "20"}
 MiB = 1 << 20
-
-
-def _errors(res) -> None:
-    bad = [e for r in res for e in r]
-    assert not bad, bad
 
 
 def _full(torch, nbytes, value):
@@ -181,15 +176,6 @@ def test_a_late_source_does_not_hold_up_another():
     if gpus < 3:
         pytest.skip("needs 3 GPUs (ranks that share a GPU wait behind each other's spinning kernels)")
     _errors(run_ranks(min(4, gpus), _sources_body, env=ENV, timeout=120))
-
-
-def _gpu_count() -> int:
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetCount()
-    except Exception:  # noqa: BLE001 - no NVML, no GPU
-        return 0
 
 
 # -- the sender dies before its send -------------------------------------------------------------

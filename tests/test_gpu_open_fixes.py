@@ -17,14 +17,9 @@ import time
 import pytest
 
 from multirank import run_ranks
-from test_gpu_collectives import SAFE_ENV, _setup, _two_or_more
+from test_gpu_collectives import SAFE_ENV, _errors, _setup, _two_or_more
 
 pytestmark = pytest.mark.gpu
-
-
-def _errors(res) -> None:
-    bad = [e for r in res for e in r]
-    assert not bad, bad
 
 
 # -- probe_06: the IPC mapping cache -------------------------------------------------------------

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from multirank import run_ranks
-from test_gpu_collectives import SAFE_ENV, _setup, _two_or_more
+from test_gpu_collectives import SAFE_ENV, _errors, _setup, _two_or_more
 
 pytestmark = pytest.mark.gpu
 
@@ -27,11 +27,6 @@ class Cai:
         d["version"] = 3
         d["stream"] = stream
         self.__cuda_array_interface__ = d
-
-
-def _errors(res) -> None:
-    bad = [e for r in res for e in r]
-    assert not bad, bad
 
 
 # -- A: a closed GpuComm ------------------------------------------------------------------------

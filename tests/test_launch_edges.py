@@ -326,9 +326,10 @@ def test_each_rank_gets_its_share_of_openmp_threads(tmp_path, monkeypatch, argv,
     assert seen == [want] * (1 if expect is None else 2), (out, err)
 
 
-def _nested_env(script: str, argv: list, env: dict) -> list[tuple[str, str, str, str]]:
-    """Per rank of `linkwise launch *argv script` started with `env`: OMP_NUM_THREADS,
-    LINKWISE_SOCKET_IFNAME, LINKWISE_LAUNCH_SET and the count of CPUs it may use."""
+def _nested_env(script: str, argv: list, env: dict) -> list[tuple[str, str, str, str, str]]:
+    """Per rank of `linkwise launch *argv script` started with `env`, sorted by rank: its rank,
+    OMP_NUM_THREADS, LINKWISE_SOCKET_IFNAME, the count of CPUs it may use and
+    LINKWISE_LAUNCH_SET."""
     proc = _launcher([*argv, script], env=env)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
@@ -362,6 +363,7 @@ def test_a_launch_nested_in_a_rank_works_out_its_own_threads_and_interface(tmp_p
     for k, (rank, threads, ifname, cpus, _) in enumerate(rows):
         mine = binding_env(binding_for(k, 2), environ={}).get("LINKWISE_SOCKET_IFNAME")
         assert (rank, threads, ifname) == (str(k), cpus, str(mine)), rows  # its slice, its NIC
+        assert ifname != "=eth9", rows  # never the outer rank's interface
     # A value the user set is kept: one set before the outer launch, or changed in the rank.
     rows = _nested_env(script, ["-n", "2", "--bind", "auto"], dict(outer, OMP_NUM_THREADS="6",
                                                                    LINKWISE_SOCKET_IFNAME="=eth8"))

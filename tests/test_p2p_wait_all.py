@@ -85,8 +85,8 @@ def _one_fails_the_others_finish(comm, native):
     reqs = [comm.irecv(never, 1, tag=1, timeout=0.2), comm.irecv(late, 1, tag=2)]
     if not native:
         reqs.append(comm.all_reduce(np.zeros(0), async_op=True))  # so wait_all takes the general path
+    t0 = time.monotonic()  # before the send: rank 1's 0.6 s start once it lands
     comm.send(np.zeros(1, np.uint8), 1, tag=9)
-    t0 = time.monotonic()
     with pytest.raises(linkwise.TimeoutError):
         linkwise.wait_all(reqs)
     waited = time.monotonic() - t0

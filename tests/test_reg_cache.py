@@ -3,7 +3,7 @@ the same bookkeeping with made-up mappings and completion tokens, so its rules a
 without a GPU. Before, the cache never closed a mapping unless the same (peer, base) came back
 with another handle: a peer's freed allocations stayed allocated on its GPU for the
 communicator's life (bench/gpu_open_issues probe_06; the GPU test is in
-test_gpu_review_fixes.py)."""
+test_gpu_open_fixes.py)."""
 from __future__ import annotations
 
 import pytest
@@ -148,6 +148,8 @@ def test_a_mapping_that_cannot_be_opened_leaves_the_slot_unset():
 
 def test_the_bounds_are_gpu_plane_settings(monkeypatch):
     from linkwise import config
+    monkeypatch.delenv("LINKWISE_GPU_REG_CACHE_ENTRIES", raising=False)  # the defaults first
+    monkeypatch.delenv("LINKWISE_GPU_REG_CACHE_BYTES", raising=False)
     assert config.get("LINKWISE_GPU_REG_CACHE_ENTRIES") == 128
     assert config.get("LINKWISE_GPU_REG_CACHE_BYTES") == 4 << 30
     monkeypatch.setenv("LINKWISE_GPU_REG_CACHE_BYTES", "512M")

@@ -63,7 +63,7 @@ void copy_into(void* dst, const void* src, size_t bytes) {
   else copy_bytes(d, s, bytes);
 }
 
-bool forced() { return general_path_forced() || chunk_size_set(); }
+bool forced() { return general_path_forced(/*or_chunk_size=*/true); }
 
 bool arrays(nb::handle x, nb::handle out) { return is_array(x) && (out.is_none() || is_array(out)); }
 

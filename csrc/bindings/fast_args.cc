@@ -65,19 +65,13 @@ void enable() {
   g_array_type = &PyArray_Type;
 }
 
-bool general_path_forced() {
+bool general_path_forced(bool or_chunk_size) {
   if (!g_environ) return false;
   const int algo = PyDict_Contains(g_environ, g_algo_key);
   const int check = algo == 0 ? PyDict_Contains(g_environ, g_check_key) : 0;
-  if (algo < 0 || check < 0) throw nb::python_error();
-  return algo > 0 || check > 0;
-}
-
-bool chunk_size_set() {
-  if (!g_environ) return false;
-  const int set = PyDict_Contains(g_environ, g_chunk_key);
-  if (set < 0) throw nb::python_error();
-  return set > 0;
+  const int chunk = or_chunk_size && algo == 0 && check == 0 ? PyDict_Contains(g_environ, g_chunk_key) : 0;
+  if (algo < 0 || check < 0 || chunk < 0) throw nb::python_error();
+  return algo > 0 || check > 0 || chunk > 0;
 }
 
 double comm_timeout(nb::handle comm) {

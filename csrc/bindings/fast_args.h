@@ -52,13 +52,9 @@ nanobind::object declined();
 // True while LINKWISE_ALGO or LINKWISE_CHECK is in the environment, set to anything (even
 // empty): the general path honours them, so the entries decline. Two lookups in os.environ's
 // own dict (bytes keys on POSIX, what os.environ[...] = ... updates), ~20 ns; false before
-// enable().
-bool general_path_forced();
-
-// True while LINKWISE_CHUNK_SIZE is in the environment (set to anything; false before
-// enable()): the one-rank entries (bind_solo.cc) leave such calls to the general path, which
-// parses it on every call.
-bool chunk_size_set();
+// enable(). or_chunk_size: LINKWISE_CHUNK_SIZE too (the one-rank entries, bind_solo.cc, leave
+// such calls to the general path, which parses it on every call).
+bool general_path_forced(bool or_chunk_size = false);
 
 // An entry's body run as refusing() runs it, unless general_path_forced() (then declined()).
 template <class F>

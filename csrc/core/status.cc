@@ -15,10 +15,12 @@ void fail_errno(const std::string& what) {
   throw Error(ErrorKind::Internal, what + ": " + std::strerror(errno));
 }
 
-std::string seconds_text(double s) {
+std::string number_text(double v) {
   char b[32];
-  std::snprintf(b, sizeof b, "%g s", s);
+  std::snprintf(b, sizeof b, "%g", v);
   return b;
 }
+
+std::string seconds_text(double s) { return number_text(s) + " s"; }
 
 }  // namespace linkwise

@@ -30,6 +30,7 @@ class Error : public std::runtime_error {
 [[noreturn]] void fail_check(const char* expr, const char* file, int line, const std::string& what);
 [[noreturn]] void fail_errno(const std::string& what);  // throws Internal with strerror(errno)
 // A duration for messages: "20 s", "0.5 s", "2.25 s" (not std::to_string's "20.000000").
+std::string number_text(double v);   // "%g" (snprintf: no iostreams in the module, wait.cc)
 std::string seconds_text(double s);
 
 }  // namespace linkwise

@@ -24,15 +24,14 @@ bool interrupted() {
 }
 
 // The number as "%g" prints it ("nan", "-1", "inf", "0.5": what std::ostringstream printed).
-// snprintf, as seconds_text, not iostreams: on the GPU machine's image (g++ 13.3, Python 3.12.3,
+// snprintf (number_text), not iostreams: on the GPU machine's image (g++ 13.3, Python 3.12.3,
 // gVisor) formatting the double through std::ostringstream segfaulted inside
 // std::ostream::_M_insert<double> (cuda-gdb backtrace), so every bad timeout killed the process;
 // with snprintf tests/test_native_error_kinds.py passes there (docs/benchmarks.md, thirty-fifth
 // session). Keep iostreams out of the module.
 void throw_bad_timeout(const char* op, double timeout_s) {
-  char number[32];
-  std::snprintf(number, sizeof number, "%g", timeout_s);
-  throw Error(ErrorKind::Invalid, std::string(op) + ": timeout " + number + ": give seconds, a positive finite number");
+  throw Error(ErrorKind::Invalid, std::string(op) + ": timeout " + number_text(timeout_s) +
+                                      ": give seconds, a positive finite number");
 }
 
 void throw_interrupted(int rank, const std::string& what) {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <string>
 
 #include "cuda/gpu_device.cuh"
 #include "cuda/peer_watch.h"
@@ -72,6 +73,16 @@ struct RegUse {
   ~RegUse();
 };
 void init_reg_cache(RegCache& cache, int rank);  // its CUDA hooks (reg_engine.cu)
+// A buffer's description (reg_describe) read back: its allocation's IPC handle, base, the
+// buffer's offset in it and the allocation's size; Invalid when malformed (reg_engine.cu).
+struct Described {
+  std::string handle;
+  uint64_t base = 0, offset = 0, bytes = 0;
+  char* local() const { return reinterpret_cast<char*>(base + offset); }  // our own buffer
+};
+Described read_description(const std::string& desc, int peer);
+// Peer `peer`'s described buffer mapped through `cache` as slot `slot`: its address here.
+char* map_described(RegCache& cache, int slot, int peer, const std::string& desc);
 cudaError_t preload_defer_kernels();  // p2p_defer.cu; see preload_copy_kernels (launch.h)
 void release_defer(EngineImpl& im);   // p2p_defer.cu; close(), after a device sync
 

@@ -31,7 +31,6 @@
 // aborts the engine (GpuEngine::abort), so the wait on s gives up and the host raises.
 #include <cuda_runtime.h>
 
-#include <cstring>
 #include <mutex>
 #include <string>
 
@@ -130,17 +129,11 @@ void GpuEngine::recv_now(uintptr_t x, size_t nbytes, int src, uintptr_t stream, 
     return;
   }
   if (nbytes == 0) return;
-  if (desc.size() != kDescBytes)
-    throw Error(ErrorKind::Invalid, "recv: malformed buffer description from rank " + std::to_string(src));
   DeviceGuard g(device_);
   EngineImpl& im = *impl_;
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  uint64_t meta[3];  // base, offset, allocation size (reg_describe)
-  std::memcpy(meta, desc.data() + sizeof(cudaIpcMemHandle_t), sizeof(meta));
   std::lock_guard<std::mutex> lock(im.p2p_mu);
-  char* from = static_cast<char*>(im.p2p_cache.map(0, src, meta[0], meta[2],
-                                                   desc.substr(0, sizeof(cudaIpcMemHandle_t)))) +
-               meta[1];
+  char* from = map_described(im.p2p_cache, 0, src, desc);
   im.p2p_cache.trim();
   try {
     RegUse use{im, s, &im.p2p_cache};  // its event goes after the copy (declared after the map)

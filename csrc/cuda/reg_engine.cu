@@ -143,6 +143,22 @@ RegUse::~RegUse() {
   c.note_use(reinterpret_cast<uintptr_t>(s), RegCache::Token());
 }
 
+Described read_description(const std::string& desc, int peer) {
+  if (desc.size() != kDescBytes)
+    throw Error(ErrorKind::Invalid, "malformed buffer description from rank " + std::to_string(peer));
+  Described d;
+  d.handle = desc.substr(0, sizeof(cudaIpcMemHandle_t));
+  uint64_t meta[3];  // base, offset, allocation size (reg_describe's layout)
+  std::memcpy(meta, desc.data() + sizeof(cudaIpcMemHandle_t), sizeof(meta));
+  d.base = meta[0], d.offset = meta[1], d.bytes = meta[2];
+  return d;
+}
+
+char* map_described(RegCache& cache, int slot, int peer, const std::string& desc) {
+  const Described d = read_description(desc, peer);
+  return static_cast<char*>(cache.map(slot, peer, d.base, d.bytes, d.handle)) + d.offset;
+}
+
 void GpuEngine::reg_map(const std::vector<std::string>& descs, int slot) {
   if (slot < 0 || slot > 2 || static_cast<int>(descs.size()) != nranks_)
     throw Error(ErrorKind::Invalid, "reg_map: one description per rank, slot 0, 1 or 2");
@@ -152,17 +168,8 @@ void GpuEngine::reg_map(const std::vector<std::string>& descs, int slot) {
     im.reg[slot][r] = nullptr;
     im.reg_cache.unset(slot, r);
     if (descs[r].empty()) continue;
-    if (descs[r].size() != kDescBytes)
-      throw Error(ErrorKind::Invalid, "reg_map: malformed description from rank " + std::to_string(r));
-    uint64_t meta[3];  // base, offset, allocation size (reg_describe)
-    std::memcpy(meta, descs[r].data() + sizeof(cudaIpcMemHandle_t), sizeof(meta));
-    if (r == rank_) {
-      im.reg[slot][r] = reinterpret_cast<char*>(meta[0] + meta[1]);
-      continue;
-    }
-    std::string handle = descs[r].substr(0, sizeof(cudaIpcMemHandle_t));
-    char* mapped = static_cast<char*>(im.reg_cache.map(slot, r, meta[0], meta[2], handle));
-    im.reg[slot][r] = mapped + meta[1];
+    im.reg[slot][r] = r == rank_ ? read_description(descs[r], r).local()
+                                 : map_described(im.reg_cache, slot, r, descs[r]);
   }
   im.reg_cache.trim();
   // A peer's new allocation retires its old entries that it overlaps (they were freed): a
