@@ -109,12 +109,6 @@ void bind_cuda(nb::module_& m) {
       .def("broadcast_reg", &GpuEngine::broadcast_reg, rel())
       .def("send_reg", &GpuEngine::send_reg, rel())
       .def("recv_defer_begin", &GpuEngine::recv_defer_begin, rel())
-      .def("recv_defer_finish",
-           [](GpuEngine& e, uintptr_t ev, uintptr_t x, size_t nbytes, int src, const nb::bytes& d) {
-             std::string desc(d.c_str(), d.size());
-             nb::gil_scoped_release r;
-             e.recv_defer_finish(ev, x, nbytes, src, desc);
-           })
       .def("recv_now",
            [](GpuEngine& e, uintptr_t x, size_t nbytes, int src, uintptr_t stream, const nb::bytes& d) {
              std::string desc(d.c_str(), d.size());

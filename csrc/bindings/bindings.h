@@ -14,5 +14,6 @@ void bind_shm_coll(nanobind::module_& m);
 void bind_coll(nanobind::module_& m);
 void bind_solo(nanobind::module_& m);  // SoloColl: one-rank latency entries (bind_solo.cc)
 void bind_cma(nanobind::module_& m);
-void bind_reg_cache(nanobind::module_& m);  // _RegCacheModel, for tests (bind_reg_cache.cc)
+void bind_reg_cache(nanobind::module_& m);
+void bind_defer(nanobind::module_& m);  // _DeferWorkers, _DeferTestTarget (bind_defer.cc)  // _RegCacheModel, for tests (bind_reg_cache.cc)
 }  // namespace linkwise

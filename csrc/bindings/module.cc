@@ -103,6 +103,7 @@ NB_MODULE(_native, m) {
   linkwise::bind_solo(m);
   linkwise::bind_cma(m);
   linkwise::bind_reg_cache(m);
+  linkwise::bind_defer(m);  // after bind_p2p and bind_cuda: takes their Request and _GpuEngine
   m.def("copy_detours", []() {
     const auto c = linkwise::copy_detours();
     return std::make_pair(c.vector_copies, c.cma_bounces);

@@ -51,6 +51,9 @@ class PyRequest {
   // engine's lock before post() returned, never changed after.
   bool driven() const { return req_->is_async; }
   HeldBuffer& buffer() { return buf_; }
+  // For threads that wait on it without Python (DeferWorkers): the engine and the request.
+  const std::shared_ptr<NativeComm>& native_comm() const { return comm_; }
+  const std::shared_ptr<Request>& request() const { return req_; }
   // Seconds wait() and await give it when not told otherwise (the communicator's timeout, or
   // the isend/irecv timeout= argument).
   double timeout;
