@@ -114,11 +114,15 @@ bool root_zero(nb::handle root) { return root_of(root, 1) == 0; }
 }  // namespace
 
 void bind_solo(nb::module_& m) {
-  nb::class_<SoloColl>(m, "SoloColl",
-                       "The latency entries of a one-rank communicator: the shared-memory executor's entry "
-                       "names, each a copy of x (or nothing, in place), or NotImplemented where the general "
-                       "path must run the call (csrc/bindings/bind_solo.cc).")
-      .def("__init__",
+  nb::class_<SoloColl> cls(m, "SoloColl",
+                          "The latency entries of a one-rank communicator: the shared-memory executor's entry "
+                          "names, each a copy of x (or nothing, in place), or NotImplemented where the general "
+                          "path must run the call (csrc/bindings/bind_solo.cc).");
+  // Async calls too (ShmColl's is false): one rank waits for no one, so an async call is done
+  // when issued (its request complete at once) and has no queue to overtake. The collectives'
+  // general path runs a one-rank async call at once for the same reason and reads this too.
+  cls.attr("serves_async") = true;
+  cls.def("__init__",
            [](SoloColl* s) {
              enable();  // NumPy's C API and os.environ's dict, as the executor's entries
              new (s) SoloColl();
