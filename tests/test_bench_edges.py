@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -134,6 +135,25 @@ def test_mpirun_args_are_split_as_a_shell_splits_them(monkeypatch):
               "--mpirun-args", "--mca btl 'self")
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     assert r.stderr.splitlines() == ["linkwise bench: --mpirun-args \"--mca btl 'self\": No closing quotation"]
+
+
+def test_mpi_how_is_the_command_without_the_benchmarks_own_forwarding(monkeypatch):
+    """The "how" line is mpirun_command(forward=False): the command as run less the benchmark's
+    own -x VAR pairs, and nothing else. It used to strip those pairs from the command as run,
+    which also dropped the user's own "-x PYTHONPATH" from --mpirun-args."""
+    from linkwise.bench import spawn
+    monkeypatch.setattr(compare, "find_mpirun", lambda: "/opt/mpi/bin/mpirun")
+    extra = "-x PYTHONPATH --bind-to none"
+    run = compare.mpirun_command(2, extra)
+    first = run.index("-x")  # the benchmark's own pairs come first, the user's after them
+    own_pairs = [a for var in compare.FORWARDED for a in ("-x", var)]
+    assert run[first:first + len(own_pairs)] == own_pairs and run[-4:] == extra.split(), run
+    shown = compare.mpirun_command(2, extra, forward=False)
+    assert shown == run[:first] + run[first + len(own_pairs):], (shown, run)
+    how = spawn.mpi_how(2, extra)
+    assert how == "second launch right after linkwise's: " + shlex.join(["mpirun"] + shown[1:]), how
+    assert how.endswith(" -x PYTHONPATH --bind-to none"), how
+    assert not {"LINKWISE_BENCH_ARGS", "LINKWISE_BENCH_SYSTEMS", "LINKWISE_BENCH_RESULT"} & set(how.split()), how
 
 
 def test_nranks_other_than_the_launchers_is_refused():

@@ -223,3 +223,40 @@ def test_a_split_alone_and_a_closed_one(comm):
                  lambda: sub.broadcast(x, out=x.copy()), lambda: sub.all_to_all(x)):
         with pytest.raises(CommAbortedError, match="closed communicator"):
             call()
+
+
+def test_the_latency_entries_say_whether_they_serve_async_calls(comm):
+    """One rule, the entries' serves_async (SoloColl: True; the executor's ShmColl: False), and
+    not the communicator's size, decides whether an async call may take a latency entry and
+    whether the general path runs it at once. Entries that serve blocking calls only, on a
+    one-rank communicator, see its blocking calls and none of its async ones, which go to the
+    worker in issue order and still give the same results."""
+    from linkwise import _native
+    assert _native.SoloColl.serves_async is True and _native.ShmColl.serves_async is False
+    assert comm._fast_shm.serves_async is True
+    sub = comm.split(0)
+    solo, seen = sub._fast_shm, []
+
+    class BlockingOnly:  # as a many-rank executor's entries: blocking calls only
+        serves_async = False
+
+        def __getattr__(self, name):
+            def entry(*args):
+                seen.append(name)
+                return getattr(solo, name)(*args)
+            return entry
+    try:
+        sub._fast_shm = BlockingOnly()
+        x = np.arange(6, dtype=np.float32)
+        assert sub.all_reduce(x) is x and seen == ["all_reduce_fast"]
+        reqs = [sub.all_reduce(x, async_op=True), sub.broadcast(x, async_op=True),
+                sub.all_gather(x, async_op=True), sub.reduce_scatter(x, async_op=True),
+                sub.gather(x, async_op=True), sub.scatter(x, async_op=True),
+                sub.reduce(x, async_op=True), sub.all_to_all(x, async_op=True)]
+        results = linkwise.wait_all(reqs)
+        assert seen == ["all_reduce_fast"], seen
+        assert results[0] is x and results[1] is x and (x == np.arange(6)).all()
+        assert all((r == x).all() for r in results[2:6]), results
+        assert sub.__dict__.get("_coll_worker") is not None  # not run at once: queued in order
+    finally:
+        sub.close()

@@ -156,3 +156,49 @@ def test_a_watched_store_wait_counts_one_arrival_and_gives_up_when_told():
     finally:
         other.close()
         server.close()
+
+
+def _late_survivor_sees_both_gone(comm, victim, early, transport):
+    """The victim dies before the split's last barrier; survivor ``early`` gives up on it and
+    exits at once; rank 0 reaches that barrier only once ``early`` too is gone."""
+    if comm.rank == victim:
+        _die_at("ready")
+    elif comm.rank == 0:
+        from linkwise import store as store_module
+        plain = store_module.Store.barrier
+
+        def barrier(self, name, *args, **kwargs):
+            if name.endswith("/ready"):
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline:  # until the early survivor has left
+                    comm._native.poll()
+                    if not comm._native.peer_alive(early):
+                        break
+                    time.sleep(0.02)
+            plain(self, name, *args, **kwargs)
+        store_module.Store.barrier = barrier
+    comm.barrier()
+    try:
+        comm.split(0)
+    except PeerError as exc:
+        outcome = ("PeerError", exc.peer, str(exc))
+    else:
+        outcome = ("split",)
+    return outcome, comm._native.peer_alive(early) if comm.rank == 0 else None
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_survivor_that_gave_up_and_left_first_is_not_named(transport):
+    """Rank 2 dies in the split's setup; rank 1 raises PeerError naming it and exits; rank 0,
+    in a later wait of the same setup, then finds both ranks 1 and 2 gone. It names rank 2,
+    the one that died: before, it named rank 1 (the first gone in its order), a survivor that
+    had only given up because of rank 2."""
+    out = run_ranks(3, _late_survivor_sees_both_gone, 2, 1, transport, timeout=30, expect_fail=True,
+                    env={"LINKWISE_TIMEOUT": SPLIT_TIMEOUT, "LINKWISE_TRANSPORT": transport})
+    assert out[2][0] == "died", out
+    assert out[1][0] == "ok" and out[1][1][0][:2] == ("PeerError", 2), out
+    assert out[0][0] == "ok", out
+    (kind, peer, message), early_alive = out[0][1]
+    assert early_alive is False, out  # rank 0 did look only once rank 1 had left
+    assert (kind, peer) == ("PeerError", 2), out
+    assert "rank 2 died or left during split" in message and "rank 1 gave up because of it" in message, out

@@ -2,7 +2,6 @@
 // the work to one algorithm family. The algorithm choice (p.algo) and the shape (order,
 // parent, children, chunk) were made on the Python side; Auto falls back to the defaults.
 #include <algorithm>
-#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -69,8 +68,11 @@ void run_collective(Engine& engine, const CollParams& p, const void* send, size_
   CollCtx c(engine, p, call_bytes);
   const int n = engine.size(), me = engine.rank();
   const size_t es = dtype_size(p.dtype);
+  // The local copies below never overlap: an x that overlaps out without being it was staged
+  // above, and all_gather's own block of out (me * send_bytes on) lies past an x that is out.
+  // So copy_bytes (memcpy's contract, and the aliasing detour of core/copy.h) serves them.
   auto copy = [](void* dst, const void* src, size_t bytes) {
-    if (bytes && dst != src) std::memmove(dst, src, bytes);
+    if (bytes && dst != src) copy_bytes(dst, src, bytes);
   };
   switch (p.kind) {
     case CollKind::AllReduce: {

@@ -104,6 +104,10 @@ void shm_broadcast(PyShmColl& s, HeldBuffer& hb, HeldBuffer* hs, int root, doubl
 
 void bind_shm_coll(nb::module_& m) {
   nb::class_<PyShmColl> cls(m, "ShmColl", "Shared-memory collectives of a single-host communicator.");
+  // The latency entries (*_fast) serve blocking calls only: an async call is queued on the
+  // communicator's worker, in issue order, which an entry run at once would overtake. The
+  // collectives read this (comm._fast_shm.serves_async) instead of asking for one rank.
+  cls.attr("serves_async") = false;
   bind_shm_fast(cls);
   bind_shm_fast_blocks(cls);
   cls.def(nb::new_([](NativeComm& c, const std::string& name, bool create, double spin_us) {

@@ -67,26 +67,12 @@ bool forced() { return general_path_forced(/*or_chunk_size=*/true); }
 
 bool arrays(nb::handle x, nb::handle out) { return is_array(x) && (out.is_none() || is_array(out)); }
 
-// x reduced with op (code = dtype * 8 + op) into x (out None or x) or into out: the
-// reductions' shared body (all_reduce, and reduce on its only rank, the root).
-nb::object reduced(nb::handle x, nb::handle op, nb::handle out) {
-  if (!arrays(x, out)) return declined();
-  HeldBuffer hx;
-  if (!try_export_buffer(x, hx)) return declined();
-  const int code = reduction_code(hx.view, op);
-  if (code < 0) return declined();
-  if (out.is_none() || out.is(x)) return usable(hx, true) ? nb::borrow(x) : declined();
-  HeldBuffer ho;
-  if (!try_export_buffer(out, ho) || reduce_dtype(ho.view) != code >> 3 || ho.bytes() != hx.bytes() ||
-      !usable(ho, true) || !usable(hx, false))
-    return declined();
-  copy_into(ho.ptr(), hx.ptr(), hx.bytes());
-  return nb::borrow(out);
-}
-
 // A collective whose one-rank result is x itself in out: the caller's out (of x's moved item,
 // `want` bytes, writable), x (out is x, or out None where `in_place`), or a new array
-// (make(), out None otherwise). `code` >= 0: x must be reducible so (reduce_scatter).
+// (make(), out None otherwise). `code_needed`: x must be reducible with op, and out of the
+// same reduction dtype (all_reduce, reduce, reduce_scatter); a reducible dtype is always one
+// classify() knows, and two buffers of one reduction dtype always hold the same moved item,
+// so the checks below are the reductions' own too.
 template <class Make>
 nb::object copied(nb::handle x, nb::handle out, bool in_place, int code_needed, nb::handle op, Make make) {
   if (!arrays(x, out)) return declined();
@@ -111,14 +97,21 @@ nb::object copied(nb::handle x, nb::handle out, bool in_place, int code_needed, 
 
 bool root_zero(nb::handle root) { return root_of(root, 1) == 0; }
 
+// copied()'s make for the collectives whose out defaults to x (in_place): never called.
+NewArray nothing_made(const HeldBuffer&) { return NewArray(); }
+
 }  // namespace
 
 void bind_solo(nb::module_& m) {
-  nb::class_<SoloColl>(m, "SoloColl",
-                       "The latency entries of a one-rank communicator: the shared-memory executor's entry "
-                       "names, each a copy of x (or nothing, in place), or NotImplemented where the general "
-                       "path must run the call (csrc/bindings/bind_solo.cc).")
-      .def("__init__",
+  nb::class_<SoloColl> cls(m, "SoloColl",
+                          "The latency entries of a one-rank communicator: the shared-memory executor's entry "
+                          "names, each a copy of x (or nothing, in place), or NotImplemented where the general "
+                          "path must run the call (csrc/bindings/bind_solo.cc).");
+  // Async calls too (ShmColl's is false): one rank waits for no one, so an async call is done
+  // when issued (its request complete at once) and has no queue to overtake. The collectives'
+  // general path runs a one-rank async call at once for the same reason and reads this too.
+  cls.attr("serves_async") = true;
+  cls.def("__init__",
            [](SoloColl* s) {
              enable();  // NumPy's C API and os.environ's dict, as the executor's entries
              new (s) SoloColl();
@@ -126,13 +119,13 @@ void bind_solo(nb::module_& m) {
       .def(
           "all_reduce_fast",
           [](SoloColl&, nb::handle, nb::handle x, nb::handle op, nb::handle out) {
-            return forced() ? declined() : reduced(x, op, out);
+            return forced() ? declined() : copied(x, out, true, 1, op, nothing_made);
           },
           nb::arg("comm"), nb::arg("x").none(), nb::arg("op").none(), nb::arg("out").none())
       .def(
           "reduce_fast",
           [](SoloColl&, nb::handle, nb::handle x, nb::handle root, nb::handle op, nb::handle out) {
-            return forced() || !root_zero(root) ? declined() : reduced(x, op, out);
+            return forced() || !root_zero(root) ? declined() : copied(x, out, true, 1, op, nothing_made);
           },
           nb::arg("comm"), nb::arg("x").none(), nb::arg("root").none(), nb::arg("op").none(),
           nb::arg("out").none())
@@ -140,7 +133,7 @@ void bind_solo(nb::module_& m) {
           "broadcast_fast",
           [](SoloColl&, nb::handle, nb::handle x, nb::handle root, nb::handle out) {
             if (forced() || !root_zero(root)) return declined();
-            return copied(x, out, true, 0, nb::handle(), [](const HeldBuffer&) { return NewArray(); });
+            return copied(x, out, true, 0, nb::handle(), nothing_made);
           },
           nb::arg("comm"), nb::arg("x").none(), nb::arg("root").none(), nb::arg("out").none())
       .def(
@@ -153,7 +146,7 @@ void bind_solo(nb::module_& m) {
             if (k == CollKind::ReduceScatter)
               return copied(x, out, false, 1, op, [&](const HeldBuffer& h) { return new_block(x, h.view, 1); });
             if (k == CollKind::AllToAll)
-              return copied(x, out, true, 0, op, [](const HeldBuffer&) { return NewArray(); });
+              return copied(x, out, true, 0, op, nothing_made);
             return declined();
           },
           nb::arg("comm"), nb::arg("kind"), nb::arg("x").none(), nb::arg("out").none(), nb::arg("op").none())
@@ -175,15 +168,12 @@ void bind_solo(nb::module_& m) {
       .def(
           "all_reduce",
           [](SoloColl&, nb::handle x, nb::handle out, int, double) -> nb::object {
-            // The bfloat16 latency path's call (_coll_fast), on uint16 views of x and out.
-            if (forced() || !is_array(x) || !is_array(out)) return declined();
-            HeldBuffer hx, ho;
-            if (!try_export_buffer(x, hx)) return declined();
-            if (out.is(x)) return usable(hx, true) ? nb::none() : declined();
-            if (!try_export_buffer(out, ho) || ho.bytes() != hx.bytes() || !usable(ho, true) || !usable(hx, false))
-              return declined();
-            copy_into(ho.ptr(), hx.ptr(), hx.bytes());
-            return nb::none();
+            // The bfloat16 latency path's call (_coll_fast), on uint16 views of x and out (out
+            // is x in place): copied()'s checks and copy, and None where it serves the call, as
+            // the executor's all_reduce returns.
+            if (forced() || !is_array(out)) return declined();
+            nb::object served = copied(x, out, true, 0, nb::handle(), nothing_made);
+            return served.is(Py_NotImplemented) ? served : nb::none();
           },
           nb::arg("x").none(), nb::arg("out").none(), nb::arg("code"), nb::arg("timeout"),
           "x's bits into out (nothing when out is x): a one-rank all_reduce of bfloat16 uint16 views; "

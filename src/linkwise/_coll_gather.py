@@ -21,7 +21,7 @@ class GatherScatterMixin:
     def gather(self, x: Any, root: int = 0, out: Any = None, async_op: bool = False):
         """Concatenate every rank's x onto root; returns out on root and None elsewhere."""
         fast = self._fast_shm  # the latency path: the executor's gather_fast, as in CollectivesMixin.reduce
-        if fast is not None and (not async_op or self.size == 1):
+        if fast is not None and (not async_op or fast.serves_async):
             r = fast.gather_fast(self, x, root, out)
             if r is not NotImplemented:
                 return self._done(r) if async_op else r
@@ -48,7 +48,7 @@ class GatherScatterMixin:
 
         x matters on root only (other ranks may pass None together with out=)."""
         fast = self._fast_shm
-        if fast is not None and (not async_op or self.size == 1):
+        if fast is not None and (not async_op or fast.serves_async):
             r = fast.scatter_fast(self, x, root, out)
             if r is not NotImplemented:
                 return self._done(r) if async_op else r

@@ -59,8 +59,11 @@ _NEVER, _cma_settings, DEFAULT_MAX_THREADS = _shm_exec.NEVER, _shm_exec.cma_sett
 class CollectivesMixin(_shm_exec.ExecutorMixin):
     """Mixed into Communicator; uses self._native, self.rank, self.size, self.timeout."""
 
-    # The shared-memory executor while the latency paths (all_reduce, reduce, broadcast) may use it: set
-    # when attached, cleared for good once async collectives exist (they need issue order).
+    # The latency entries: the shared-memory executor while the latency paths may use it (set
+    # when attached, cleared for good once async collectives exist: they need issue order), or
+    # a one-rank communicator's SoloColl (bind_solo.cc) from the start; None once closed. Its
+    # serves_async says whether its entries serve async_op=True calls too (one rank only): the
+    # one rule every latency path and _run read for async calls.
     _fast_shm = None
     # Large two-rank broadcasts go point-to-point (one single-copy message) unless the
     # executor has its own single-copy (CMA) broadcast; known once the executor is attached.
@@ -118,8 +121,11 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         worker = self.__dict__.get("_coll_worker")
         # Collectives run in issue order: inline when no async one is pending, else queued
         # behind them on the worker (and waited for, when blocking). One rank waits for no
-        # one: its async calls run inline too (a copy at most), their request done at once.
-        inline = (not async_op or self.size == 1) and (worker is None or worker.pending == 0)
+        # one: its async calls run inline too (a copy at most), their request done at once;
+        # its latency entries (SoloColl) say so, serves_async, and they are open while this is.
+        fast = self._fast_shm
+        inline = ((not async_op or (fast is not None and fast.serves_async))
+                  and (worker is None or worker.pending == 0))
         shm = self._shm_for(kind, nbytes)
         if shm is not None:
             _check_tunables()  # the other branch parses them in _schedule
@@ -254,7 +260,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         # *_fast entry also declines while LINKWISE_ALGO or LINKWISE_CHECK is set (to anything,
         # even empty): the general path honours them. A value that means the default takes
         # the same protocol there (the executor), so ranks may differ in that (slower only).
-        if fast is not None and (not async_op or self.size == 1) and dtype is None:
+        if fast is not None and (not async_op or fast.serves_async) and dtype is None:
             r = fast.all_reduce_fast(self, x, op, out)
             if r is NotImplemented and type(x) is _ndarray and x.dtype.kind == "V":
                 r = all_reduce_bf16_fast(self, fast, x, op, out)
@@ -293,7 +299,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         # The latency path: the executor's broadcast_fast tests x, root and out natively (as
         # all_reduce_fast) and returns NotImplemented where it does not serve the call (also
         # two-rank broadcasts that go point-to-point as one single-copy message).
-        if fast is not None and (not async_op or self.size == 1):
+        if fast is not None and (not async_op or fast.serves_async):
             r = fast.broadcast_fast(self, x, root, out)
             if r is not NotImplemented:
                 return self._done(r) if async_op else r
@@ -324,7 +330,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
                dtype: Optional[str] = None):
         """Combine x across ranks onto root (into x, or out, on root; other ranks' x is untouched)."""
         fast = self._fast_shm  # the latency path: the executor's reduce_fast, as all_reduce_fast
-        if fast is not None and (not async_op or self.size == 1) and dtype is None:
+        if fast is not None and (not async_op or fast.serves_async) and dtype is None:
             r = fast.reduce_fast(self, x, root, op, out)
             if r is not NotImplemented:
                 return self._done(r) if async_op else r
@@ -354,7 +360,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         """Concatenate every rank's x (rank order) into out (size * len(x) elements).
         CUDA arrays: on the GPU, on `stream`."""
         fast = self._fast_shm  # the latency path: the executor's exchange_fast, as all_reduce_fast
-        if fast is not None and (not async_op or self.size == 1):
+        if fast is not None and (not async_op or fast.serves_async):
             r = fast.exchange_fast(self, _ALL_GATHER, x, out, "")
             if r is not NotImplemented:
                 return self._done(r) if async_op else r
@@ -373,7 +379,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         """Combine x across ranks; rank r gets block r (x has size * len(out) elements).
         CUDA arrays: on the GPU, on `stream`."""
         fast = self._fast_shm
-        if fast is not None and (not async_op or self.size == 1) and dtype is None:
+        if fast is not None and (not async_op or fast.serves_async) and dtype is None:
             r = fast.exchange_fast(self, _REDUCE_SCATTER, x, out, op)
             if r is not NotImplemented:
                 return self._done(r) if async_op else r
@@ -404,7 +410,7 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
         """Rank r's block j (x split into size equal blocks) goes to rank j's block r.
         CUDA arrays: on the GPU, on `stream`."""
         fast = self._fast_shm
-        if fast is not None and (not async_op or self.size == 1):
+        if fast is not None and (not async_op or fast.serves_async):
             r = fast.exchange_fast(self, _ALL_TO_ALL, x, out, "")
             if r is not NotImplemented:
                 return self._done(r) if async_op else r

@@ -28,7 +28,7 @@ from ._request import Request, adopt_native  # noqa: F401 - Request is linkwise.
 from ._coll_args import _as_array, _raw
 from ._coll_coroutines import CoroutineCollectivesMixin
 from ._coll_gather import GatherScatterMixin
-from ._split_watch import MemberWatch
+from ._split_watch import MemberWatch, record_cause
 from .collectives import CollectivesMixin
 from .errors import BootstrapError, CommAbortedError, PeerError
 
@@ -347,7 +347,9 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
         local = [r for r in ranks if cards[r][2] == host]
         comm_id = f"{self.comm_id}-s{n}c{int(color)}"
         # Its setup waits on its members only: a death in another colour does not stop it.
-        members = MemberWatch(self._native, self.rank, ranks, f"split (setting up {comm_id})")
+        notes = f"{tag}/gave-up"  # who named whom (_split_watch: the rank that actually died)
+        members = MemberWatch(self._native, self.rank, ranks, f"split (setting up {comm_id})",
+                              self._store, notes)
         try:
             return type(self)(new_rank, len(ranks), local_rank=local.index(self.rank), local_size=len(local),
                               launcher=self.launcher, store=self._store, job_id=self.job_id,
@@ -362,7 +364,10 @@ class Communicator(CollectivesMixin, GatherScatterMixin, CoroutineCollectivesMix
                 try:
                     members()
                 except PeerError as named:
+                    record_cause(self._store, notes, self.rank, named.peer)
                     raise named from exc
+            elif exc.op == "split":  # the watch named a dead member (not the store's end: rank 0)
+                record_cause(self._store, notes, self.rank, exc.peer)
             raise
 
     # -- information and lifetime ---------------------------------------------------------

@@ -58,16 +58,19 @@ def find_mpirun() -> Optional[str]:
 FORWARDED = ("PYTHONPATH", "LINKWISE_BENCH_ARGS", "LINKWISE_BENCH_SYSTEMS", "LINKWISE_BENCH_RESULT")
 
 
-def mpirun_command(nranks: int, extra: str = "") -> list[str]:
-    """mpirun for nranks local processes, forwarding the benchmark's environment; `extra`
-    (--mpirun-args) split as a shell would (quotes keep an argument with spaces whole)."""
+def mpirun_command(nranks: int, extra: str = "", forward: bool = True) -> list[str]:
+    """mpirun for nranks local processes, forwarding the benchmark's environment (``-x VAR``
+    for each of FORWARDED; ``forward=False`` leaves those out: the command as shown to the
+    user, spawn.mpi_how); `extra` (--mpirun-args) split as a shell would (quotes keep an
+    argument with spaces whole)."""
     cmd = [find_mpirun() or "mpirun", "-n", str(nranks)]
     if nranks > len(os.sched_getaffinity(0)):
         cmd.append("--oversubscribe")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    for var in FORWARDED:
-        cmd += ["-x", var]
+    if forward:
+        for var in FORWARDED:
+            cmd += ["-x", var]
     cmd += shlex.split(extra)
     return cmd
 

@@ -162,15 +162,8 @@ def launch_mpi(nranks: int, args_json: str, timeout: float, extra: str = "") -> 
 
 
 def mpi_how(nranks: int, extra: str = "") -> str:
-    """The mpirun command as run (quoted for a shell), without the benchmark's own -x VAR."""
+    """The mpirun command as run (quoted for a shell), without the benchmark's own -x VAR
+    (the user's --mpirun-args are shown whole, their -x included)."""
     with _all_cpus():
-        cmd = compare.mpirun_command(nranks, extra)
-    own = {("-x", var) for var in compare.FORWARDED}
-    shown, k = [os.path.basename(cmd[0])], 1
-    while k < len(cmd):
-        if tuple(cmd[k:k + 2]) in own:
-            k += 2
-            continue
-        shown.append(cmd[k])
-        k += 1
-    return "second launch right after linkwise's: " + shlex.join(shown)
+        cmd = compare.mpirun_command(nranks, extra, forward=False)
+    return "second launch right after linkwise's: " + shlex.join([os.path.basename(cmd[0])] + cmd[1:])
