@@ -131,6 +131,14 @@ def test_a_refusal_of_the_first_gpu_call_reaches_the_ranks_making_the_plane(case
     assert all(o[2] == handles and o[3] == 6.0 for o in out), out
 
 
+def test_a_barriers_refusal_reaches_them_under_linkwise_check_too():
+    """barrier(stream=) has no agreement exchange: the others go straight to making the plane."""
+    out = run_ranks(2, _first_call_refused, "barrier async_op", timeout=90,
+                    env={"LINKWISE_TIMEOUT": TIMEOUT, "LINKWISE_CHECK": "1"})
+    assert out[0][0].startswith("TypeError") and out[1][0].startswith("ValueError: rank 1: rank 0 refused"), out
+    assert out[1][1] < PROMPT and out[0][2] == out[1][2] and out[0][3] == 3.0, out
+
+
 def _refused_under_check(comm):
     """LINKWISE_CHECK: the others of a collective meet the refusing rank in the agreement
     exchange first, which tells them; no card is sent to a setup nobody makes."""
