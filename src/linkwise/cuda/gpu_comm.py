@@ -136,7 +136,7 @@ class GpuComm(RefusalMixin):
         self._key, self._watch = plane_key(comm), member_watch(comm)
         # First: settings one rank refuses (a device out of range too), or a rank's refusal of
         # its first call's arguments, fail every rank here (plane_setup.exchange_cards).
-        watch = exchange_cards(comm, device, self._key, self._watch)
+        pids = exchange_cards(comm, device, self._key, self._watch)  # to watch (peer_watch.h)
         self.device = select_device(comm, device)
         slot = int(slot_bytes or config.get("LINKWISE_GPU_SLOT_BYTES") or _DEFAULT_SLOT)
         self._engine = n._GpuEngine(self.rank, self.size, self.device, slot, float(comm.timeout))
@@ -160,7 +160,7 @@ class GpuComm(RefusalMixin):
             from .staged import Staged
             self._staged = Staged(self)
         if self.size > 1:
-            self._engine.watch_peers(watch)
+            self._engine.watch_peers(pids)
         if self.size > 1 and self._staged is None:
             store, key = comm._store, self._key
             handles = store.all_gather(f"{key}/ipc", self.rank, self.size, self._engine.ipc_handle(),
