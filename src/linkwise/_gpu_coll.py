@@ -8,7 +8,6 @@ array's current stream) and the call returns before the GPU has finished; with a
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 from typing import Any, Optional
 
@@ -64,12 +63,13 @@ def _run(comm, op: str, x: Any, *, out: Any, red: str, root: Any, dtype: Optiona
          stream: Any) -> Any:
     # A rank's own checks refuse through g._refusing (refusal.py): a peer that got past them may
     # have enqueued its kernels, which wait for this rank. Before this rank's plane exists no
-    # peer's kernel can wait for it (making the plane is collective), so the first checks then
-    # raise plainly; LINKWISE_CHECK's exchange comes before the plane is made (a rank that
-    # passed a host array meets the others there), and its mismatch raises on every rank
-    # alike: not a refusal of this rank's.
-    g = getattr(comm, "_gpu_comm", None)
-    with g._refusing(x, stream) if g is not None else contextlib.nullcontext():
+    # peer's kernel can wait for it, but the peers may be making the plane (collective), waiting
+    # for this rank's card: the refusal is sent there (plane_setup.refuse_before_plane).
+    # LINKWISE_CHECK's exchange comes before the plane is made (a rank that passed a host array
+    # meets the others there), and its mismatch raises on every rank alike: not a refusal of
+    # this rank's.
+    from .cuda.plane_setup import checks_of_a_gpu_call
+    with checks_of_a_gpu_call(comm, x, stream, agreed_first=True):
         from ._coll_args import _check_tunables  # here: _coll_args imports this module
         _check_tunables()
         if dtype is not None:
@@ -81,6 +81,7 @@ def _run(comm, op: str, x: Any, *, out: Any, red: str, root: Any, dtype: Optiona
     from ._coll_args import check_on
     if check_on():
         _check_agree(comm, op, x, red, root)
+    g = getattr(comm, "_gpu_comm", None)
     if g is None:
         g = comm.cuda()
     with g._refusing(x, stream):

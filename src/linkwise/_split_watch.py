@@ -1,5 +1,5 @@
 """Whether the members of a communicator being split off are still alive, for the waits of its
-setup (Communicator.split).
+setup (Communicator.split; a GPU plane's setup too, cuda/plane_setup.py).
 
 After init() every rank has settled in the rendezvous store, so the store no longer says when
 one dies (store.RankLeftError is for init() only); the parent communicator's engine does: it
@@ -45,11 +45,16 @@ class MemberWatch:
     nothing raises); ``rank``: this process's rank in the parent; ``members``: the parent ranks
     of the communicator being made, in its rank order (all of them for the split's own first
     exchange); ``what``: the setup step, for the message; ``store`` and ``notes``: where the
-    members record whom they named (see the module docstring; None: no records are read)."""
+    members record whom they named (see the module docstring; None: no records are read);
+    ``op``: the PeerError's op; ``renumbered``: whether the message says what the dead rank
+    was to be in the new communicator (not where the members keep their numbers: a GPU
+    plane's setup, cuda/plane_setup.py)."""
 
-    def __init__(self, native, rank: int, members: list[int], what: str, store=None, notes: str = ""):
+    def __init__(self, native, rank: int, members: list[int], what: str, store=None, notes: str = "",
+                 op: str = "split", renumbered: bool = True):
         self.native, self.rank, self.members, self.what = native, rank, list(members), what
         self.store, self.notes = store, notes
+        self.op, self.renumbered = op, renumbered
 
     def alive(self, peer: int) -> bool:
         """Whether parent rank ``peer`` may still be alive (reads the links first: a TCP peer's
@@ -91,7 +96,9 @@ class MemberWatch:
             if peer != self.rank and not native.peer_alive(peer):
                 dead = self.first_dead(peer)
                 left = "" if dead == peer else f" (rank {peer} gave up because of it and left too)"
+                to_be = (f" (it was to be rank {self.members.index(dead)} of the new communicator)"
+                         if self.renumbered else "")
                 raise PeerError(
-                    f"rank {self.rank}: rank {dead} died or left during {self.what} (it was to be rank "
-                    f"{self.members.index(dead)} of the new communicator){left}: {native.describe_link(dead)}; "
-                    f"see rank {dead}'s output for the cause", rank=self.rank, peer=dead, op="split")
+                    f"rank {self.rank}: rank {dead} died or left during {self.what}{to_be}{left}: "
+                    f"{native.describe_link(dead)}; see rank {dead}'s output for the cause",
+                    rank=self.rank, peer=dead, op=self.op)

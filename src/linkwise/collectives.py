@@ -449,8 +449,9 @@ class CollectivesMixin(_shm_exec.ExecutorMixin):
     @_skips_on_argument_error
     def _barrier(self, async_op: bool, stream: Any):
         if stream is not None:
-            g = self.__dict__.get("_gpu_comm")  # made: the others' barrier kernels may wait
-            with g._refusing(None, stream) if g is not None else contextlib.nullcontext():
+            # plane made: the others' barrier kernels may wait; else they may be making it
+            from .cuda.plane_setup import checks_of_a_gpu_call
+            with checks_of_a_gpu_call(self, None, stream):
                 if async_op:
                     raise TypeError("barrier: async_op=True cannot be combined with stream=")
             return self.cuda().barrier(stream=stream)  # an int cudaStream_t or a stream object

@@ -443,7 +443,7 @@ class Store:
             raise ValueError(f"all_gather {name!r}: rank {rank} is not in 0..{size - 1}")
         limit = self.timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + limit
-        self.set(f"__ag/{name}/{rank}", value)
+        self.all_gather_offer(name, rank, value)
         out = []
         for r in range(size):
             key = f"__ag/{name}/{r}"
@@ -462,6 +462,11 @@ class Store:
             except TimeoutError:  # named with the whole wait, not what was left of it for this key
                 raise TimeoutError(f"store get {key!r}: nobody set it within {limit:g} s") from None
         return out
+
+    def all_gather_offer(self, name: str, rank: int, value: bytes) -> None:
+        """Contribute ``value`` to all_gather ``name`` without waiting for the others' values
+        (a rank that will not take part but must not keep the others waiting for it)."""
+        self.set(f"__ag/{name}/{rank}", value)
 
     def close(self) -> None:
         """Close the connection and, on rank 0, the server (others then get StoreClosedError)."""

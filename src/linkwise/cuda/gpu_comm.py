@@ -1,8 +1,10 @@
 """GpuComm: one Communicator's GPU data plane (the C++ engine in csrc/cuda/).
 
-Setup (collective over the communicator, in the constructor): pick the device
+Setup (collective over the communicator, in the constructor; plane_setup.py): pick the device
 (``LINKWISE_DEVICE``, else local_rank % device_count), allocate the scratch area, exchange CUDA
-IPC handles through the rendezvous store (``comm._store``), map every peer's area, barrier.
+IPC handles through the rendezvous store (``comm._store``), map every peer's area, barrier. A
+rank that died meanwhile makes the others raise PeerError naming it; one that refused its first
+GPU call's arguments, ValueError naming it (both at once, not at the timeout).
 
 Large messages (``LINKWISE_GPU_REG_MIN`` bytes and up, default 4 MiB; ``LINKWISE_GPU_REG=0``
 turns it off): all_gather, broadcast and send/recv register the user buffers instead of
@@ -78,23 +80,17 @@ returning the closed GpuComm (make a new communicator for more GPU work).
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 from .. import config
 from . import registered as reg
 from .arrays import DTYPES, OPS, DevArray, check_out, stream_handle, view
+from .plane_setup import _native, exchange_cards, member_watch, plane_key, select_device
 from .refusal import RefusalMixin
 
 _DEFAULT_SLOT = 16 << 20
 _ALGOS = {"auto": 0, "oneshot": 1, "twoshot": 2}
 _REFUSED = 3  # GpuEngine::error_code after a refusal (gpu_device.cuh kErrRefused)
-_counter: dict = {}
-
-
-def _native():
-    from .. import _native as n
-    return n
 
 
 def unavailable_reason() -> str:
@@ -110,25 +106,6 @@ def unavailable_reason() -> str:
 def available() -> bool:
     """True when the extension was built with CUDA and a device is visible."""
     return not unavailable_reason()
-
-
-def select_device(comm, device: Optional[int] = None) -> int:
-    """`device`, else LINKWISE_DEVICE, else local_rank % the visible GPUs; ValueError when
-    the ordinal is not one of the visible GPUs (CUDA would fail every call on it later)."""
-    if device is None:
-        device = config.get("LINKWISE_DEVICE")  # ValueError naming the variable when not an int
-    count = _native().cuda_device_count()
-    if count <= 0:
-        raise RuntimeError(f"rank {comm.rank}: no CUDA device is visible")
-    if device is None:
-        return int(getattr(comm, "local_rank", comm.rank)) % count
-    device = int(device)
-    if not 0 <= device < count:
-        src = "LINKWISE_DEVICE" if os.environ.get("LINKWISE_DEVICE") else "device"
-        raise ValueError(f"rank {comm.rank}: {src}={device} is out of range: {count} CUDA "
-                         f"device(s) visible to this process (ordinals 0..{count - 1}, after "
-                         "CUDA_VISIBLE_DEVICES)")
-    return device
 
 
 def gpu_comm(comm) -> "GpuComm":
@@ -155,8 +132,11 @@ class GpuComm(RefusalMixin):
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
         self._closed = True  # until made: every entry refuses a GpuComm that is not open
-        # First: settings one rank refuses (a device out of range too) fail every rank here.
-        watch = self._exchange_cards(device)
+        # Every store wait of the setup (and of close) raises PeerError once a rank died.
+        self._key, self._watch = plane_key(comm), member_watch(comm)
+        # First: settings one rank refuses (a device out of range too), or a rank's refusal of
+        # its first call's arguments, fail every rank here (plane_setup.exchange_cards).
+        pids = exchange_cards(comm, device, self._key, self._watch)  # to watch (peer_watch.h)
         self.device = select_device(comm, device)
         slot = int(slot_bytes or config.get("LINKWISE_GPU_SLOT_BYTES") or _DEFAULT_SLOT)
         self._engine = n._GpuEngine(self.rank, self.size, self.device, slot, float(comm.timeout))
@@ -180,51 +160,19 @@ class GpuComm(RefusalMixin):
             from .staged import Staged
             self._staged = Staged(self)
         if self.size > 1:
-            self._engine.watch_peers(watch)
+            self._engine.watch_peers(pids)
         if self.size > 1 and self._staged is None:
-            store = comm._store
-            key = self._key
-            handles = store.all_gather(f"{key}/ipc", self.rank, self.size, self._engine.ipc_handle())
+            store, key = comm._store, self._key
+            handles = store.all_gather(f"{key}/ipc", self.rank, self.size, self._engine.ipc_handle(),
+                                       watch=self._watch)
             self._engine.open_peers(handles)
-            store.barrier(f"{key}/open", self.size)
+            store.barrier(f"{key}/open", self.size, watch=self._watch)
         self._closed = False
         self._fast = None  # the FastPath gpu_comm() installed on comm, if any
 
     @property
     def slot_bytes(self) -> int:
         return self._engine.slot_bytes
-
-    def _exchange_cards(self, device: Optional[int]) -> list:
-        """Exchanges every rank's (host, pid namespace, pid) and its first invalid GPU setting
-        (config.READ_BY_GPU_PLANE; the CUDA code reads several with atoi, unchecked; a device
-        out of range, select_device). A rank
-        that refuses a setting raises ValueError, the others BootstrapError naming it: before,
-        it raised alone and they waited for it in the IPC exchange until the timeout. Returns
-        the pids to watch (peer_watch.h): those that mean the same process here, else 0 (left
-        to the CPU engine and the timeout)."""
-        import json
-        from .._setup import host_identity, raise_for_refused_setting
-        error = config.first_invalid(config.READ_BY_GPU_PLANE)
-        if not error:
-            try:
-                select_device(self.comm, device)
-            except (ValueError, RuntimeError) as exc:
-                error = str(exc).removeprefix(f"rank {self.rank}: ")  # the rank is named again below
-        if self.size == 1:
-            raise_for_refused_setting(self.rank, [error], "make the GPU plane")
-            return []
-        cid = getattr(self.comm, "comm_id", "world")
-        k = _counter[cid] = _counter.get(cid, 0) + 1
-        self._key = f"{cid}/gpu/{k}"
-        try:
-            pidns = os.readlink("/proc/self/ns/pid")
-        except OSError:
-            pidns = "?"
-        me = {"who": f"{host_identity()}|{pidns}", "pid": os.getpid(), "error": error}
-        raw = self.comm._store.all_gather(f"{self._key}/pids", self.rank, self.size, json.dumps(me).encode())
-        cards = [json.loads(r) for r in raw]
-        raise_for_refused_setting(self.rank, [c["error"] for c in cards], "make the GPU plane")
-        return [c["pid"] if c["who"] == me["who"] and pidns != "?" else 0 for c in cards]
 
     def _open(self, op: str) -> None:
         """Raises CommAbortedError once close() ran (the engine is gone: a call into it would
@@ -489,7 +437,11 @@ class GpuComm(RefusalMixin):
         # Not after a failure: a dead or hung peer would hold everyone up until the timeout.
         failed = self._engine.error_code() not in (0, _REFUSED)  # a refusal leaves every rank alive
         if self.size > 1 and not failed and getattr(self.comm, "_store", None) is not None:
-            self.comm._store.barrier(f"{self._key}/close", self.size)
+            from ..errors import PeerError
+            try:
+                self.comm._store.barrier(f"{self._key}/close", self.size, watch=self._watch)
+            except PeerError:
+                pass  # a rank that died needs nothing of this one: tear down, as after a failure
         self._engine.close()
 
     def __repr__(self) -> str:
