@@ -27,6 +27,7 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+#include "core/process_local.h"
 
 namespace linkwise {
 
@@ -52,7 +53,7 @@ class ForkJoin {
 
   const int threads_;
   const double spin_us_;
-  std::vector<std::thread> helpers_;
+  std::vector<OwnedThread> helpers_;  // joined only by the process that started them
   std::mutex mu_;  // guards the sleeps (start_cv_, done_cv_) and err_
   std::condition_variable start_cv_, done_cv_;
   std::atomic<uint64_t> gen_{0};  // job number

@@ -36,6 +36,7 @@
 #include "bindings/native_comm.h"
 #include "bindings/shm_coll_py.h"
 #include "core/wait.h"
+#include "core/process_local.h"
 
 namespace nb = nanobind;
 
@@ -224,7 +225,7 @@ class CollWorker {
   void submit(std::shared_ptr<CollJob> job) {
     pending_.fetch_add(1);
     std::lock_guard<std::mutex> g(mu_);
-    if (!thread_.joinable()) thread_ = std::thread([this] { main(); });
+    if (!thread_.joinable()) thread_ = OwnedThread([this] { main(); });
     queue_.push_back(std::move(job));
     cv_.notify_all();
   }
@@ -261,7 +262,7 @@ class CollWorker {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<CollJob>> queue_;
-  std::thread thread_;
+  OwnedThread thread_;  // joined only by the process that started it
   bool stop_ = false;
   std::atomic<int> pending_{0};
   std::shared_ptr<Orphans> orphans_ = std::make_shared<Orphans>();
@@ -324,7 +325,7 @@ void bind_coll(nb::module_& m) {
       .def_prop_ro("nbytes", [](CollRequest&) { return 0; });
 
   nb::class_<CollWorker>(m, "CollWorker", "The worker thread that runs a communicator's async collectives.")
-      .def(nb::new_([](NativeComm& c) { return std::make_shared<CollWorker>(c.shared_from_this()); }),
+      .def(nb::new_([](NativeComm& c) { return make_process_local<CollWorker>(c.shared_from_this()); }),
            nb::arg("native"))
       .def("submit",
            [](CollWorker& w, int kind, nb::object x, nb::object out, int dtype, int op, int root, uint64_t seq,

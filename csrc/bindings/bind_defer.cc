@@ -7,6 +7,8 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <unistd.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <memory>
@@ -116,10 +118,14 @@ struct PyDeferWorkers {
     workers = std::make_unique<DeferWorkers>(t, nranks);
     this->nranks = nranks;
   }
+  ~PyDeferWorkers() {
+    if (getpid() != maker) (void)workers.release();  // a forked child's copy (core/process_local.h)
+  }
   nb::object target_obj;
   std::unique_ptr<DeferTarget> adapter;
   std::unique_ptr<DeferWorkers> workers;
   int nranks = 0;
+  const pid_t maker = getpid();
 };
 
 void post(PyDeferWorkers& w, int src, nb::object request, nb::object x, nb::object msg, uintptr_t event,

@@ -15,6 +15,7 @@
 
 #include "bindings/bindings.h"
 #include "bindings/native_comm.h"
+#include "core/process_local.h"
 
 namespace nb = nanobind;
 
@@ -160,7 +161,7 @@ void bind_p2p(nb::module_& m) {
 
   nb::class_<NativeComm>(m, "NativeComm", "The native point-to-point engine of one communicator.")
       .def(nb::new_([](int rank, int size, double spin_us, size_t pull_threshold) {
-             return std::make_shared<NativeComm>(rank, size, spin_us, pull_threshold);
+             return make_process_local<NativeComm>(rank, size, spin_us, pull_threshold);
            }),
            nb::arg("rank"), nb::arg("size"), nb::arg("spin_us"), nb::arg("pull_threshold"))
       .def("create_shm_inbox", &NativeComm::create_shm_inbox, nb::arg("name"), nb::arg("ring_bytes"))

@@ -11,6 +11,7 @@
 #include "bindings/bindings.h"
 #include "bindings/buffer.h"
 #include "bindings/shm_coll_py.h"
+#include "core/process_local.h"
 
 namespace nb = nanobind;
 
@@ -111,7 +112,7 @@ void bind_shm_coll(nb::module_& m) {
   bind_shm_fast(cls);
   bind_shm_fast_blocks(cls);
   cls.def(nb::new_([](NativeComm& c, const std::string& name, bool create, double spin_us) {
-             return std::make_shared<PyShmColl>(c.shared_from_this(), name, create, spin_us);
+             return make_process_local<PyShmColl>(c.shared_from_this(), name, create, spin_us);
            }),
            nb::arg("native"), nb::arg("name"), nb::arg("create"), nb::arg("spin_us"))
       .def("connect",

@@ -36,7 +36,7 @@ void DeferWorkers::post(Item item) {
   const int src = item.src;
   ++pending_[src];
   queues_[src].push_back(std::move(item));
-  if (!threads_[src].joinable()) threads_[src] = std::thread([this, src] { serve(src); });
+  if (!threads_[src].joinable()) threads_[src] = OwnedThread([this, src] { serve(src); });
   l.unlock();
   cv_.notify_all();
   reap();

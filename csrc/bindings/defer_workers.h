@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "p2p/request.h"
+#include "core/process_local.h"
 
 namespace linkwise {
 
@@ -101,7 +102,7 @@ class DeferWorkers {
   std::vector<std::deque<Item>> queues_;
   std::vector<int> pending_;  // posted, not yet enqueued or dropped
   std::vector<Item*> current_;  // the item a thread waits on (its request may be withdrawn)
-  std::vector<std::thread> threads_;
+  std::vector<OwnedThread> threads_;  // joined only by the process that started them
   std::vector<PyObject*> retired_;
   std::exception_ptr failure_;
   // Set under mu_; read under mu_ or, by a thread about to call the target, under gate_

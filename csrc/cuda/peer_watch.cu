@@ -31,7 +31,7 @@ void PeerWatch::start(const std::vector<int64_t>& pids) {
   }
   if (ranks_.empty()) return;
   stop_fd_ = eventfd(0, EFD_CLOEXEC);
-  thread_ = std::thread([this] { loop(); });
+  thread_ = OwnedThread([this] { loop(); });
 }
 
 void PeerWatch::stop() {

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cuda/gpu_device.cuh"
+#include "core/process_local.h"
 
 namespace linkwise::cuda {
 
@@ -48,7 +49,7 @@ class PeerWatch {
   std::vector<int> fds_, ranks_;   // pidfds (or -1: fall back to kill) and their ranks
   std::vector<int64_t> pids_;
   int stop_fd_ = -1;
-  std::thread thread_;
+  OwnedThread thread_;  // joined only by the process that started it
   static constexpr int kNone = -2;
   std::atomic<int> dead_{kNone};
   std::atomic<int64_t> dead_pid_{0};

@@ -45,6 +45,7 @@
 
 #include "p2p/request.h"
 #include "transport/transport.h"
+#include "core/process_local.h"
 
 namespace linkwise {
 
@@ -213,7 +214,7 @@ class Engine {
   std::atomic<int> pending_async_{0}; // non-blocking requests not yet done
   std::mutex thread_mu_;
   std::condition_variable thread_cv_;
-  std::thread progress_thread_;
+  OwnedThread progress_thread_;  // joined only by the process that started it
   bool stop_thread_ = false;
 };
 

@@ -177,7 +177,7 @@ void Engine::note_async_posted() {
   {
     std::lock_guard<std::mutex> g(thread_mu_);
     if (!progress_thread_.joinable() && !stop_thread_)
-      progress_thread_ = std::thread([this] { progress_thread_main(); });
+      progress_thread_ = OwnedThread([this] { progress_thread_main(); });
   }
   thread_cv_.notify_all();
   wake_all();
