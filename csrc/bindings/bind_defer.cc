@@ -49,6 +49,9 @@ class GpuTarget final : public DeferTarget {
 // fail_src makes finish for that source throw (as a failed mapping would).
 class TestTarget final : public DeferTarget {
  public:
+  // (event, x, nbytes, src, desc, finish had the GIL, time.monotonic() of the call)
+  template <class Bytes>
+  using Call = std::tuple<uintptr_t, uintptr_t, size_t, int, Bytes, bool, double>;
   void finish(uintptr_t event, uintptr_t x, size_t nbytes, int src, const std::string& desc) override {
     const bool had_gil = PyGILState_Check() == 1;
     const double t = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -72,10 +75,9 @@ class TestTarget final : public DeferTarget {
     }
     cv_.notify_all();
   }
-  // (event, x, nbytes, src, desc, finish had the GIL, time.monotonic() of the call)
-  std::vector<std::tuple<uintptr_t, uintptr_t, size_t, int, nb::bytes, bool, double>> finished() {
+  std::vector<Call<nb::bytes>> finished() {
     std::lock_guard<std::mutex> l(mu_);
-    std::vector<std::tuple<uintptr_t, uintptr_t, size_t, int, nb::bytes, bool, double>> out;
+    std::vector<Call<nb::bytes>> out;
     for (const auto& [ev, x, n, src, desc, gil, t] : finished_)
       out.emplace_back(ev, x, n, src, nb::bytes(desc.data(), desc.size()), gil, t);
     return out;
@@ -94,7 +96,7 @@ class TestTarget final : public DeferTarget {
   std::mutex mu_;
   std::condition_variable cv_;
   bool held_ = false;
-  std::vector<std::tuple<uintptr_t, uintptr_t, size_t, int, std::string, bool, double>> finished_;
+  std::vector<Call<std::string>> finished_;
   std::vector<uintptr_t> dropped_;
   std::vector<int> aborted_;
 };

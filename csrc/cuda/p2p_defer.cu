@@ -1,5 +1,6 @@
 // Deferred point-to-point receives: the receive is placed on the caller's stream now, and
-// enqueued for real later by a helper thread (the Python side: linkwise/cuda/deferred.py).
+// enqueued for real later by a native helper thread (bindings/defer_workers.h; the Python side
+// is linkwise/cuda/deferred.py).
 //
 // Why. A registered receive (LINKWISE_GPU_REG_MIN bytes and up) pulls from the sender's buffer,
 // whose description is a host message that the sender's send() issues. Enqueuing that copy
@@ -24,7 +25,7 @@
 //
 // Threading contract. recv_defer_finish and recv_now touch only src's receive state (recv_pieces[src],
 // recv_cum[src], seen[kSigP2pReady][src], defer_stream[src]) and p2p_cache (under p2p_mu). The
-// Python side gives src's receive state one user at a time: while a receive from src is
+// callers (deferred.py and DeferWorkers) give src's receive state one user at a time: while a receive from src is
 // deferred, every later receive from src is deferred behind it, so pieces are still matched in
 // issue order; only one helper thread serves a source. Everything else stays on the caller's
 // thread (GpuEngine's contract). A failure in recv_defer_finish throws; the helper then
