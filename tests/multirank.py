@@ -51,6 +51,9 @@ def _child(rank: int, n: int, port: int, fn, args, env: dict, wfd: int, init: bo
         os.environ.update(LINKWISE_RANK=str(rank), LINKWISE_SIZE=str(n), LINKWISE_LOCAL_RANK=str(rank),
                           LINKWISE_LOCAL_SIZE=str(n), LINKWISE_MASTER_ADDR="127.0.0.1",
                           LINKWISE_MASTER_PORT=str(port))
+        if os.environ.get("LINKWISE_TEST_DUMP_AFTER"):  # diagnosing a hang: every thread's stack
+            import faulthandler
+            faulthandler.dump_traceback_later(float(os.environ["LINKWISE_TEST_DUMP_AFTER"]))
         if init:
             import linkwise
             comm = linkwise.init()

@@ -4,11 +4,15 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "cuda/gpu_device.cuh"
+#include "cuda/ipc_closer.h"
 #include "cuda/peer_watch.h"
 #include "cuda/reg_cache.h"
 
@@ -29,7 +33,18 @@ struct EngineImpl {
   uint64_t send_pieces[kMaxRanks] = {}, send_cum[kMaxRanks] = {}, send_ring[kMaxRanks][2] = {};
   uint64_t recv_pieces[kMaxRanks] = {}, recv_cum[kMaxRanks] = {};
   // Registered user buffers: peers' allocations mapped through CUDA IPC, per (peer, base),
-  // bounded, each closed only once the work that used it is done (contract in reg_cache.h).
+  // bounded, each closed only once the work that used it is done (contract in reg_cache.h),
+  // by the closer's thread: a close waits for the whole device (ipc_closer.h). Both caches
+  // hand their closes to it; close() finishes it after a device sync.
+  std::shared_ptr<IpcCloser> closer;
+  // What the closer must not close under (engine_quiet), guarded by close_gate: deferred
+  // receives begun whose copy is not enqueued yet (defer_open; their data is in once the
+  // defer streams are idle), and an event after each registered send's wait for its receiver
+  // (sends_pending; pruned as they complete). A close waits for these, and the work they
+  // wait for may be ours or a peer's that waits for ours, enqueued later.
+  std::mutex close_gate;
+  std::atomic<int> defer_open{0};
+  std::vector<cudaEvent_t> sends_pending;
   RegCache reg_cache;
   // per call: buffer `slot` of every rank, as mapped here; slot 2 is every rank's prs scratch
   // (reg_prs.cu), mapped once and kept
@@ -72,7 +87,8 @@ struct RegUse {
   RegCache* cache = nullptr;
   ~RegUse();
 };
-void init_reg_cache(RegCache& cache, int rank);  // its CUDA hooks (reg_engine.cu)
+// Its CUDA hooks (reg_engine.cu): open maps now, close hands the mapping to `closer`.
+void init_reg_cache(RegCache& cache, int rank, IpcCloser& closer);
 // A buffer's description (reg_describe) read back: its allocation's IPC handle, base, the
 // buffer's offset in it and the allocation's size; Invalid when malformed (reg_engine.cu).
 struct Described {
@@ -85,6 +101,9 @@ Described read_description(const std::string& desc, int peer);
 char* map_described(RegCache& cache, int slot, int peer, const std::string& desc);
 cudaError_t preload_defer_kernels();  // p2p_defer.cu; see preload_copy_kernels (launch.h)
 void release_defer(EngineImpl& im);   // p2p_defer.cu; close(), after a device sync
+// True when no deferred receive is outstanding and every registered send's wait is done: the
+// closer may close now (ipc_closer.h). Called with im.close_gate held (p2p_defer.cu).
+bool engine_quiet(EngineImpl& im);
 
 // Registered-path synchronisation (reg_engine.cu, sig_kernel): one launch posts
 // sig[pk[i]][rank] += pa[i] on peer pp[i] (after a system fence: every earlier write of the

@@ -50,8 +50,10 @@ GpuEngine::GpuEngine(int rank, int nranks, int device, size_t slot_bytes, double
     fail("scratch allocation", e);
   }
   impl_->own = static_cast<char*>(p);
-  init_reg_cache(impl_->reg_cache, rank);
-  init_reg_cache(impl_->p2p_cache, rank);
+  EngineImpl* im = impl_;
+  impl_->closer = make_process_local<IpcCloser>(device, im->close_gate, [im] { return engine_quiet(*im); });
+  init_reg_cache(impl_->reg_cache, rank, *impl_->closer);
+  init_reg_cache(impl_->p2p_cache, rank, *impl_->closer);
   void* hf = nullptr;
   e = cudaHostAlloc(&hf, sizeof(HostFlags), cudaHostAllocMapped | cudaHostAllocPortable);
   if (e != cudaSuccess) {
@@ -86,8 +88,10 @@ void GpuEngine::close() {
   impl_->watch.stop();
   for (int r = 0; r < nranks_; ++r)
     if (impl_->opened[r]) cudaIpcCloseMemHandle(impl_->dev.base[r]);
+  impl_->closer->finish();  // its thread stops before release_defer destroys what quiet() reads
   reg_release();
   release_defer(*impl_);
+  impl_->closer->finish();  // the closes the caches posted just now, here (the device is idle)
   release_side(*impl_);
   if (impl_->prs_own) cudaFree(impl_->prs_own);
   cudaFree(impl_->own);

@@ -88,7 +88,8 @@ class GpuEngine {
   // for the next *_reg call; peer allocations are opened once and cached per (peer, base),
   // reopened when the handle changes; the cache is bounded (reg_cache_limits: entries, bytes
   // of peers' allocations) and closes a peer's mapping once that peer describes an allocation
-  // overlapping it, each only after the work that used it completed (reg_cache.h). The *_reg
+  // overlapping it, each only after the work that used it completed (reg_cache.h), on a thread
+  // of its own (ipc_closer.h). The *_reg
   // calls copy with the copy engines (cudaMemcpyAsync between IPC-mapped pointers) and
   // synchronise with sig counters.
   std::string reg_describe(uintptr_t ptr) const;
@@ -122,7 +123,9 @@ class GpuEngine {
   uintptr_t prs_scratch();
   void reg_cache_limits(size_t entries, uint64_t bytes);
   size_t reg_cached() const;                     // peers' allocations mapped now
-  std::vector<uint64_t> reg_cache_stats() const;  // entries, their bytes, retired not closed yet
+  // entries, their bytes, retired not closed yet, closes handed to the closer thread and not
+  // done yet (ipc_closer.h: a close waits for the device, so it runs there)
+  std::vector<uint64_t> reg_cache_stats() const;
   // Diagnostics: the push chain's per-block timestamps of the last call traced with
   // LINKWISE_GPU_PCHAIN_TRACE=1 (bcast_chain.cu), kChainBlocks x 4 ns values; synchronises.
   std::vector<uint64_t> pchain_trace();

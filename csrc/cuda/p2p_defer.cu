@@ -32,6 +32,8 @@
 // aborts the engine (GpuEngine::abort), so the wait on s gives up and the host raises.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <string>
 
@@ -82,6 +84,23 @@ void release_defer(EngineImpl& im) {
   }
   for (auto& s : im.defer_stream)
     if (s) cudaStreamDestroy(s), s = nullptr;
+  for (cudaEvent_t ev : im.sends_pending) cudaEventDestroy(ev);
+  im.sends_pending.clear();
+}
+
+bool engine_quiet(EngineImpl& im) {
+  if (im.defer_open.load(std::memory_order_acquire) > 0) return false;
+  for (cudaStream_t s : im.defer_stream)  // created under close_gate (recv_defer_begin)
+    if (s && cudaStreamQuery(s) == cudaErrorNotReady) return false;
+  auto& evs = im.sends_pending;
+  evs.erase(std::remove_if(evs.begin(), evs.end(), [](cudaEvent_t ev) {
+              if (cudaEventQuery(ev) == cudaErrorNotReady) return false;
+              cudaEventDestroy(ev);
+              return true;
+            }),
+            evs.end());
+  cudaGetLastError();  // a sticky failure is the waits' to report, not this thread's
+  return evs.empty();
 }
 
 uintptr_t GpuEngine::recv_defer_begin(int src, uintptr_t stream) {
@@ -91,6 +110,9 @@ uintptr_t GpuEngine::recv_defer_begin(int src, uintptr_t stream) {
   DeviceGuard g(device_);
   EngineImpl& im = *impl_;
   auto s = reinterpret_cast<cudaStream_t>(stream);
+  // No close may run from here until this receive's copy is enqueued (ipc_closer.h): the
+  // gate keeps out the closer while the wait below goes in, defer_open keeps it out after.
+  std::lock_guard<std::mutex> gate(im.close_gate);
   if (!im.defer_stream[src])
     LW_CUDA(cudaStreamCreateWithFlags(&im.defer_stream[src], cudaStreamNonBlocking), "recv");
   cudaEvent_t ev;
@@ -107,6 +129,7 @@ uintptr_t GpuEngine::recv_defer_begin(int src, uintptr_t stream) {
     im.watch.trip(-1);
     fail("recv", e);
   }
+  im.defer_open.fetch_add(1, std::memory_order_acq_rel);  // until recv_defer_finish
   return reinterpret_cast<uintptr_t>(ev);
 }
 
@@ -114,6 +137,10 @@ void GpuEngine::recv_defer_finish(uintptr_t event, uintptr_t x, size_t nbytes, i
                                   const std::string& desc) {
   DeviceGuard g(device_);
   EngineImpl& im = *impl_;
+  struct Enqueued {  // however this ends, the receive is no longer outstanding on the host
+    std::atomic<int>& open;
+    ~Enqueued() { open.fetch_sub(1, std::memory_order_acq_rel); }
+  } enqueued{im.defer_open};
   cudaStream_t p = im.defer_stream[src];
   auto ev = reinterpret_cast<cudaEvent_t>(event);
   cudaError_t e = cudaStreamWaitEvent(p, ev, 0);

@@ -107,7 +107,7 @@ std::string GpuEngine::reg_describe(uintptr_t ptr) const {
   return out;
 }
 
-void init_reg_cache(RegCache& cache, int rank) {
+void init_reg_cache(RegCache& cache, int rank, IpcCloser& closer) {
   RegCache::Hooks h;
   h.open = [rank](const std::string& handle, int peer) -> void* {
     cudaIpcMemHandle_t ih;
@@ -122,7 +122,7 @@ void init_reg_cache(RegCache& cache, int rank) {
     }
     return p;
   };
-  h.close = [](void* p) { cudaIpcCloseMemHandle(p); };
+  h.close = [&closer](void* p) { closer.post(p); };  // never here: it waits for the device
   h.done = [](const RegCache::Token& t) {
     return cudaEventQuery(static_cast<cudaEvent_t>(t.get())) != cudaErrorNotReady;
   };
@@ -196,7 +196,8 @@ std::vector<uint64_t> GpuEngine::reg_cache_stats() const {
   const RegCache& c = impl_->reg_cache;
   std::lock_guard<std::mutex> lock(impl_->p2p_mu);
   const RegCache& p = impl_->p2p_cache;
-  return {c.entries() + p.entries(), c.bytes() + p.bytes(), c.retired() + p.retired()};
+  return {c.entries() + p.entries(), c.bytes() + p.bytes(), c.retired() + p.retired(),
+          impl_->closer->pending()};
 }
 
 void GpuEngine::reg_release() { impl_->reg_cache.close_all(); }  // close(): after a device sync
@@ -429,6 +430,17 @@ void GpuEngine::send_reg(size_t nbytes, int dst, uintptr_t stream) {
   a.wait(kSigP2pDone, dst, ++im.seen[kSigP2pDone][dst]);
   launch_sig(im.dev, a, reinterpret_cast<cudaStream_t>(stream));
   check_launch("send");
+  // The wait above ends only once dst's receive, maybe enqueued later there, took the data:
+  // no IPC close until then (engine_quiet, ipc_closer.h).
+  cudaEvent_t ev = nullptr;
+  if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess &&
+      cudaEventRecord(ev, reinterpret_cast<cudaStream_t>(stream)) == cudaSuccess) {
+    std::lock_guard<std::mutex> gate(im.close_gate);
+    im.sends_pending.push_back(ev);
+    return;
+  }
+  if (ev) cudaEventDestroy(ev);
+  cudaGetLastError();  // unrecorded: the closer may close under this send (as before)
 }
 
 // -- host-staged path helpers ---------------------------------------------------------------
