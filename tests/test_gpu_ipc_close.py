@@ -8,7 +8,8 @@ that came only after the closing thread went on (the caller's thread): both hung
 device waits' timeout (checked with the tree before the fix: both tests failed with
 TimeoutError). Moving the closes to a thread of their own was not enough (the second test
 still timed out: the helper's copy, enqueued during the close, did not run); the closer now
-closes only while no deferred receive is outstanding.
+closes only while no deferred receive is outstanding and no send or receive is pending (a
+peer's send may wait for work of ours that a close would hold back).
 
 How a close is brought about here, in the middle of a call of rank 1's, once the work that
 used the mapping is done (reg_cache.h): for the helper, rank 0 frees the buffer rank 1 mapped
@@ -140,3 +141,60 @@ def _caller_close_body(comm):
 def test_a_collective_that_closes_a_mapping_does_not_wait_for_a_deferred_receive():
     env = {**ENV, "LINKWISE_GPU_REG_CACHE_ENTRIES": "0"}
     _errors(run_ranks(_two_or_more(), _caller_close_body, env=env, timeout=120))
+
+
+def _pending_recv_body(comm):
+    """Rank 1's plain (scratch) receive waits on the device for rank 0's send, which rank 0
+    makes only after a host barrier; meanwhile rank 1's all_gather hands the close of a
+    mapping to the closer (bound 0). A close started then would wait for the receive and hold
+    back all of rank 1's GPU work enqueued after it (a peer's send may itself wait for such
+    work): the closer must wait instead, and a small kernel of rank 1's must run at once."""
+    g, torch = _setup(comm)
+    errors = []
+    n = comm.size
+    # 12 MiB: torch gives it an allocation of its own (up to 10 MiB it may share one with the
+    # next tensor, and y would then be mapped through x's mapping: nothing to close)
+    x = torch.full((12 * MiB // 4,), float(10 + comm.rank), device="cuda")
+    out = torch.empty(n * x.numel(), device="cuda")
+    comm.all_gather(x, out=out)  # maps every peer's x
+    small, other = torch.zeros(256, device="cuda"), torch.zeros(256, device="cuda")
+    a, c = torch.cuda.Stream(), torch.cuda.Stream()
+    other.add_(1)  # torch's kernel loaded now: under lazy loading a first load waits for the device
+    torch.cuda.synchronize()
+    comm.barrier()
+    rq = comm.irecv(small, 0, stream=a) if comm.rank == 1 else None  # below REG_MIN: not deferred
+    y = torch.full_like(x, float(20 + comm.rank))
+    comm.all_gather(y, out=out)  # bound 0: x's mappings go to the closer
+    ran = True
+    if comm.rank == 1:
+        time.sleep(0.05)  # a closer that does not wait has started its close by now
+        done = torch.cuda.Event()
+        with torch.cuda.stream(c):
+            other.add_(1)
+            done.record(c)
+        time.sleep(0.3)
+        ran = done.query()
+        closing = g._engine.reg_cache_stats()[3]
+    comm.barrier()
+    if comm.rank == 0 and n > 1:
+        comm.send(torch.full((256,), 7.0, device="cuda"), 1)
+    if rq is not None:
+        rq.wait()
+    torch.cuda.synchronize()
+    if comm.rank == 1:
+        if not ran:
+            errors.append("rank 1: a kernel enqueued while the receive waited did not run (a close held it back)")
+        if not closing:
+            errors.append("premise: rank 1 had no close to make while its receive waited")
+        if not bool((small == 7).all()):
+            errors.append("rank 1: received data wrong")
+    want = torch.arange(n, dtype=torch.float32, device="cuda") + 20
+    if not torch.equal(out, want.repeat_interleave(y.numel())):
+        errors.append(f"rank {comm.rank}: all_gather wrong")
+    _wait_closed(g, errors)  # and once the receive is done, the close happens
+    return errors
+
+
+def test_a_close_waits_for_a_pending_receive():
+    env = {**ENV, "LINKWISE_GPU_REG_CACHE_ENTRIES": "0"}
+    _errors(run_ranks(_two_or_more(), _pending_recv_body, env=env, timeout=120))

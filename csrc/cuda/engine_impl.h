@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/gpu_device.cuh"
@@ -39,12 +40,14 @@ struct EngineImpl {
   std::shared_ptr<IpcCloser> closer;
   // What the closer must not close under (engine_quiet), guarded by close_gate: deferred
   // receives begun whose copy is not enqueued yet (defer_open; their data is in once the
-  // defer streams are idle), and an event after each registered send's wait for its receiver
-  // (sends_pending; pruned as they complete). A close waits for these, and the work they
-  // wait for may be ours or a peer's that waits for ours, enqueued later.
+  // defer streams are idle), and every point-to-point piece not done yet: per stream, an event
+  // recorded after its latest send or receive (p2p_pending; note_p2p, pruned as they
+  // complete). A close waits for these, and what they wait for is ours (a helper's copy) or
+  // a peer's call that may wait for one of ours enqueued later; a close holds that back.
+  // Collectives need no entry: a rank's collective waits only for the peers' same call.
   std::mutex close_gate;
   std::atomic<int> defer_open{0};
-  std::vector<cudaEvent_t> sends_pending;
+  std::vector<std::pair<cudaStream_t, cudaEvent_t>> p2p_pending;
   RegCache reg_cache;
   // per call: buffer `slot` of every rank, as mapped here; slot 2 is every rank's prs scratch
   // (reg_prs.cu), mapped once and kept
@@ -101,9 +104,11 @@ Described read_description(const std::string& desc, int peer);
 char* map_described(RegCache& cache, int slot, int peer, const std::string& desc);
 cudaError_t preload_defer_kernels();  // p2p_defer.cu; see preload_copy_kernels (launch.h)
 void release_defer(EngineImpl& im);   // p2p_defer.cu; close(), after a device sync
-// True when no deferred receive is outstanding and every registered send's wait is done: the
+// True when no deferred receive is outstanding and every point-to-point piece is done: the
 // closer may close now (ipc_closer.h). Called with im.close_gate held (p2p_defer.cu).
 bool engine_quiet(EngineImpl& im);
+// A send or receive piece was just enqueued on s: the closer waits until s gets past it.
+void note_p2p(EngineImpl& im, cudaStream_t s);
 
 // Registered-path synchronisation (reg_engine.cu, sig_kernel): one launch posts
 // sig[pk[i]][rank] += pa[i] on peer pp[i] (after a system fence: every earlier write of the

@@ -270,6 +270,7 @@ void GpuEngine::send(uintptr_t x, size_t nbytes, int dst, uintptr_t stream) {
     im.send_cum[dst] += blocks;
     im.send_ring[dst][k & 1] = im.send_cum[dst];
   }
+  if (nbytes) note_p2p(im, s);  // may wait for dst's receive (ipc_closer.h)
 }
 
 void GpuEngine::recv(uintptr_t x, size_t nbytes, int src, uintptr_t stream) {
@@ -287,6 +288,7 @@ void GpuEngine::recv(uintptr_t x, size_t nbytes, int src, uintptr_t stream) {
     launch_recv(im.dev, xp + off, n, src, static_cast<int>(k & 1), im.recv_cum[src], blocks, s);
     check_launch("recv");
   }
+  if (nbytes) note_p2p(im, s);  // waits for src's send (ipc_closer.h)
 }
 
 void GpuEngine::barrier(uintptr_t stream) {

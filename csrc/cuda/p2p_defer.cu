@@ -84,23 +84,40 @@ void release_defer(EngineImpl& im) {
   }
   for (auto& s : im.defer_stream)
     if (s) cudaStreamDestroy(s), s = nullptr;
-  for (cudaEvent_t ev : im.sends_pending) cudaEventDestroy(ev);
-  im.sends_pending.clear();
+  for (auto& se : im.p2p_pending) cudaEventDestroy(se.second);
+  im.p2p_pending.clear();
 }
 
 bool engine_quiet(EngineImpl& im) {
   if (im.defer_open.load(std::memory_order_acquire) > 0) return false;
   for (cudaStream_t s : im.defer_stream)  // created under close_gate (recv_defer_begin)
     if (s && cudaStreamQuery(s) == cudaErrorNotReady) return false;
-  auto& evs = im.sends_pending;
-  evs.erase(std::remove_if(evs.begin(), evs.end(), [](cudaEvent_t ev) {
-              if (cudaEventQuery(ev) == cudaErrorNotReady) return false;
-              cudaEventDestroy(ev);
-              return true;
-            }),
-            evs.end());
+  auto& pend = im.p2p_pending;
+  pend.erase(std::remove_if(pend.begin(), pend.end(), [](const std::pair<cudaStream_t, cudaEvent_t>& se) {
+               if (cudaEventQuery(se.second) == cudaErrorNotReady) return false;
+               cudaEventDestroy(se.second);
+               return true;
+             }),
+             pend.end());
   cudaGetLastError();  // a sticky failure is the waits' to report, not this thread's
-  return evs.empty();
+  return pend.empty();
+}
+
+void note_p2p(EngineImpl& im, cudaStream_t s) {
+  std::lock_guard<std::mutex> gate(im.close_gate);
+  auto it = std::find_if(im.p2p_pending.begin(), im.p2p_pending.end(),
+                         [s](const std::pair<cudaStream_t, cudaEvent_t>& se) { return se.first == s; });
+  cudaEvent_t ev = it == im.p2p_pending.end() ? nullptr : it->second;
+  if (!ev && cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) ev = nullptr;
+  // Re-recording moves the stream's one event past the new piece (stream order: it
+  // completes after the earlier ones). Not recorded (a failed call): the closer may close
+  // under this piece, as before the closer existed.
+  if (ev && cudaEventRecord(ev, s) == cudaSuccess) {
+    if (it == im.p2p_pending.end()) im.p2p_pending.emplace_back(s, ev);
+    return;
+  }
+  if (ev && it == im.p2p_pending.end()) cudaEventDestroy(ev);
+  cudaGetLastError();
 }
 
 uintptr_t GpuEngine::recv_defer_begin(int src, uintptr_t stream) {
@@ -170,6 +187,7 @@ void GpuEngine::recv_now(uintptr_t x, size_t nbytes, int src, uintptr_t stream, 
     LW_CUDA(cudaMemcpyAsync(reinterpret_cast<char*>(x), from, nbytes, cudaMemcpyDefault, s), "recv");
     sig_post(im.dev, kSigP2pDone, src, rank_, s);
     check_launch("recv");
+    note_p2p(im, s);
   } catch (...) {  // the Ready total is reserved and the sender waits for our done: stop it all
     im.p2p_cache.unset(0, src);
     im.watch.trip(-1);

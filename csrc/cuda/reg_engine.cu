@@ -430,17 +430,7 @@ void GpuEngine::send_reg(size_t nbytes, int dst, uintptr_t stream) {
   a.wait(kSigP2pDone, dst, ++im.seen[kSigP2pDone][dst]);
   launch_sig(im.dev, a, reinterpret_cast<cudaStream_t>(stream));
   check_launch("send");
-  // The wait above ends only once dst's receive, maybe enqueued later there, took the data:
-  // no IPC close until then (engine_quiet, ipc_closer.h).
-  cudaEvent_t ev = nullptr;
-  if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess &&
-      cudaEventRecord(ev, reinterpret_cast<cudaStream_t>(stream)) == cudaSuccess) {
-    std::lock_guard<std::mutex> gate(im.close_gate);
-    im.sends_pending.push_back(ev);
-    return;
-  }
-  if (ev) cudaEventDestroy(ev);
-  cudaGetLastError();  // unrecorded: the closer may close under this send (as before)
+  note_p2p(im, reinterpret_cast<cudaStream_t>(stream));  // waits for dst's receive (ipc_closer.h)
 }
 
 // -- host-staged path helpers ---------------------------------------------------------------
