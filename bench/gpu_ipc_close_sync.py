@@ -15,7 +15,8 @@ that spins for SPIN seconds on a non-blocking stream, then times, while it spins
   open2  - from that thread, after the launch: cudaIpcOpenMemHandle of a third buffer,
   copy   - then a cudaMemcpyAsync from the second mapping (cudaMemcpyDefault) on that stream,
   export - then cudaIpcGetMemHandle of a buffer of the importer's own,
-  record - then cudaEventRecord on that stream.
+  record - then cudaEventRecord on that stream,
+  malloc - then cudaMalloc of 64 MiB.
 A call that takes about SPIN seconds waited for the spinning kernel.
 
 Run: python3 bench/gpu_ipc_close_sync.py   (needs cupy and one or two GPUs)
@@ -92,12 +93,15 @@ def importer(conn, device: int, out) -> None:
         launched.append(timed(lambda: rt.ipcGetMemHandle(local.ptr)))
         ev = cp.cuda.Event()
         launched.append(timed(lambda: ev.record(other)))
+        mem = []
+        launched.append(timed(lambda: mem.append(rt.malloc(64 << 20))))
+        rt.free(mem[0])
     t = threading.Thread(target=launch_meanwhile)
     t.start()
     idle_close_open["close"] = timed(lambda: rt.ipcCloseMemHandle(first))
     t.join()
     (idle_close_open["launch"], idle_close_open["open2"], third, idle_close_open["copy"],
-     idle_close_open["export"], idle_close_open["record"]) = launched
+     idle_close_open["export"], idle_close_open["record"], idle_close_open["malloc"]) = launched
     busy.synchronize()
     other.synchronize()
     ended, ran = (int(v) for v in stamps.get())
@@ -122,7 +126,7 @@ def main() -> None:
     pe.join(30), pi.join(30)
     where = "peer GPU (exporter GPU 0, importer GPU 1)" if ndev > 1 else "same GPU (both on GPU 0)"
     print(f"INFO {where}; a kernel spins {SPIN} s on the importer's device")
-    for k in ("open", "close", "launch", "open2", "copy", "export", "record", "close_idle"):
+    for k in ("open", "close", "launch", "open2", "copy", "export", "record", "malloc", "close_idle"):
         waited = res[k] > 0.5 * SPIN
         print(f"INFO {k:10s} {res[k] * 1e3:9.2f} ms {'(waited for the spinning kernel)' if waited else ''}")
     print(f"INFO a kernel launched from another thread during the close ran "

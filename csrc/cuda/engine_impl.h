@@ -41,7 +41,7 @@ struct EngineImpl {
   // What the closer must not close under (engine_quiet), guarded by close_gate: deferred
   // receives begun whose copy is not enqueued yet (defer_open; their data is in once the
   // defer streams are idle), and every point-to-point piece not done yet: per stream, an event
-  // recorded after its latest send or receive (p2p_pending; note_p2p, pruned as they
+  // recorded after its latest send or receive (p2p_pending; P2pPiece, pruned as they
   // complete). A close waits for these, and what they wait for is ours (a helper's copy) or
   // a peer's call that may wait for one of ours enqueued later; a close holds that back.
   // Collectives need no entry: a rank's collective waits only for the peers' same call.
@@ -107,8 +107,16 @@ void release_defer(EngineImpl& im);   // p2p_defer.cu; close(), after a device s
 // True when no deferred receive is outstanding and every point-to-point piece is done: the
 // closer may close now (ipc_closer.h). Called with im.close_gate held (p2p_defer.cu).
 bool engine_quiet(EngineImpl& im);
-// A send or receive piece was just enqueued on s: the closer waits until s gets past it.
-void note_p2p(EngineImpl& im, cudaStream_t s);
+// Declared by every send and receive before it enqueues on s: holds im.close_gate meanwhile
+// (no close starts between its enqueue and its note: the close would wait for it), then
+// notes the piece (p2p_pending) so that the closer waits until s gets past it (p2p_defer.cu).
+// Not nested: recv_now's scratch branch declares none itself (recv does).
+struct P2pPiece {
+  EngineImpl& im;
+  cudaStream_t s;
+  std::lock_guard<std::mutex> gate{im.close_gate};
+  ~P2pPiece();
+};
 
 // Registered-path synchronisation (reg_engine.cu, sig_kernel): one launch posts
 // sig[pk[i]][rank] += pa[i] on peer pp[i] (after a system fence: every earlier write of the

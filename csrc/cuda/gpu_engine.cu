@@ -260,6 +260,7 @@ void GpuEngine::send(uintptr_t x, size_t nbytes, int dst, uintptr_t stream) {
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const char* xp = reinterpret_cast<const char*>(x);
   EngineImpl& im = *impl_;
+  P2pPiece piece{im, s};  // may wait for dst's receive (ipc_closer.h)
   for (size_t off = 0; off < nbytes; off += slot_bytes_) {
     size_t n = nbytes - off < slot_bytes_ ? nbytes - off : slot_bytes_;
     int blocks = blocks_for(n, 64 * 1024);
@@ -270,7 +271,6 @@ void GpuEngine::send(uintptr_t x, size_t nbytes, int dst, uintptr_t stream) {
     im.send_cum[dst] += blocks;
     im.send_ring[dst][k & 1] = im.send_cum[dst];
   }
-  if (nbytes) note_p2p(im, s);  // may wait for dst's receive (ipc_closer.h)
 }
 
 void GpuEngine::recv(uintptr_t x, size_t nbytes, int src, uintptr_t stream) {
@@ -280,6 +280,7 @@ void GpuEngine::recv(uintptr_t x, size_t nbytes, int src, uintptr_t stream) {
   auto s = reinterpret_cast<cudaStream_t>(stream);
   char* xp = reinterpret_cast<char*>(x);
   EngineImpl& im = *impl_;
+  P2pPiece piece{im, s};  // waits for src's send (ipc_closer.h)
   for (size_t off = 0; off < nbytes; off += slot_bytes_) {
     size_t n = nbytes - off < slot_bytes_ ? nbytes - off : slot_bytes_;
     int blocks = blocks_for(n, 64 * 1024);
@@ -288,7 +289,6 @@ void GpuEngine::recv(uintptr_t x, size_t nbytes, int src, uintptr_t stream) {
     launch_recv(im.dev, xp + off, n, src, static_cast<int>(k & 1), im.recv_cum[src], blocks, s);
     check_launch("recv");
   }
-  if (nbytes) note_p2p(im, s);  // waits for src's send (ipc_closer.h)
 }
 
 void GpuEngine::barrier(uintptr_t stream) {

@@ -103,10 +103,10 @@ bool engine_quiet(EngineImpl& im) {
   return pend.empty();
 }
 
-void note_p2p(EngineImpl& im, cudaStream_t s) {
-  std::lock_guard<std::mutex> gate(im.close_gate);
+P2pPiece::~P2pPiece() {  // im.close_gate still held (the member is destroyed after this body)
+  const cudaStream_t on = s;
   auto it = std::find_if(im.p2p_pending.begin(), im.p2p_pending.end(),
-                         [s](const std::pair<cudaStream_t, cudaEvent_t>& se) { return se.first == s; });
+                         [on](const std::pair<cudaStream_t, cudaEvent_t>& se) { return se.first == on; });
   cudaEvent_t ev = it == im.p2p_pending.end() ? nullptr : it->second;
   if (!ev && cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) ev = nullptr;
   // Re-recording moves the stream's one event past the new piece (stream order: it
@@ -180,6 +180,7 @@ void GpuEngine::recv_now(uintptr_t x, size_t nbytes, int src, uintptr_t stream, 
   std::lock_guard<std::mutex> lock(im.p2p_mu);
   char* from = map_described(im.p2p_cache, 0, src, desc);
   im.p2p_cache.trim();
+  P2pPiece piece{im, s};  // after trim: it hands closes over, never waits for the gate
   try {
     RegUse use{im, s, &im.p2p_cache};  // its event goes after the copy (declared after the map)
     sig_wait(im.dev, kSigP2pReady, src, ++im.seen[kSigP2pReady][src], s);
@@ -187,7 +188,6 @@ void GpuEngine::recv_now(uintptr_t x, size_t nbytes, int src, uintptr_t stream, 
     LW_CUDA(cudaMemcpyAsync(reinterpret_cast<char*>(x), from, nbytes, cudaMemcpyDefault, s), "recv");
     sig_post(im.dev, kSigP2pDone, src, rank_, s);
     check_launch("recv");
-    note_p2p(im, s);
   } catch (...) {  // the Ready total is reserved and the sender waits for our done: stop it all
     im.p2p_cache.unset(0, src);
     im.watch.trip(-1);

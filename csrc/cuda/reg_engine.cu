@@ -425,12 +425,12 @@ void GpuEngine::send_reg(size_t nbytes, int dst, uintptr_t stream) {
   if (nbytes == 0) return;
   DeviceGuard g(device_);
   EngineImpl& im = *impl_;
+  P2pPiece piece{im, reinterpret_cast<cudaStream_t>(stream)};  // waits for dst's receive (ipc_closer.h)
   SigArgs a;
   a.post(kSigP2pReady, dst, 1);
   a.wait(kSigP2pDone, dst, ++im.seen[kSigP2pDone][dst]);
   launch_sig(im.dev, a, reinterpret_cast<cudaStream_t>(stream));
   check_launch("send");
-  note_p2p(im, reinterpret_cast<cudaStream_t>(stream));  // waits for dst's receive (ipc_closer.h)
 }
 
 // -- host-staged path helpers ---------------------------------------------------------------
