@@ -6,15 +6,22 @@
 // stream, bench/gpu_ipc_close_sync.py; and a close made while a deferred receive waited on the
 // device held back that receive's own copy, enqueued later by its helper, until the device
 // wait timed out: tests/test_gpu_ipc_close.py; docs/benchmarks.md, thirty-seventh session).
-// So a close must never happen while one of our kernels waits for work of this process that
-// is not enqueued yet. The only such waits are the deferred receives' (p2p_defer.cu): their
-// wait on the caller's stream is released by their helper's copy, enqueued later. Hence:
+// So a close must never happen while one of our kernels waits for work that is not enqueued
+// yet and may come from this process: a deferred receive's wait (p2p_defer.cu) is released by
+// its helper's copy, enqueued later; a send or receive waits for the peer's matching call,
+// which may itself wait for a later call of ours (a close held back a rank's other GPU work,
+// and its host, until a plain receive's wait timed out: tests/test_gpu_ipc_close.py). A rank's
+// collective waits only for the peers' same call, which never waits for a later one of ours.
+// Hence:
 //  * the caches (reg_cache.h) hand their closes over here instead of closing (a close on the
 //    caller's or a helper's thread would block it, and with it the work the device waits for);
-//  * this thread closes only when `quiet()` (the engine: no deferred receive outstanding, i.e.
-//    begun and its data not in yet), holding `gate` around the check and the closes; the
-//    engine takes `gate` before it enqueues a deferred receive's wait, so none starts while a
-//    close runs. Until then the closes wait here (quiet() is polled every kPollUs).
+//  * this thread closes only when `quiet()` (engine_quiet: no deferred receive outstanding,
+//    i.e. begun and its data not in yet, and every send and receive piece done), holding
+//    `gate` around the check and the closes; the engine takes `gate` while it enqueues a
+//    deferred receive's wait or a send or receive piece (P2pPiece, engine_impl.h), so none
+//    starts while a close runs (it waits for the close, which waits for earlier work only).
+//    Until quiet() the closes wait here (polled every kPollUs); they may lag behind the cache's
+//    bounds while point-to-point traffic is in flight.
 // A close still comes only after the work that used the mapping completed (reg_cache.h's rule).
 //
 // Reopening: CUDA counts the opens of one handle in a process; a handle whose close is still
