@@ -44,7 +44,7 @@ def _fresh(torch, value, freed_ptr=None):
 
 
 def _wait_closed(g, errors):
-    """The closes rank 1's cache handed over are done (the retired mapping was closed)."""
+    """The closes this rank's caches handed to the closer are done (within 10 s)."""
     deadline = time.monotonic() + 10
     while g._engine.reg_cache_stats()[3] and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -37,7 +37,7 @@ class GpuTarget final : public DeferTarget {
   void finish(uintptr_t event, uintptr_t x, size_t nbytes, int src, const std::string& desc) override {
     e_->recv_defer_finish(event, x, nbytes, src, desc);
   }
-  void drop(uintptr_t event) override { cuda::GpuEngine::event_destroy(event); }
+  void drop(uintptr_t event) override { e_->recv_defer_drop(event); }
   void abort(int src) override { e_->abort(src); }
 
  private:

@@ -39,8 +39,8 @@ struct EngineImpl {
   // hand their closes to it; close() finishes it after a device sync.
   std::shared_ptr<IpcCloser> closer;
   // What the closer must not close under (engine_quiet), guarded by close_gate: deferred
-  // receives begun whose copy is not enqueued yet (defer_open; their data is in once the
-  // defer streams are idle), and every point-to-point piece not done yet: per stream, an event
+  // receives begun and neither finished nor dropped (defer_open; once finished, their copy is
+  // a piece below), and every point-to-point piece not done yet: per stream, an event
   // recorded after its latest send or receive (p2p_pending; P2pPiece, pruned as they
   // complete). A close waits for these, and what they wait for is ours (a helper's copy) or
   // a peer's call that may wait for one of ours enqueued later; a close holds that back.

@@ -106,6 +106,9 @@ class GpuEngine {
   // recv_now enqueues that receive on `stream` at once (the description is already here).
   uintptr_t recv_defer_begin(int src, uintptr_t stream);
   void recv_defer_finish(uintptr_t event, uintptr_t x, size_t nbytes, int src, const std::string& desc);
+  // A begun receive that will never be finished (its helper failed or was closed): releases
+  // its event and stops counting it as outstanding (ipc_closer.h).
+  void recv_defer_drop(uintptr_t event);
   void recv_now(uintptr_t x, size_t nbytes, int src, uintptr_t stream, const std::string& desc);
   // Large reductions read peers' registered inputs directly (reg_engine.cu, reg_reduce.cu):
   // all_reduce_reg: slot 0 = every rank's x, slot 1 = every rank's out (may equal x);

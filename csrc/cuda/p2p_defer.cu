@@ -89,9 +89,9 @@ void release_defer(EngineImpl& im) {
 }
 
 bool engine_quiet(EngineImpl& im) {
+  // A finished deferred receive needs no look at its stream: its copy is a piece (recv_now),
+  // and the counter post after it waits for nothing.
   if (im.defer_open.load(std::memory_order_acquire) > 0) return false;
-  for (cudaStream_t s : im.defer_stream)  // created under close_gate (recv_defer_begin)
-    if (s && cudaStreamQuery(s) == cudaErrorNotReady) return false;
   auto& pend = im.p2p_pending;
   pend.erase(std::remove_if(pend.begin(), pend.end(), [](const std::pair<cudaStream_t, cudaEvent_t>& se) {
                if (cudaEventQuery(se.second) == cudaErrorNotReady) return false;
@@ -120,6 +120,11 @@ P2pPiece::~P2pPiece() {  // im.close_gate still held (the member is destroyed af
   cudaGetLastError();
 }
 
+void GpuEngine::recv_defer_drop(uintptr_t event) {
+  if (impl_) impl_->defer_open.fetch_sub(1, std::memory_order_acq_rel);  // no longer outstanding
+  event_destroy(event);
+}
+
 uintptr_t GpuEngine::recv_defer_begin(int src, uintptr_t stream) {
   check_open("recv");
   if (src < 0 || src >= nranks_ || src == rank_)
@@ -146,7 +151,7 @@ uintptr_t GpuEngine::recv_defer_begin(int src, uintptr_t stream) {
     im.watch.trip(-1);
     fail("recv", e);
   }
-  im.defer_open.fetch_add(1, std::memory_order_acq_rel);  // until recv_defer_finish
+  im.defer_open.fetch_add(1, std::memory_order_acq_rel);  // until recv_defer_finish or _drop
   return reinterpret_cast<uintptr_t>(ev);
 }
 
