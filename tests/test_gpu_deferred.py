@@ -206,3 +206,66 @@ def test_a_sender_that_dies_makes_the_receive_raise():
     env = {**ENV, "LINKWISE_TIMEOUT": "30"}
     res = run_ranks(2, _death_body, env=env, timeout=120, expect_fail=True)
     assert res[1] == ("ok", []), res[1]
+
+
+# -- the receiver cannot map the sender's buffer ----------------------------------------------------
+def _unmappable_body(comm, posted_first):
+    """Rank 0 sends a description whose IPC handle is zeroed; rank 1's receive cannot map it.
+    posted_first: rank 1's receive is posted (deferred to its helper) before the description
+    comes; else the description is already there and the receive maps it on the caller's thread."""
+    import numpy as np
+    from linkwise.cuda.registered import _REG_TAG
+    from linkwise.errors import PeerError
+    g, torch = _setup(comm)
+    if comm.rank >= 2:
+        return None
+    x = _full(torch, 8 * MiB, comm.rank + 1)
+    torch.cuda.synchronize()
+    token = np.zeros(1, np.uint8)
+    t0 = time.monotonic()
+    if comm.rank == 1:
+        if not posted_first:
+            comm.recv(token, 0, tag=7)  # the description is here before the receive
+        t0 = time.monotonic()
+        try:
+            comm.recv(x, 0)
+            if posted_first:
+                comm.send(token, 0, tag=7)  # posted: rank 0 may send now
+            g.synchronize()
+            outcome = ("no error",)
+        except PeerError as exc:
+            outcome = ("PeerError", exc.peer, time.monotonic() - t0, str(exc))
+        comm.recv(token, 0, tag=8)  # alive until rank 0 is done: its exit would stop rank 0 too
+        return outcome
+    if posted_first:
+        comm.recv(token, 1, tag=7)
+    desc = bytearray(g._engine.reg_describe(x.data_ptr()))
+    desc[:64] = bytes(64)  # the cudaIpcMemHandle_t zeroed
+    g.comm.send(np.frombuffer(b"\x01" + bytes(desc), np.uint8), 1, _REG_TAG)
+    t0 = time.monotonic()
+    g._engine.send_reg(x.numel() * 4, 1, torch.cuda.current_stream().cuda_stream)
+    if not posted_first:
+        comm.send(token, 1, tag=7)
+    try:
+        g.synchronize()
+        outcome = ("no error",)
+    except PeerError as exc:
+        outcome = ("PeerError", exc.peer, time.monotonic() - t0, str(exc))
+    except Exception as exc:  # noqa: BLE001 - TimeoutError before the sender was told
+        outcome = (type(exc).__name__, -1, time.monotonic() - t0, str(exc))
+    comm.send(token, 1, tag=8)
+    return outcome
+
+
+@pytest.mark.parametrize("posted_first", [True, False], ids=["deferred", "on_the_callers_thread"])
+def test_a_receive_that_cannot_map_stops_its_sender(posted_first):
+    """The receiver raises the mapping failure and its sender raises PeerError naming it at
+    once (GpuEngine::abort tells it), not TimeoutError after LINKWISE_TIMEOUT as before."""
+    env = {**ENV, "LINKWISE_TIMEOUT": "30"}
+    res = run_ranks(2, _unmappable_body, posted_first, env=env, timeout=150, expect_fail=True)
+    assert [kind for kind, _ in res] == ["ok", "ok"], res
+    sender, receiver = res[0][1], res[1][1]
+    assert receiver[:2] == ("PeerError", 0) and "cannot map rank 0" in receiver[3], receiver
+    assert receiver[2] < 8, receiver
+    assert sender[:2] == ("PeerError", 1), sender
+    assert "rank 1's GPU operations" in sender[3] and sender[2] < 8, sender

@@ -28,7 +28,7 @@ PROMPT_S = 8.0        # ... within this many seconds of the survivor starting to
 def _blocked_call(comm, g, torch, case, victim):
     """What a survivor is doing when the victim dies: one call that needs the victim."""
     x = torch.ones(1000, device="cuda")
-    if case in ("all_reduce", "hang"):
+    if case in ("all_reduce", "hang", "abort"):
         g.all_reduce(x)
         g.synchronize()
     elif case in ("recv", "staged_recv"):
@@ -69,6 +69,10 @@ def _dead_peer_body(comm, case):
             g.abort(victim)  # this rank's GPU communicator is unusable too; close it quietly
             return ("victim slept",)
         time.sleep(0.5)  # the survivors are blocked by now
+        if case == "abort":  # alive, but its GPU plane stopped (an error handler, a failed receive)
+            g.abort()
+            comm.barrier()  # alive until the survivors are done: its exit would stop them too
+            return ("victim aborted",)
         os.kill(os.getpid(), signal.SIGKILL)
     t0 = time.monotonic()
     try:
@@ -89,6 +93,8 @@ def _dead_peer_body(comm, case):
         checked = "no error"
     except Exception as exc:  # noqa: BLE001
         checked = type(exc).__name__
+    if case == "abort":
+        comm.barrier()  # the host communicator still works; the victim waits here
     return first + later + (checked, ready)
 
 
@@ -131,6 +137,22 @@ def test_hung_peer_still_times_out():
         what, _, waited, later, _, checked, _ = val
         assert what == "TimeoutError" and 0.5 * t < waited < 6 * t, f"rank {r}: {val}"
         assert later == "TimeoutError" and checked == "TimeoutError", f"rank {r}: {val}"
+
+
+def test_a_peer_that_aborts_stops_the_others():
+    """A rank whose GPU plane stops for its own failure tells its live peers (GpuEngine::abort):
+    those blocked in a call that needs it raise PeerError naming it, not TimeoutError after
+    LINKWISE_TIMEOUT as before."""
+    n = _two_or_more()
+    env = {**SAFE_ENV, "LINKWISE_TIMEOUT": str(DEAD_TIMEOUT)}
+    res = run_ranks(n, _dead_peer_body, "abort", env=env, timeout=3 * DEAD_TIMEOUT, expect_fail=True)
+    assert res[-1] == ("ok", ("victim aborted",)), res[-1]
+    for r, (kind, val) in enumerate(res[:-1]):
+        assert kind == "ok", f"rank {r}: {val}"
+        what, peer, waited, later, _, checked, _ = val
+        assert (what, peer) == ("PeerError", n - 1), f"rank {r}: {val}"
+        assert waited < PROMPT_S, f"rank {r}: PeerError after {waited:.1f} s"
+        assert later == "PeerError" and checked == "PeerError", f"rank {r}: {val}"
 
 
 # -- a GPU setting refused on one rank ------------------------------------------------------------

@@ -173,14 +173,19 @@ void DeferWorkers::serve(int src) {
 }
 
 void DeferWorkers::fail(int src, std::exception_ptr e) {
-  // The abort first: a close() that sees the failure must find the target aborted (its device
-  // sync would wait for the deferred waits until the timeout otherwise).
+  // Recorded first, then the abort, both under the gate: a caller whose device wait the abort
+  // ends finds the failure that caused it (what it raises), and a close() that sees the
+  // failure takes the gate after us, so finds the target aborted (its device sync would wait
+  // for the deferred waits until the timeout otherwise). Lock order: gate_, then mu_.
+  std::lock_guard<std::mutex> g(gate_);
+  bool closed;
   {
-    std::lock_guard<std::mutex> g(gate_);
-    if (!closed_) target_->abort(src);
+    std::lock_guard<std::mutex> l(mu_);
+    if (!failure_) failure_ = e;
+    closed = closed_;
   }
+  if (!closed) target_->abort(src);
   std::lock_guard<std::mutex> l(mu_);
-  if (!failure_) failure_ = e;
   drop_queue_locked(src);
   cv_.notify_all();
 }

@@ -25,7 +25,8 @@
 //    wait gives up within ~kLocalPollTicks, so a queue of kernels drains fast; a rank that
 //    refused the arguments of a call its peers may be in writes kErrRefusedBase + its rank
 //    there, in every rank's Control, and a wait that sees such a value records it in
-//    HostFlags::refused: GpuEngine::refuse),
+//    HostFlags::refused: GpuEngine::refuse; a rank whose engine stopped for a failure of its
+//    own writes kErrFailedBase + its rank, recorded in HostFlags::failed: GpuEngine::abort),
 //  * the host set HostFlags::abort (a peer process died: GpuEngine's watchdog, gpu_engine.h),
 //    polled every ~kHostPollTicks since the host word is a PCIe read, or
 //  * it spun spin_limit ticks (the communicator's timeout): then it also sets
@@ -61,7 +62,8 @@ struct Control {
   uint64_t p2p_data[kMaxRanks];
   uint64_t p2p_ack[kMaxRanks];
   uint64_t error;  // kErrTimeout / kErrAborted once a wait of this engine gave up, or
-                   // kErrRefusedBase + rank from a refusing rank (latched; GpuEngine::refuse)
+                   // kErrRefusedBase + rank from a refusing rank (latched; GpuEngine::refuse), or
+                   // kErrFailedBase + rank from a rank stopped by its own failure (GpuEngine::abort)
   // Registered-buffer paths (reg_engine.cu): sig[kind][src] is a counter that rank src bumps
   // (red.release.sys.add, after __threadfence_system) and we wait on (ld.acquire.sys). Both
   // sides know the cumulative totals on the host (issue order), as with p2p_data / p2p_ack.
@@ -107,9 +109,12 @@ constexpr int kMaxPieces = 64;  // piece_arrive's length
 enum SigKind : int { kSigChain = 0, kSigChainDone = 1, kSigP2pReady = 2, kSigP2pDone = 3,
                      kSigRendezvous = 4, kSigPiece = 5, kSigP2pLocal = 6 };
 static_assert(sizeof(Control) <= kControlStructBytes, "Control must fit its reserved bytes");
-// Error codes: Control.error holds kErrTimeout, kErrAborted or kErrRefusedBase + the refusing
-// rank; GpuEngine::error_code reports kErrTimeout, kErrAborted or kErrRefused.
-constexpr uint64_t kErrTimeout = 1, kErrAborted = 2, kErrRefused = 3, kErrRefusedBase = 256;
+// Error codes: Control.error holds kErrTimeout, kErrAborted, kErrRefusedBase + the refusing
+// rank or kErrFailedBase + the failed rank; GpuEngine::error_code reports kErrTimeout,
+// kErrAborted, kErrRefused or kErrFailed.
+constexpr uint64_t kErrTimeout = 1, kErrAborted = 2, kErrRefused = 3, kErrFailed = 4,
+                   kErrRefusedBase = 256, kErrFailedBase = 512;
+static_assert(kErrRefusedBase + kMaxRanks <= kErrFailedBase, "the two ranges must not meet");
 
 // Pinned host memory mapped into the device (cudaHostAllocMapped), one per engine. `abort` is
 // written only by the host (watchdog thread or GpuEngine::abort; a release store after the
@@ -117,13 +122,16 @@ constexpr uint64_t kErrTimeout = 1, kErrAborted = 2, kErrRefused = 3, kErrRefuse
 // device waits (volatile store + __threadfence_system), read by the host without a sync.
 // `refused` (the refusing rank + 1) by a device wait that saw a refusal in Control.error, or
 // by the host of the refusing rank itself; `refusal` is that rank's host-written source of the
-// copies into every Control.error (GpuEngine::refuse).
+// copies into every Control.error (GpuEngine::refuse). `failed` (the failed rank + 1) by a
+// device wait that saw kErrFailedBase + rank; `failure` is the source of the copies a failing
+// rank makes into its peers' Control.error (GpuEngine::abort).
 struct HostFlags {
   uint32_t abort;
   uint32_t timed_out;
   uint32_t refused;
-  uint32_t pad;
+  uint32_t failed;
   uint64_t refusal;
+  uint64_t failure;
 };
 
 // What a kernel needs: every rank's scratch base (ours included) and the geometry.
@@ -189,7 +197,11 @@ struct WaitGuard {
     auto* err = reinterpret_cast<unsigned long long*>(&c.ctrl(c.rank)->error);
     const unsigned long long code = *reinterpret_cast<volatile unsigned long long*>(err);
     if (code) {
-      if (code >= kErrRefusedBase) {  // a peer refused (GpuEngine::refuse): tell our host
+      if (code >= kErrFailedBase) {  // a peer stopped for its own failure (GpuEngine::abort)
+        *reinterpret_cast<volatile uint32_t*>(&c.host->failed) =
+            static_cast<uint32_t>(code - kErrFailedBase) + 1;
+        __threadfence_system();
+      } else if (code >= kErrRefusedBase) {  // a peer refused (GpuEngine::refuse): tell our host
         *reinterpret_cast<volatile uint32_t*>(&c.host->refused) =
             static_cast<uint32_t>(code - kErrRefusedBase) + 1;
         __threadfence_system();

@@ -326,7 +326,32 @@ void GpuEngine::watch_peers(const std::vector<int64_t>& pids) {
 }
 
 void GpuEngine::abort(int peer) {
-  if (impl_) impl_->watch.trip(peer);
+  if (!impl_ || !impl_->watch.trip(peer)) return;
+  // A dead peer to blame (a deferred receive's sender that died): every survivor's watcher
+  // sees that death and names it; being told of a failure here would name this rank instead.
+  if (peer < 0 || impl_->watch.alive(peer)) tell_peers_failed();
+}
+
+// Contract in gpu_engine.h. Copies kErrFailedBase + rank into each live mapped peer's
+// Control.error, as refuse() does, but now and on a stream of its own rather than in a call's
+// place: this engine's waits are all giving up, so nothing of ours is left to order after.
+// A dead peer's scratch is not written (its memory may be gone with it).
+void GpuEngine::tell_peers_failed() {
+  EngineImpl& im = *impl_;
+  DeviceGuard g(device_);
+  im.flags->failure = kErrFailedBase + static_cast<uint64_t>(rank_);  // pinned: the copies' source
+  cudaStream_t s = nullptr;
+  if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+    cudaGetLastError();  // handled: the peers then wait until their timeout, as before
+    return;
+  }
+  for (int r = 0; r < nranks_; ++r) {
+    if (r == rank_ || !im.opened[r] || !im.watch.alive(r)) continue;
+    char* word = im.dev.base[r] + offsetof(Control, error);
+    if (cudaMemcpyAsync(word, &im.flags->failure, sizeof(uint64_t), cudaMemcpyDefault, s) != cudaSuccess)
+      cudaGetLastError();  // handled: that peer waits until its timeout
+  }
+  cudaStreamDestroy(s);  // released once the copies are done
 }
 
 uint64_t GpuEngine::error_code() const {
@@ -334,7 +359,9 @@ uint64_t GpuEngine::error_code() const {
   if (impl_->watch.tripped() || __atomic_load_n(&impl_->flags->abort, __ATOMIC_ACQUIRE))
     return kErrAborted;
   if (__atomic_load_n(&impl_->flags->refused, __ATOMIC_ACQUIRE)) return kErrRefused;
-  return __atomic_load_n(&impl_->flags->timed_out, __ATOMIC_ACQUIRE) ? kErrTimeout : 0;
+  // A peer's failure word overwrites ours (a copy, not a CAS): our own timeout, if any, came first.
+  if (__atomic_load_n(&impl_->flags->timed_out, __ATOMIC_ACQUIRE)) return kErrTimeout;
+  return __atomic_load_n(&impl_->flags->failed, __ATOMIC_ACQUIRE) ? kErrFailed : 0;
 }
 
 // Contract in gpu_engine.h. Ordered on the caller's stream, where the refused call would have
@@ -374,6 +401,15 @@ void GpuEngine::check() const {
                     " died or failed; GPU operations of this communicator were aborted (data of "
                     "operations in flight is undefined; make a new communicator)",
                 peer);
+  }
+  if (code == kErrFailed) {
+    const int who = static_cast<int>(__atomic_load_n(&impl_->flags->failed, __ATOMIC_ACQUIRE)) - 1;
+    throw Error(ErrorKind::Peer,
+                "rank " + std::to_string(rank_) + ": rank " + std::to_string(who) + "'s GPU "
+                "operations of this communicator stopped for a failure there (its own error says "
+                "why), so this rank's were stopped too (data of operations in flight is "
+                "undefined; make a new communicator)",
+                who);
   }
   if (code == kErrRefused) {
     const int who = static_cast<int>(__atomic_load_n(&impl_->flags->refused, __ATOMIC_ACQUIRE)) - 1;

@@ -56,11 +56,17 @@ class GpuEngine {
 
   // Failures (contracts: gpu_device.cuh "Failure contract", peer_watch.h). watch_peers: the
   // pid of every rank (0 = do not watch; ours is ignored); a watched peer's death aborts every
-  // device wait of this engine. abort(peer): the same by hand (peer = the rank to blame).
-  // error_code: 0, kErrTimeout (a device wait timed out), kErrAborted or kErrRefused (refuse
-  // below, here or on a peer); no synchronisation, so it reports what the device or the
-  // watchdog recorded so far. check: throws PeerError (aborted), TimeoutError (timed out) or
-  // CommAbortedError (refused) once one happened, for good.
+  // device wait of this engine. abort(peer): the same for a failure of this rank's own (peer =
+  // the rank to blame, -1 unknown; a failed deferred receive, a launch after a reserved counter,
+  // GpuComm.abort): the first abort also stops the live peers' device waits, which would
+  // otherwise wait for ours until their timeout (tell_peers_failed; their check() then raises
+  // PeerError naming this rank), unless the blamed peer is dead: a watched peer's death is seen
+  // by every survivor, which then names it.
+  // error_code: 0, kErrTimeout (a device wait timed out), kErrAborted, kErrFailed (a peer's
+  // abort stopped us) or kErrRefused (refuse below, here or on a peer); no synchronisation, so
+  // it reports what the device or the watchdog recorded so far. check: throws PeerError
+  // (aborted, failed), TimeoutError (timed out) or CommAbortedError (refused) once one
+  // happened, for good.
   void watch_peers(const std::vector<int64_t>& pids);
   void abort(int peer);
   uint64_t error_code() const;
@@ -109,7 +115,12 @@ class GpuEngine {
   // A begun receive that will never be finished (its helper failed or was closed): releases
   // its event and stops counting it as outstanding (ipc_closer.h).
   void recv_defer_drop(uintptr_t event);
-  void recv_now(uintptr_t x, size_t nbytes, int src, uintptr_t stream, const std::string& desc);
+  // A failure once the sender waits for this receive (its buffer cannot be mapped, a launch)
+  // aborts the engine (abort(), which tells the sender), unless abort_on_failure is false:
+  // recv_defer_finish's helper records the failure first and aborts then (defer_workers.h),
+  // so that a caller who sees the abort finds the failure that caused it.
+  void recv_now(uintptr_t x, size_t nbytes, int src, uintptr_t stream, const std::string& desc,
+                bool abort_on_failure = true);
   // Large reductions read peers' registered inputs directly (reg_engine.cu, reg_reduce.cu):
   // all_reduce_reg: slot 0 = every rank's x, slot 1 = every rank's out (may equal x);
   // reduce_scatter_reg: slot 0 = every rank's x (count_per_rank * nranks elements), out local.
@@ -158,6 +169,7 @@ class GpuEngine {
   int blocks_for(size_t bytes, size_t per_block) const;
   [[noreturn]] void fail(const char* op, int err) const;
   void check_launch(const char* op) const;
+  void tell_peers_failed();  // abort's copies into the peers' Control.error (gpu_engine.cu)
   // all_gather / all_to_all: launch(off, n) for each scratch-slot piece [off, off + n) of a
   // `bytes`-long block; with one rank, copies x's piece to out instead (gpu_engine.cu).
   template <class Launch>

@@ -148,7 +148,7 @@ uintptr_t GpuEngine::recv_defer_begin(int src, uintptr_t stream) {
   e = cudaGetLastError();
   if (e != cudaSuccess) {  // the total is reserved and nothing will post it: stop every wait
     cudaEventDestroy(ev);
-    im.watch.trip(-1);
+    abort(-1);
     fail("recv", e);
   }
   im.defer_open.fetch_add(1, std::memory_order_acq_rel);  // until recv_defer_finish or _drop
@@ -168,12 +168,13 @@ void GpuEngine::recv_defer_finish(uintptr_t event, uintptr_t x, size_t nbytes, i
   cudaError_t e = cudaStreamWaitEvent(p, ev, 0);
   cudaEventDestroy(ev);  // released once it completed; the wait above stays enqueued
   if (e != cudaSuccess) fail("recv", e);
-  recv_now(x, nbytes, src, reinterpret_cast<uintptr_t>(p), desc);
+  recv_now(x, nbytes, src, reinterpret_cast<uintptr_t>(p), desc, /*abort_on_failure=*/false);
   sig_post(im.dev, kSigP2pLocal, rank_, src, p);
   check_launch("recv");
 }
 
-void GpuEngine::recv_now(uintptr_t x, size_t nbytes, int src, uintptr_t stream, const std::string& desc) {
+void GpuEngine::recv_now(uintptr_t x, size_t nbytes, int src, uintptr_t stream, const std::string& desc,
+                         bool abort_on_failure) {
   if (desc.empty()) {
     recv(x, nbytes, src, stream);  // the scratch receive
     return;
@@ -183,7 +184,13 @@ void GpuEngine::recv_now(uintptr_t x, size_t nbytes, int src, uintptr_t stream, 
   EngineImpl& im = *impl_;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   std::lock_guard<std::mutex> lock(im.p2p_mu);
-  char* from = map_described(im.p2p_cache, 0, src, desc);
+  char* from = nullptr;
+  try {
+    from = map_described(im.p2p_cache, 0, src, desc);
+  } catch (...) {  // the sender waits for our done, and its totals now run ahead of ours
+    if (abort_on_failure) abort(src);
+    throw;
+  }
   im.p2p_cache.trim();
   P2pPiece piece{im, s};  // after trim: it hands closes over, never waits for the gate
   try {
@@ -195,7 +202,7 @@ void GpuEngine::recv_now(uintptr_t x, size_t nbytes, int src, uintptr_t stream, 
     check_launch("recv");
   } catch (...) {  // the Ready total is reserved and the sender waits for our done: stop it all
     im.p2p_cache.unset(0, src);
-    im.watch.trip(-1);
+    if (abort_on_failure) abort(-1);
     throw;
   }
   // Noted (RegUse above): the entry is unreferenced now, so the bound or the sender's next

@@ -14,6 +14,7 @@ namespace linkwise::cuda {
 
 void PeerWatch::start(const std::vector<int64_t>& pids) {
   stop();
+  pid_of_rank_ = pids;
   for (size_t r = 0; r < pids.size(); ++r) {
     if (pids[r] <= 0) continue;
     int fd = -1;
@@ -44,13 +45,19 @@ void PeerWatch::stop() {
     if (fd >= 0) close(fd);
   if (stop_fd_ >= 0) close(stop_fd_);
   stop_fd_ = -1;
-  fds_.clear(), ranks_.clear(), pids_.clear();
+  fds_.clear(), ranks_.clear(), pids_.clear(), pid_of_rank_.clear();
 }
 
-void PeerWatch::trip(int peer) {
+bool PeerWatch::trip(int peer) {
   int none = kNone;
-  if (dead_.compare_exchange_strong(none, peer, std::memory_order_acq_rel) && flags_)
-    __atomic_store_n(&flags_->abort, 1u, __ATOMIC_RELEASE);  // after dead_: readers see why
+  if (!dead_.compare_exchange_strong(none, peer, std::memory_order_acq_rel)) return false;
+  if (flags_) __atomic_store_n(&flags_->abort, 1u, __ATOMIC_RELEASE);  // after dead_: readers see why
+  return true;
+}
+
+bool PeerWatch::alive(int rank) const {
+  if (rank < 0 || rank >= static_cast<int>(pid_of_rank_.size()) || pid_of_rank_[rank] <= 0) return true;
+  return !process_gone_without_pidfd(static_cast<pid_t>(pid_of_rank_[rank]));
 }
 
 void PeerWatch::loop() {

@@ -38,7 +38,12 @@ class PeerWatch {
   void start(const std::vector<int64_t>& pids);
   void stop();
   // Records that `peer` failed (-1: unknown; first caller wins) and raises the abort flag.
-  void trip(int peer);
+  // True for the first caller only.
+  bool trip(int peer);
+  // False when rank's watched process has terminated (a zombie counts); true otherwise,
+  // unwatched ranks included. A rank that trip() blamed is not taken as dead: a failure there
+  // may be ours. Any thread, between start() and stop().
+  bool alive(int rank) const;
   bool tripped() const { return dead_.load(std::memory_order_acquire) != kNone; }
   int dead_peer() const { return dead_.load(std::memory_order_acquire); }  // valid if tripped
   int64_t dead_pid() const { return dead_pid_.load(std::memory_order_acquire); }
@@ -48,6 +53,7 @@ class PeerWatch {
   HostFlags* flags_ = nullptr;
   std::vector<int> fds_, ranks_;   // pidfds (or -1: fall back to kill) and their ranks
   std::vector<int64_t> pids_;
+  std::vector<int64_t> pid_of_rank_;  // start()'s argument, for alive()
   int stop_fd_ = -1;
   OwnedThread thread_;  // joined only by the process that started it
   static constexpr int kNone = -2;

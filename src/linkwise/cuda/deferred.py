@@ -35,8 +35,10 @@ Failures: a helper that fails (the sender died, the description did not come wit
 communicator's timeout, a mapping failed) aborts the engine naming the source (every device
 wait of this rank's communicator gives up, as for a dead peer), records the error and drops
 its queue; the communicator's next call, GpuComm.synchronize / check and its requests' waits
-raise the recorded error. The sender is not told: its send waits until its timeout (a
-failure to map its buffer left it waiting before deferral too).
+raise the recorded error. The abort also stops the live peers' device waits (GpuEngine::abort
+writes this rank's failure into their control words), so the sender, whose send waits for this
+receive's copy, raises PeerError naming this rank at once instead of at its timeout. A receive
+enqueued on the caller's thread that cannot map the sender's buffer does the same.
 """
 from __future__ import annotations
 

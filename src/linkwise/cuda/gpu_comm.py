@@ -72,7 +72,10 @@ the communicator cannot be used any more (make a new one). So is an argument a r
 the root's ``out`` of a broadcast, which only the root checks, a bad op or stream): it raises
 there and stops every rank's GPU plane at once (refusal.py; the others' kernels may be waiting
 for it), after which every call raises CommAbortedError naming that rank; a call refused on
-every rank alike stops it too (no rank can know the others refused). Plain stream synchronisation
+every rank alike stops it too (no rank can know the others refused). A rank whose GPU plane
+stops for a failure of its own (a receive that cannot map its sender's buffer, a failed launch,
+``abort()``) stops its live peers' too, and their next call raises PeerError naming it, so a
+sender waiting for that receive does not wait until its timeout. Plain stream synchronisation
 (``torch.cuda.synchronize()``, ``tensor.cpu()``) returns once kernels drained and raises
 nothing: call ``check()`` after it when a peer may have failed. After ``close()`` every
 method (``check()`` and ``synchronize()`` too) raises CommAbortedError; ``comm.cuda()`` keeps
@@ -198,7 +201,9 @@ class GpuComm(RefusalMixin):
 
     def abort(self, peer: int = -1) -> None:
         """Aborts every device wait of this communicator now (as a dead peer would; `peer` is the
-        rank to blame, -1 unknown). Later calls raise PeerError. For tests and error handlers."""
+        rank to blame, -1 unknown). Later calls raise PeerError. The live peers' device waits
+        are stopped too, and their next call raises PeerError naming this rank (they may be
+        waiting for this rank's part). For error handlers and tests."""
         self._engine.abort(peer)
 
     # -- async requests ----------------------------------------------------------------------
