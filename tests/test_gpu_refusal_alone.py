@@ -66,11 +66,21 @@ class HostComm:
         self.skipped += 1
 
 
+class Staged:
+    """The host-staged path as the refusal path sees it: the channels it stops."""
+
+    def __init__(self):
+        self.stops = []
+
+    def stop(self, failed):
+        self.stops.append(failed)
+
+
 def _gpu_comm(rank: int, size: int = 2, staged: bool = False, comm=None) -> GpuComm:
     g = GpuComm.__new__(GpuComm)  # no CUDA: only what broadcast reads
     g.comm = HostComm() if comm is None else comm
     g.rank, g.size, g._closed, g.device = rank, size, False, 0
-    g._engine, g._staged, g._bcast_reg_min = Engine(), object() if staged else None, 1 << 62
+    g._engine, g._staged, g._bcast_reg_min = Engine(), Staged() if staged else None, 1 << 62
     return g
 
 
@@ -101,13 +111,24 @@ def test_nothing_is_refused_when_the_call_is_valid_here(rank, out_count):
     assert g.comm.skipped == 0
 
 
-@pytest.mark.parametrize("size, staged", [(1, False), (2, True)])
-def test_nobody_to_stop_alone_or_host_staged(size, staged):
-    g = _gpu_comm(rank=0, size=size, staged=staged)
+def test_nobody_to_stop_alone():
+    g = _gpu_comm(rank=0, size=1)
     with pytest.raises(ValueError) as err:
         g.broadcast(Arr(0x1000, 100), root=0, out=Arr(0x9000, 101), stream=3)
     assert g._engine.calls == [] and "stopped" not in str(err.value)
-    assert g.comm.skipped == (size > 1)  # host-staged: its host exchanges are told
+    assert g.comm.skipped == 0
+
+
+def test_host_staged_stops_its_channels_instead_of_the_device_words():
+    """Host-staged there are no mapped peers to write to: the refusal stops this rank's
+    StageChannels (a peer waiting in one raises at once; before, it waited until the timeout)
+    and, being a collective, refuses the host collective number too."""
+    g = _gpu_comm(rank=0, staged=True)
+    with pytest.raises(ValueError) as err:
+        g.broadcast(Arr(0x1000, 100), root=0, out=Arr(0x9000, 101), stream=3)
+    assert g._engine.calls == [] and g._staged.stops == [False]
+    assert "stopped on every rank" in str(err.value)
+    assert g.comm.skipped == 1
 
 
 # -- the others in a host exchange of the call (the registered path's descriptions) -------------

@@ -339,7 +339,7 @@ void GpuEngine::abort(int peer) {
 void GpuEngine::tell_peers_failed() {
   EngineImpl& im = *impl_;
   DeviceGuard g(device_);
-  im.flags->failure = kErrFailedBase + static_cast<uint64_t>(rank_);  // pinned: the copies' source
+  im.flags->failure = stop_code(true);  // pinned: the copies' source
   cudaStream_t s = nullptr;
   if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
     cudaGetLastError();  // handled: the peers then wait until their timeout, as before
@@ -374,7 +374,7 @@ bool GpuEngine::refuse(uintptr_t stream) {
   DeviceGuard g(device_);
   EngineImpl& im = *impl_;
   HostFlags* f = im.flags;
-  f->refusal = kErrRefusedBase + static_cast<uint64_t>(rank_);  // pinned: the copies' source
+  f->refusal = stop_code(false);  // pinned: the copies' source
   __atomic_store_n(&f->refused, static_cast<uint32_t>(rank_ + 1), __ATOMIC_RELEASE);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   bool told = true;
@@ -387,6 +387,19 @@ bool GpuEngine::refuse(uintptr_t stream) {
     }
   }
   return told;
+}
+
+void GpuEngine::note_stop(uint64_t code) const {
+  if (!impl_ || code < kErrRefusedBase) return;
+  const bool failed = code >= kErrFailedBase;
+  uint32_t* word = failed ? &impl_->flags->failed : &impl_->flags->refused;
+  uint32_t none = 0;
+  const uint32_t who = static_cast<uint32_t>(code - (failed ? kErrFailedBase : kErrRefusedBase)) + 1;
+  __atomic_compare_exchange_n(word, &none, who, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+}
+
+uint64_t GpuEngine::stop_code(bool failed) const {
+  return (failed ? kErrFailedBase : kErrRefusedBase) + static_cast<uint64_t>(rank_);
 }
 
 void GpuEngine::check() const {

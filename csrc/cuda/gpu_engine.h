@@ -80,6 +80,13 @@ class GpuEngine {
   // a dead peer: every rank's check() then raises CommAbortedError naming this rank. False
   // when a copy could not be enqueued (the peers then wait until the timeout).
   bool refuse(uintptr_t stream);
+  // note_stop: records a peer's (or this rank's own) refusal or failure code (kErrRefusedBase
+  // / kErrFailedBase + rank) that reached this rank by another way than a device wait: a
+  // host-staged channel's stop word (stage_channel.h). check() raises it from then on, as if a
+  // device wait had seen it. The first code noted of each kind stays.
+  void note_stop(uint64_t code) const;
+  // The code this rank tells its peers: kErrFailedBase + rank (failed) or kErrRefusedBase + rank.
+  uint64_t stop_code(bool failed) const;
 
   // Events of async requests: event_record (below) makes one; event_query: done? (throws the
   // CUDA error, or PeerError when a dead peer caused it); event_wait: polls until done (true)

@@ -33,7 +33,8 @@ struct StageHeader {
   uint64_t slots;
   uint64_t slot_bytes;
   uint64_t readers;
-  char pad[32];
+  std::atomic<uint64_t> stopped;  // 0, or the error code of the side that stopped it (stop())
+  char pad[24];
   SlotFlags flag[kMaxSlots];
 };
 static_assert(sizeof(StageHeader) <= kDataOffset, "header must fit before the data");
@@ -92,6 +93,18 @@ StageChannel::~StageChannel() {
 
 void StageChannel::unlink() { seg_.unlink(); }  // writer: closes the memfd; reader: no-op
 
+void StageChannel::stop(uint64_t code) { hdr_->stopped.store(code, std::memory_order_release); }
+
+void StageChannel::check_stopped() const {
+  const uint64_t code = hdr_->stopped.load(std::memory_order_acquire);
+  if (!code) return;
+  if (engine_) {  // the communicator's error from now on, then raised as its check() words it
+    engine_->note_stop(code);
+    engine_->check();
+  }
+  throw Error(ErrorKind::Aborted, "host-staged transfer: the other side stopped this channel");
+}
+
 void StageChannel::write(uintptr_t src, size_t nbytes, uintptr_t stream) {
   run(true, reinterpret_cast<char*>(src), nbytes, reinterpret_cast<cudaStream_t>(stream));
 }
@@ -110,6 +123,7 @@ void StageChannel::run(bool writer, char* dev, size_t nbytes, cudaStream_t s) {
   const uint64_t k0 = next_;
   uint64_t issued = 0, done = 0;
   StagePacer pacer(timeout_s_, engine_);
+  check_stopped();
   while (done < nch) {
     bool progress = false;
     // Retire, in order, the copies that have completed.
@@ -148,6 +162,7 @@ void StageChannel::run(bool writer, char* dev, size_t nbytes, cudaStream_t s) {
       pacer.progressed();
       continue;
     }
+    check_stopped();
     pacer.idle([&] {
       return std::string("host-staged ") + (writer ? "send" : "receive") + " waited " +
              seconds_text(timeout_s_) + " for the peer (chunk " + std::to_string(done) +

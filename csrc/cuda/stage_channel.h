@@ -24,6 +24,13 @@
 // with a growing nap (2..200 us), and throws a timeout after `timeout_s`; while napping it
 // also asks `engine` (if given) whether a peer died (GpuEngine::check: PeerError).
 //
+// Stopping: a side that refused the arguments of a call its peers may be waiting in, or whose
+// GPU plane stopped for a failure of its own, stop()s every channel it has with a
+// gpu_device.cuh error code (kErrRefusedBase or kErrFailedBase + its rank). A side that finds
+// the word set, at a message's start or while it waits, records the code in its engine
+// (GpuEngine::note_stop) and raises its check()'s error: CommAbortedError naming the refusing
+// rank, PeerError naming the failed one. Final, as on the NVLink path (GpuEngine::refuse).
+//
 // Threading: one thread uses a channel at a time; calls block the host until this side's
 // copies of the message have completed (the GIL is released by the binding).
 #pragma once
@@ -56,6 +63,8 @@ class StageChannel {
 
   const std::string& name() const { return seg_.name(); }
   void unlink();
+  // Any side, once (the channel is unusable after): see "Stopping" above.
+  void stop(uint64_t code);
   // Sends nbytes from device pointer src (enqueued on stream after the work already there).
   void write(uintptr_t src, size_t nbytes, uintptr_t stream);
   // Receives nbytes into device pointer dst (enqueued on stream).
@@ -65,6 +74,7 @@ class StageChannel {
 
  private:
   void run(bool writer, char* dev, size_t nbytes, cudaStream_t s);
+  void check_stopped() const;  // throws once a side stopped the channel
   [[noreturn]] void fail(const char* what, cudaError_t e) const;
 
   ShmSegment seg_;

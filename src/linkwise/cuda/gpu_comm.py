@@ -205,6 +205,8 @@ class GpuComm(RefusalMixin):
         are stopped too, and their next call raises PeerError naming this rank (they may be
         waiting for this rank's part). For error handlers and tests."""
         self._engine.abort(peer)
+        if self._staged is not None and not self._closed:
+            self._staged.stop(failed=True)  # peers waiting in a host-staged channel (staged.py)
 
     # -- async requests ----------------------------------------------------------------------
     def request(self, x: Any, stream: Any = None, result: Any = None):

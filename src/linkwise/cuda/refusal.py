@@ -49,8 +49,9 @@ class RefusalMixin:
            rank. The error is marked (REFUSED_UNDER_NUMBER) so that the Communicator's wrapper
            (_skips_on_argument_error) does not number a second call. A send or receive
            (`collective` False) takes no collective number.
-        Host-staged within a host (a StageChannel read) the others are not told: they wait
-        until the timeout."""
+        Host-staged, the channels this rank has are stopped instead (Staged.stop): a peer
+        waiting in one raises CommAbortedError naming this rank, and so do this rank's GPU
+        calls from now on."""
         if getattr(exc, _TOLD, False):
             return exc
         setattr(exc, _TOLD, True)
@@ -58,6 +59,9 @@ class RefusalMixin:
         told = False
         if self.size > 1 and self._staged is None and not self._closed:
             told = engine.refuse(s) or (s != 0 and engine.refuse(0))  # 0: s was no stream
+        elif self.size > 1 and self._staged is not None and not self._closed:
+            self._staged.stop(failed=False)  # peers waiting in a StageChannel (staged.py)
+            told = True
         if told:
             if len(exc.args) == 1 and isinstance(exc.args[0], str):
                 exc.args = (exc.args[0] + _STOPPED,)

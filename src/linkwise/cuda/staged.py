@@ -25,7 +25,11 @@ first use: send/recv per ordered pair (the sender creates the segment and tells 
 its name in a host message; the sender keeps the fd open while the channel lives, as it cannot
 know when the receiver has opened it), broadcast per root (collective; the root closes the fd
 after a barrier). ``LINKWISE_STAGED_SHM=0`` turns this off. A channel waiting for a peer
-raises PeerError when the communicator's watchdog saw that peer die (gpu_comm.py).
+raises PeerError when the communicator's watchdog saw that peer die (gpu_comm.py). A rank that
+refuses a call's arguments, or whose GPU plane stops for a failure of its own, stops every
+channel it has (:meth:`Staged.stop`), so a peer waiting in one raises at once naming it
+(CommAbortedError, PeerError) instead of at LINKWISE_TIMEOUT; a peer that has no channel with
+it yet waits in a host exchange, which the refusal's host notice or the timeout ends.
 
 Unlike the NVLink path these calls block the host until the data has gone through the CPU
 engine (the last host->device copy is waited for too, so the pinned buffers are free). None
@@ -62,6 +66,17 @@ class Staged:
         self._in: dict = {}    # src -> StageChannel we read
         self._bc: dict = {}    # root -> broadcast StageChannel
         self._red = None       # StageReduce (all_reduce among peers of this host), on first use
+
+    def stop(self, failed: bool) -> None:
+        """Stops every channel this rank has (stage_channel.h, "Stopping"): a peer waiting in
+        one raises at once, CommAbortedError naming this rank (a refusal) or PeerError (failed).
+        A refusal is noted on our own engine too, so this rank's GPU calls raise
+        CommAbortedError from now on, as on the NVLink path; a failure already aborted it."""
+        code = self.e.stop_code(failed)
+        for ch in (*self._out.values(), *self._in.values(), *self._bc.values()):
+            ch.stop(code)
+        if not failed:
+            self.e.note_stop(code)
 
     # -- shared-memory channels (peers on this host) ----------------------------------------
     def _new_name(self, what: str) -> str:
