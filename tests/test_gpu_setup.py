@@ -105,15 +105,22 @@ def _death_in_setup(comm, point):
             os.kill(os.getpid(), signal.SIGKILL)
         real = _native._GpuEngine
         _native._GpuEngine = lambda *args: _DiesMapping(real(*args))
+    made = []  # the engines GpuComm makes here
+    real_engine = _native._GpuEngine
+    _native._GpuEngine = lambda *args: made.append(real_engine(*args)) or made[-1]
     t0 = time.monotonic()
+    kept = None  # the exception, held as a logger or a retry loop would hold it
     try:
         GpuComm(comm).close()
         outcome = ("made", -1, "")
     except PeerError as exc:
-        outcome = ("PeerError", exc.peer, str(exc))
+        outcome, kept = ("PeerError", exc.peer, str(exc)), exc
     except Exception as exc:  # noqa: BLE001 - the kind is what is tested
-        outcome = (type(exc).__name__, -1, str(exc))
+        outcome, kept = (type(exc).__name__, -1, str(exc)), exc
     seconds = time.monotonic() - t0
+    # The failed GpuComm is still alive (kept's traceback holds it), its engine must not be:
+    # it held the scratch, the pinned flags, the watcher thread until the exception went.
+    outcome += (kept is not None and bool(made) and made[-1].closed,)
     time.sleep(1.0 if comm.rank == 0 else 0.5)  # rank 0 hosts the store: the last to leave
     return outcome, seconds
 
@@ -126,7 +133,9 @@ def test_a_rank_that_dies_in_the_planes_setup_is_named_at_once(point):
     assert out[-1][0] == "died", out
     for r in range(n - 1):
         assert out[r][0] == "ok", out
-        (name, peer, message), seconds = out[r][1]
+        (name, peer, message, released), seconds = out[r][1]
         assert (name, peer) == ("PeerError", n - 1), out  # before: TimeoutError after 30 s
         assert f"rank {n - 1} died or left during the GPU plane's setup" in message, out
         assert seconds < PROMPT_S, out
+        if point == "open_peers":  # the engine was made before the failure: released at once
+            assert released, out

@@ -142,6 +142,7 @@ void bind_cuda(nb::module_& m) {
       .def_static("event_destroy", &GpuEngine::event_destroy)
       .def_prop_ro("device", &GpuEngine::device)
       .def_prop_ro("slot_bytes", &GpuEngine::slot_bytes)
+      .def_prop_ro("closed", &GpuEngine::closed)
       .def_rw("oneshot_max", &GpuEngine::oneshot_max)
       .def_rw("bcast_sag_min", &GpuEngine::bcast_sag_min)
       .def_rw("max_blocks", &GpuEngine::max_blocks)

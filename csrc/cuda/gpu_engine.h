@@ -34,6 +34,7 @@ class GpuEngine {
   std::string ipc_handle() const;                         // our scratch's cudaIpcMemHandle
   void open_peers(const std::vector<std::string>& handles);  // every rank's, in rank order
   void close();
+  bool closed() const { return impl_ == nullptr; }  // close() ran: everything is released
 
   // algo: 0 auto, 1 one-shot, 2 two-shot. dtype / op codes: launch.h's DType / RedOp.
   void all_reduce(uintptr_t x, uintptr_t out, size_t count, int dtype, int op, uintptr_t stream,

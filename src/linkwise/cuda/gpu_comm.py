@@ -143,6 +143,23 @@ class GpuComm(RefusalMixin):
         self.device = select_device(comm, device)
         slot = int(slot_bytes or config.get("LINKWISE_GPU_SLOT_BYTES") or _DEFAULT_SLOT)
         self._engine = n._GpuEngine(self.rank, self.size, self.device, slot, float(comm.timeout))
+        self._staged = None
+        try:
+            self._connect(comm, pids)
+        except BaseException:
+            # Released now, not when whatever holds this failed GpuComm (the exception's
+            # traceback: a logger, a debugger, a retry loop) lets go of it: the scratch, the
+            # pinned flags, the watcher thread and the peers' mappings.
+            if self._staged is not None:
+                self._staged.close()
+            self._engine.close()
+            raise
+        self._closed = False
+        self._fast = None  # the FastPath gpu_comm() installed on comm, if any
+
+    def _connect(self, comm, pids) -> None:
+        """The setup after the engine is made: tunables, the host-staged path, the peers'
+        watch and the scratch areas' mappings (collective)."""
         if config.get("LINKWISE_GPU_ONESHOT_MAX"):
             self._engine.oneshot_max = config.get("LINKWISE_GPU_ONESHOT_MAX")
         if config.get("LINKWISE_GPU_MAX_BLOCKS"):
@@ -158,7 +175,6 @@ class GpuComm(RefusalMixin):
         # The push chains beat the scratch broadcast kernel at 64 MiB (docs/benchmarks.md).
         self._bcast_reg_min = max(self._reg_min, config.get("LINKWISE_GPU_BCAST_REG_MIN"))
         self._prs_mapped = None  # set once every rank's prs scratch is mapped (slot 2)
-        self._staged = None
         if config.get("LINKWISE_P2P_DISABLE"):
             from .staged import Staged
             self._staged = Staged(self)
@@ -170,8 +186,6 @@ class GpuComm(RefusalMixin):
                                        watch=self._watch)
             self._engine.open_peers(handles)
             store.barrier(f"{key}/open", self.size, watch=self._watch)
-        self._closed = False
-        self._fast = None  # the FastPath gpu_comm() installed on comm, if any
 
     @property
     def slot_bytes(self) -> int:
