@@ -177,7 +177,7 @@ class GpuEngine {
   int blocks_for(size_t bytes, size_t per_block) const;
   [[noreturn]] void fail(const char* op, int err) const;
   void check_launch(const char* op) const;
-  void tell_peers_failed();  // abort's copies into the peers' Control.error (gpu_engine.cu)
+  void tell_peers_failed();  // abort's copies into the peers' Control.error (engine_failures.cu)
   // all_gather / all_to_all: launch(off, n) for each scratch-slot piece [off, off + n) of a
   // `bytes`-long block; with one rank, copies x's piece to out instead (gpu_engine.cu).
   template <class Launch>
