@@ -69,11 +69,13 @@ class HostComm:
 class Staged:
     """The host-staged path as the refusal path sees it: the channels it stops."""
 
-    def __init__(self):
+    def __init__(self, channels=1):
         self.stops = []
+        self.channels = channels
 
     def stop(self, failed):
         self.stops.append(failed)
+        return self.channels
 
 
 def _gpu_comm(rank: int, size: int = 2, staged: bool = False, comm=None) -> GpuComm:
@@ -127,8 +129,17 @@ def test_host_staged_stops_its_channels_instead_of_the_device_words():
     with pytest.raises(ValueError) as err:
         g.broadcast(Arr(0x1000, 100), root=0, out=Arr(0x9000, 101), stream=3)
     assert g._engine.calls == [] and g._staged.stops == [False]
-    assert "stopped on every rank" in str(err.value)
+    assert "stopped here and in its host-staged channels" in str(err.value)
+    assert "every rank" not in str(err.value)  # only the ranks sharing a channel are told
     assert g.comm.skipped == 1
+
+
+def test_host_staged_with_no_channel_yet_claims_no_stop():
+    g = _gpu_comm(rank=0, staged=True)
+    g._staged.channels = 0
+    with pytest.raises(ValueError) as err:
+        g.broadcast(Arr(0x1000, 100), root=0, out=Arr(0x9000, 101), stream=3)
+    assert g._staged.stops == [False] and "stopped" not in str(err.value)
 
 
 # -- the others in a host exchange of the call (the registered path's descriptions) -------------

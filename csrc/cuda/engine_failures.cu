@@ -20,11 +20,13 @@ void GpuEngine::watch_peers(const std::vector<int64_t>& pids) {
   impl_->watch.start(p);
 }
 
-void GpuEngine::abort(int peer) {
-  if (!impl_ || !impl_->watch.trip(peer)) return;
+bool GpuEngine::abort(int peer) {
+  if (!impl_ || !impl_->watch.trip(peer)) return false;
   // A dead peer to blame (a deferred receive's sender that died): every survivor's watcher
   // sees that death and names it; being told of a failure here would name this rank instead.
-  if (peer < 0 || impl_->watch.alive(peer)) tell_peers_failed();
+  if (peer >= 0 && !impl_->watch.alive(peer)) return false;
+  tell_peers_failed();
+  return true;
 }
 
 // Contract in gpu_engine.h. Copies kErrFailedBase + rank into each live mapped peer's

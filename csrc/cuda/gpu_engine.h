@@ -62,14 +62,15 @@ class GpuEngine {
   // GpuComm.abort): the first abort also stops the live peers' device waits, which would
   // otherwise wait for ours until their timeout (tell_peers_failed; their check() then raises
   // PeerError naming this rank), unless the blamed peer is dead: a watched peer's death is seen
-  // by every survivor, which then names it.
+  // by every survivor, which then names it. Returns whether the peers are to be told (they
+  // were, through the mapped scratch; host-staged ones only through Staged.stop).
   // error_code: 0, kErrTimeout (a device wait timed out), kErrAborted, kErrFailed (a peer's
   // abort stopped us) or kErrRefused (refuse below, here or on a peer); no synchronisation, so
   // it reports what the device or the watchdog recorded so far. check: throws PeerError
   // (aborted, failed), TimeoutError (timed out) or CommAbortedError (refused) once one
   // happened, for good.
   void watch_peers(const std::vector<int64_t>& pids);
-  void abort(int peer);
+  bool abort(int peer);
   uint64_t error_code() const;
   void check() const;
   // refuse: this rank refused the arguments of a call (any check: a role's, e.g. the root's

@@ -218,9 +218,10 @@ class GpuComm(RefusalMixin):
         rank to blame, -1 unknown). Later calls raise PeerError. The live peers' device waits
         are stopped too, and their next call raises PeerError naming this rank (they may be
         waiting for this rank's part). For error handlers and tests."""
-        self._engine.abort(peer)
-        if self._staged is not None and not self._closed:
-            self._staged.stop(failed=True)  # peers waiting in a host-staged channel (staged.py)
+        # Told only as GpuEngine::abort decides (its first abort, the blamed peer alive): the
+        # host-staged peers through their channels (staged.py).
+        if self._engine.abort(peer) and self._staged is not None and not self._closed:
+            self._staged.stop(failed=True)
 
     # -- async requests ----------------------------------------------------------------------
     def request(self, x: Any, stream: Any = None, result: Any = None):

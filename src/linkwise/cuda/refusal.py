@@ -30,6 +30,10 @@ _TOLD = "_linkwise_gpu_refusal_told"
 _STOPPED = ("; the other ranks may be waiting in this call, so GPU operations of this "
             "communicator were stopped on every rank (CommAbortedError from now on; make a "
             "new communicator)")
+# Host-staged: only the ranks that share a channel with this one are told (Staged.stop).
+_STOPPED_STAGED = ("; the other ranks may be waiting in this call, so GPU operations of this "
+                   "communicator were stopped here and in its host-staged channels to the other "
+                   "ranks (CommAbortedError from now on; make a new communicator)")
 
 
 class RefusalMixin:
@@ -56,15 +60,16 @@ class RefusalMixin:
             return exc
         setattr(exc, _TOLD, True)
         engine = self._engine
-        told = False
+        told = None  # the text appended when peers were told
         if self.size > 1 and self._staged is None and not self._closed:
-            told = engine.refuse(s) or (s != 0 and engine.refuse(0))  # 0: s was no stream
+            if engine.refuse(s) or (s != 0 and engine.refuse(0)):  # 0: s was no stream
+                told = _STOPPED
         elif self.size > 1 and self._staged is not None and not self._closed:
-            self._staged.stop(failed=False)  # peers waiting in a StageChannel (staged.py)
-            told = True
+            if self._staged.stop(failed=False):  # peers waiting in a StageChannel (staged.py)
+                told = _STOPPED_STAGED
         if told:
             if len(exc.args) == 1 and isinstance(exc.args[0], str):
-                exc.args = (exc.args[0] + _STOPPED,)
+                exc.args = (exc.args[0] + told,)
         skip = getattr(self.comm, "_skip_call", None)
         if collective and self.size > 1 and skip is not None:
             from .._coll_args import REFUSED_UNDER_NUMBER

@@ -67,16 +67,19 @@ class Staged:
         self._bc: dict = {}    # root -> broadcast StageChannel
         self._red = None       # StageReduce (all_reduce among peers of this host), on first use
 
-    def stop(self, failed: bool) -> None:
+    def stop(self, failed: bool) -> int:
         """Stops every channel this rank has (stage_channel.h, "Stopping"): a peer waiting in
         one raises at once, CommAbortedError naming this rank (a refusal) or PeerError (failed).
         A refusal is noted on our own engine too, so this rank's GPU calls raise
-        CommAbortedError from now on, as on the NVLink path; a failure already aborted it."""
+        CommAbortedError from now on, as on the NVLink path; a failure already aborted it.
+        Returns how many channels were stopped (0: no peer could be told)."""
         code = self.e.stop_code(failed)
-        for ch in (*self._out.values(), *self._in.values(), *self._bc.values()):
+        channels = (*self._out.values(), *self._in.values(), *self._bc.values())
+        for ch in channels:
             ch.stop(code)
         if not failed:
             self.e.note_stop(code)
+        return len(channels)
 
     # -- shared-memory channels (peers on this host) ----------------------------------------
     def _new_name(self, what: str) -> str:
